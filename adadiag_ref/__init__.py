@@ -1,0 +1,41 @@
+"""adadiag-ref: the reference implementation of the AdaDiag family of optimizers.
+
+Paper: "Improving Adaptive Moment Optimization via Preconditioner
+Diagonalization" (Nguyen, Liu, Chen, Liu; UAI 2025).  The core is pure
+array-API code (NumPy, CuPy, torch, JAX, array_api_strict); see ``docs/spec.md``
+for the exact equations and conventions.
+"""
+
+from .config import OPTIMIZERS, AdafactorConfig, AdamConfig, BaseConfig, HfacConfig, default_eps, make_config
+from .linalg import CanonicalSVD, canonical_svd
+from .optim import check_inputs, init, layout_for, refresh_basis, refresh_due, rotate, step, unrotate, update
+from .replay import replay
+from .state import AdafactorState, AdamState, HfacState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OPTIMIZERS",
+    "AdafactorConfig",
+    "AdafactorState",
+    "AdamConfig",
+    "AdamState",
+    "BaseConfig",
+    "CanonicalSVD",
+    "HfacConfig",
+    "HfacState",
+    "__version__",
+    "canonical_svd",
+    "check_inputs",
+    "default_eps",
+    "init",
+    "layout_for",
+    "make_config",
+    "refresh_basis",
+    "refresh_due",
+    "replay",
+    "rotate",
+    "step",
+    "unrotate",
+    "update",
+]

@@ -1,0 +1,95 @@
+"""Array-namespace helpers shared by every module of the core.
+
+The core is written against the Python array API standard.  Public functions take
+``xp=None`` and resolve the namespace from their array arguments with
+:func:`array_api_compat.array_namespace`, so NumPy, CuPy, PyTorch, JAX and
+``array_api_strict`` arrays all run through the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from array_api_compat import (
+    array_namespace,
+    is_cupy_namespace,
+    is_jax_namespace,
+    is_numpy_namespace,
+    is_torch_namespace,
+)
+from array_api_compat import device as array_device
+
+Array = Any
+Namespace = Any
+
+__all__ = [
+    "Array",
+    "Namespace",
+    "array_device",
+    "float_dtype_name",
+    "is_float64",
+    "namespace",
+    "state_dtype",
+    "to_numpy",
+]
+
+
+def namespace(*arrays: Array, xp: Namespace | None = None) -> Namespace:
+    """Return ``xp`` if given, else the array-API namespace of ``arrays``."""
+    if xp is not None:
+        return xp
+    return array_namespace(*(a for a in arrays if a is not None))
+
+
+def is_float64(dtype: Any, xp: Namespace) -> bool:
+    """True when ``dtype`` is the namespace's float64."""
+    return bool(dtype == xp.float64)
+
+
+def float_dtype_name(dtype: Any, xp: Namespace) -> str:
+    """Name of a real floating dtype, or raise ``ValueError`` for anything else.
+
+    ``bfloat16`` (torch, jax) is not an array-API dtype, so it is recognised by name.
+    """
+    for name in ("float64", "float32", "float16"):
+        if hasattr(xp, name) and dtype == getattr(xp, name):
+            return name
+    text = str(dtype)
+    if "bfloat16" in text:
+        return "bfloat16"
+    if "complex" in text:
+        raise ValueError(f"complex dtype {text} is not supported: AdaDiag is defined for real parameters")
+    raise ValueError(f"dtype {text} is not a supported real floating dtype")
+
+
+def state_dtype(param_dtype: Any, xp: Namespace, override: str | None = None) -> Any:
+    """Dtype of the optimizer state for a parameter of ``param_dtype``.
+
+    float64 parameters keep float64 state (the golden mode); float32, float16 and
+    bfloat16 parameters get float32 state, as in mixed-precision training.
+    """
+    if override is not None:
+        return getattr(xp, override)
+    name = float_dtype_name(param_dtype, xp)
+    return xp.float64 if name == "float64" else xp.float32
+
+
+def to_numpy(x: Array) -> np.ndarray:
+    """Copy an array of any supported backend to a host NumPy array."""
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x)
+    xp = array_namespace(x)
+    if is_numpy_namespace(xp):
+        return np.asarray(x)
+    if is_cupy_namespace(xp):
+        return x.get()  # type: ignore[no-any-return]
+    if is_torch_namespace(xp):
+        t = x.detach().cpu()
+        if "bfloat16" in str(t.dtype):
+            t = t.float()
+        return t.numpy()  # type: ignore[no-any-return]
+    if is_jax_namespace(xp):
+        return np.asarray(x)
+    # array_api_strict and other namespaces: go through DLPack on the CPU.
+    return np.from_dlpack(x)

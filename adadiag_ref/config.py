@@ -1,0 +1,252 @@
+"""Frozen, hashable hyperparameter configurations.
+
+Every optimizer is described by one frozen dataclass.  Being hashable, a config
+can be a static argument under ``jax.jit``; being frozen, it cannot drift between
+steps.  Invalid values raise ``ValueError`` at construction, before any state
+exists.
+
+The eight public optimizers are three families times a rotation mode
+(``sides``): 0 = identity basis (the baseline), 1 = one-sided ``G~ = P^T G``,
+2 = two-sided ``G~ = P^T G Q``.
+
+==================  ===========  =====
+name                family       sides
+==================  ===========  =====
+``adamw``           adam         0
+``adadiag``         adam         1
+``adadiag_pp``      adam         2
+``adafactor``       adafactor    0
+``adafacdiag``      adafactor    1
+``adafacdiag_pp``   adafactor    2
+``hfac``            hfac         0
+``hfacdiag``        hfac         1
+==================  ===========  =====
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+__all__ = [
+    "OPTIMIZERS",
+    "AdafactorConfig",
+    "AdamConfig",
+    "BaseConfig",
+    "HfacConfig",
+    "default_eps",
+    "make_config",
+]
+
+Beta2Schedule = Literal["bias_corrected", "adafactor"]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    """Hyperparameters shared by every family (the paper's symbols in brackets).
+
+    Attributes:
+        name: registry name of the optimizer (``adadiag``, ...).
+        lr: learning rate [eta].
+        betas: moment coefficients [beta_1, beta_2].  ``beta_1 = 0`` turns momentum off.
+        eps: smoothing term [epsilon].  Adam family: added after ``sqrt(V)``.
+            Adafactor and Hfac families: added to ``G~^2``.
+        weight_decay: decoupled weight decay [lambda], ``W <- W - eta (U + lambda W)``.
+        update_freq: basis refresh period [T].  The basis is refreshed at step
+            ``t = 1`` and whenever ``(t - 1) mod T == 0``; ``None`` means T = infinity
+            (refreshed once, at t = 1, then fixed).
+        sides: 0 (identity basis), 1 (``P`` only) or 2 (``P`` and ``Q``).
+        max_basis_dim: a side longer than this is not rotated (its basis is I).
+        bias_correction: use the paper's beta-hat EMAs (Adam's bias correction).
+            ``False`` uses the raw betas (the ODE's semi-implicit Euler form).
+        state_dtype: ``"float32"`` or ``"float64"`` to override the default state
+            dtype (float64 for float64 parameters, float32 otherwise).
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    update_freq: int | None = 200
+    sides: int = 0
+    max_basis_dim: int = 8192
+    bias_correction: bool = True
+    state_dtype: str | None = None
+
+    family: str = field(default="adam", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check(_finite_number(self.lr) and self.lr >= 0, f"lr must be a finite number >= 0, got {self.lr!r}")
+        _check(len(self.betas) == 2, f"betas must be a pair (beta1, beta2), got {self.betas!r}")
+        b1, b2 = self.betas
+        _check(0.0 <= b1 < 1.0, f"beta1 must be in [0, 1), got {b1!r}")
+        _check(0.0 <= b2 < 1.0, f"beta2 must be in [0, 1), got {b2!r}")
+        _check(_finite_number(self.eps) and self.eps >= 0, f"eps must be a finite number >= 0, got {self.eps!r}")
+        _check(
+            _finite_number(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}",
+        )
+        _check(
+            self.update_freq is None
+            or (isinstance(self.update_freq, int) and not isinstance(self.update_freq, bool) and self.update_freq >= 1),
+            f"update_freq must be a positive int or None (never refresh after t = 1), got {self.update_freq!r}",
+        )
+        _check(self.sides in (0, 1, 2), f"sides must be 0, 1 or 2, got {self.sides!r}")
+        _check(
+            isinstance(self.max_basis_dim, int) and self.max_basis_dim >= 1,
+            f"max_basis_dim must be a positive int, got {self.max_basis_dim!r}",
+        )
+        _check(isinstance(self.bias_correction, bool), "bias_correction must be a bool")
+        _check(
+            self.state_dtype in (None, "float32", "float64"),
+            f"state_dtype must be None, 'float32' or 'float64', got {self.state_dtype!r}",
+        )
+
+    @property
+    def momentum(self) -> bool:
+        """Whether a first moment is kept (beta_1 > 0)."""
+        return self.betas[0] > 0.0
+
+    def replace(self, **changes: Any) -> BaseConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update(changes)
+        return type(self)(**values)
+
+
+@dataclass(frozen=True)
+class AdamConfig(BaseConfig):
+    """AdamW, AdaDiag (Algorithm 1, one-sided) and AdaDiag++ (two-sided)."""
+
+    family: str = field(default="adam", init=False)
+
+
+@dataclass(frozen=True)
+class AdafactorConfig(BaseConfig):
+    """Adafactor and AdafacDiag (Algorithm "AdafacDiag"), with or without momentum.
+
+    Extra attributes:
+        clip_threshold: ``d`` in ``clip(U) = U / max(1, RMS(U) / d)``; ``None`` disables clipping.
+        beta2_schedule: ``"bias_corrected"`` (the paper: beta-hat of ``betas[1]``) or
+            ``"adafactor"`` (the original ``beta2_t = 1 - t^(-decay_rate)``).
+        decay_rate: exponent of the ``"adafactor"`` schedule (0.8).
+        relative_step: step size ``rho_t = min(lr, 1 / sqrt(t))`` instead of ``lr``.
+        scale_parameter: multiply the step size by ``max(eps2, RMS(W_t))``.
+        eps2: floor of the parameter scale (1e-3).
+        momentum_enabled: ``None`` follows ``betas[0] > 0``; ``False`` forces it off.
+    """
+
+    eps: float = 1e-30
+    clip_threshold: float | None = 1.0
+    beta2_schedule: Beta2Schedule = "bias_corrected"
+    decay_rate: float = 0.8
+    relative_step: bool = False
+    scale_parameter: bool = False
+    eps2: float = 1e-3
+    momentum_enabled: bool | None = None
+    family: str = field(default="adafactor", init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            self.clip_threshold is None or (_finite_number(self.clip_threshold) and self.clip_threshold > 0),
+            f"clip_threshold must be > 0 or None, got {self.clip_threshold!r}",
+        )
+        _check(
+            self.beta2_schedule in ("bias_corrected", "adafactor"),
+            f"beta2_schedule must be 'bias_corrected' or 'adafactor', got {self.beta2_schedule!r}",
+        )
+        _check(
+            _finite_number(self.decay_rate) and self.decay_rate > 0, f"decay_rate must be > 0, got {self.decay_rate!r}"
+        )
+        _check(_finite_number(self.eps2) and self.eps2 >= 0, f"eps2 must be >= 0, got {self.eps2!r}")
+        _check(
+            not (self.momentum_enabled is True and self.betas[0] == 0.0),
+            "momentum=True needs beta1 > 0",
+        )
+
+    @property
+    def momentum(self) -> bool:
+        """Whether the first moment ``M`` is kept."""
+        if self.momentum_enabled is False:
+            return False
+        return self.betas[0] > 0.0
+
+
+@dataclass(frozen=True)
+class HfacConfig(BaseConfig):
+    """Hfac and HfacDiag (Algorithm "HfacDiag").
+
+    Extra attributes:
+        clip_threshold: ``d`` of the clipped normalised-gradient term; ``None`` disables clipping.
+    """
+
+    eps: float = 1e-30
+    clip_threshold: float | None = 1.0
+    family: str = field(default="hfac", init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            self.clip_threshold is None or (_finite_number(self.clip_threshold) and self.clip_threshold > 0),
+            f"clip_threshold must be > 0 or None, got {self.clip_threshold!r}",
+        )
+
+
+OPTIMIZERS: dict[str, tuple[type[BaseConfig], int]] = {
+    "adamw": (AdamConfig, 0),
+    "adadiag": (AdamConfig, 1),
+    "adadiag_pp": (AdamConfig, 2),
+    "adafactor": (AdafactorConfig, 0),
+    "adafacdiag": (AdafactorConfig, 1),
+    "adafacdiag_pp": (AdafactorConfig, 2),
+    "hfac": (HfacConfig, 0),
+    "hfacdiag": (HfacConfig, 1),
+}
+
+
+def default_eps(name: str) -> float:
+    """The paper's smoothing term for ``name``: 1e-8 (Adam family), 1e-30 (factored families)."""
+    cls, _ = _lookup(name)
+    return float(next(f.default for f in fields(cls) if f.name == "eps"))  # type: ignore[arg-type]
+
+
+def _lookup(name: str) -> tuple[type[BaseConfig], int]:
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}") from None
+
+
+def make_config(name: str, **options: Any) -> BaseConfig:
+    """Build the validated config of optimizer ``name``.
+
+    ``momentum=`` is accepted as an alias of ``momentum_enabled=`` for the
+    Adafactor family; ``eps=None`` selects the family default.
+    """
+    cls, sides = _lookup(name)
+    if "momentum" in options:
+        if cls is not AdafactorConfig:
+            raise ValueError(f"'momentum' is an option of the Adafactor family only, not of {name!r}")
+        options["momentum_enabled"] = options.pop("momentum")
+    if options.get("eps", 0.0) is None:
+        options.pop("eps")
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    allowed = {f.name for f in fields(cls) if f.init} - {"name", "sides"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"unknown option(s) for {name!r}: {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    return cls(name=name, sides=sides, **options)

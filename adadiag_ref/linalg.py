@@ -1,0 +1,230 @@
+"""Canonical singular value decomposition: one basis for every backend.
+
+An SVD ``G = P diag(S) Q^T`` is unique only up to the sign of each singular pair,
+and up to a rotation inside (a) a cluster of equal singular values, (b) the
+numerical null space of a rank-deficient ``G`` and (c) the ``n - m`` extra columns
+of a full ``Q``.  LAPACK, cuSOLVER, torch and jax resolve these choices
+differently, and because AdaDiag carries its moments across basis refreshes
+without re-rotating them, the choice changes the optimizer's trajectory.
+
+:func:`canonical_svd` fixes every choice (DESIGN.md section 2, ``docs/spec.md``):
+
+* **Order** - singular values descending.
+* **Numerical rank** - ``r = #{i : sigma_i > max(m, n) * eps(dtype) * sigma_max}``.
+* **Clusters** - consecutive singular values (within the rank) whose gap is at
+  most the same tolerance form one cluster.  Inside a cluster the columns of
+  ``P`` are re-chosen by pivoted Gram-Schmidt over the projections of
+  ``e_1 .. e_m`` onto the cluster's left subspace, and ``Q``'s columns follow as
+  ``Q_c = V_c A`` with the same coefficients ``A`` (so ``G Q_c = P_c sigma``).
+* **Completion** - columns beyond the rank come from pivoted Gram-Schmidt over
+  ``e_1 .. e_d``: take the ``e_i`` whose residual after projecting out every
+  column chosen so far is largest (ties to the lowest index), normalise it,
+  re-orthogonalise once more ("twice is enough") and append it.  This is QR with
+  column pivoting of ``I - B B^T``.  A zero matrix gives the identity.
+* **Sign** - the entry of largest magnitude of every column of ``P`` is
+  positive; the matching column of ``Q`` is flipped with it.  Completion
+  columns of ``Q`` follow the same rule on themselves.
+
+Ties (equal residual norms, equal magnitudes) are decided up to a relative
+tolerance of ``max(m, n) * eps(dtype)`` so that rounding differences between
+backends cannot flip a choice.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ._xp import Array, Namespace, namespace, to_numpy
+
+__all__ = ["CanonicalSVD", "canonical_complement", "canonical_svd", "canonicalize_svd", "sign_canonical"]
+
+
+class CanonicalSVD(NamedTuple):
+    """Result of :func:`canonical_svd`: ``G = P[:, :k] diag(S) Q[:, :k]^T``, k = min(m, n).
+
+    ``P`` is ``m x m`` and ``Q`` is ``n x n`` (full, orthogonal); either is ``None``
+    when it was not requested.  ``S`` holds the ``k`` singular values, descending.
+    ``rank`` is the numerical rank used for completion.
+    """
+
+    P: Array | None
+    S: Array
+    Q: Array | None
+    rank: int
+
+
+def _tolerance(S_host: np.ndarray, m: int, n: int, eps: float) -> float:
+    smax = float(S_host[0]) if S_host.size else 0.0
+    return max(m, n) * eps * smax
+
+
+def _first_near_max(values: Array, rtol: float, xp: Namespace) -> int:
+    """Index of the first entry within ``rtol`` (relative) of the maximum."""
+    vmax = xp.max(values)
+    near = xp.astype(values >= vmax * (1.0 - rtol), xp.int32)
+    return int(xp.argmax(near))
+
+
+def sign_canonical(B: Array, rtol: float, *, xp: Namespace | None = None) -> Array:
+    """Signs ``s_j`` in {+1, -1} making the largest-magnitude entry of column j positive.
+
+    ``s_j = sign(B[i*, j])`` with ``i* = min{i : |B_ij| >= (1 - rtol) max_i |B_ij|}``.
+    Returns the vector of signs (``+1`` for an all-zero column).
+    """
+    xp = namespace(B, xp=xp)
+    mag = xp.abs(B)
+    colmax = xp.max(mag, axis=0)
+    near = xp.astype(mag >= colmax[None, :] * (1.0 - rtol), xp.int32)
+    first = xp.argmax(near, axis=0)
+    rows = xp.arange(B.shape[0], device=_device_of(B))
+    picked = xp.sum(xp.where(rows[:, None] == first[None, :], B, xp.zeros_like(B)), axis=0)
+    return xp.where(picked < 0, -xp.ones_like(picked), xp.ones_like(picked))
+
+
+def _device_of(x: Array) -> object:
+    from ._xp import array_device
+
+    return array_device(x)
+
+
+def _pivoted_gram_schmidt(X: Array, count: int, against: Array | None, rtol: float, xp: Namespace) -> Array:
+    """``count`` orthonormal vectors chosen greedily from the columns of ``X``.
+
+    Step k picks the column of the running residual ``R`` (``X`` with every chosen
+    vector projected out) of largest norm, ties to the lowest index, normalises
+    it, re-orthogonalises it against ``against`` and the vectors chosen so far,
+    and projects it out of ``R``.  Returns a ``d x count`` matrix.
+    """
+    residual = X
+    chosen: list[Array] = []
+    for _ in range(count):
+        norms = xp.sum(residual * residual, axis=0)
+        p = _first_near_max(norms, rtol, xp)
+        v = residual[:, p]
+        v = v / xp.sqrt(xp.sum(v * v))
+        blocks = ([against] if against is not None else []) + ([xp.stack(chosen, axis=1)] if chosen else [])
+        for B in blocks:  # second pass of Gram-Schmidt: "twice is enough"
+            v = v - B @ (xp.matrix_transpose(B) @ v)
+        v = v / xp.sqrt(xp.sum(v * v))
+        chosen.append(v)
+        residual = residual - v[:, None] * (v @ residual)[None, :]
+    if not chosen:
+        return xp.zeros((X.shape[0], 0), dtype=X.dtype, device=_device_of(X))
+    return xp.stack(chosen, axis=1)
+
+
+def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | None = None) -> Array:
+    """Deterministic orthonormal completion of the columns of ``B`` (``size x r``).
+
+    Returns ``size x (size - r)`` columns by pivoted Gram-Schmidt over ``e_1..e_size``
+    projected on the orthogonal complement of ``span(B)``, with the sign rule applied.
+    """
+    xp = namespace(B, xp=xp)
+    r = B.shape[1]
+    eye = xp.eye(size, dtype=B.dtype, device=_device_of(B))
+    complement = eye - B @ xp.matrix_transpose(B) if r else eye
+    C = _pivoted_gram_schmidt(complement, size - r, B if r else None, rtol, xp)
+    if C.shape[1] == 0:
+        return C
+    return C * sign_canonical(C, rtol, xp=xp)[None, :]
+
+
+def _clusters(S_host: np.ndarray, rank: int, tol: float) -> list[tuple[int, int]]:
+    """Half-open index ranges of runs of singular values closer than ``tol``."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, rank + 1):
+        if i == rank or S_host[i - 1] - S_host[i] > tol:
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def canonicalize_svd(
+    U: Array,
+    S: Array,
+    Vh: Array | None,
+    shape: tuple[int, int],
+    *,
+    compute_p: bool = True,
+    compute_q: bool = True,
+    xp: Namespace | None = None,
+) -> CanonicalSVD:
+    """Apply the canonical rules to any thin SVD ``G = U diag(S) Vh``.
+
+    ``U`` is ``m x k`` and ``Vh`` is ``k x n`` (``k <= min(m, n)``; ``Vh`` may be
+    ``None`` when ``Q`` is not requested).  Any decomposition of the same ``G``
+    (another library's signs, order within a cluster or null-space basis) maps to
+    the same result, up to rounding.
+    """
+    xp = namespace(U, S, xp=xp)
+    m, n = shape
+    dtype_eps = float(xp.finfo(U.dtype).eps)
+    rtol = max(m, n) * dtype_eps
+    order = xp.argsort(S, descending=True, stable=True)
+    S = xp.take(S, order)
+    U = xp.take(U, order, axis=1)
+    if Vh is not None:
+        Vh = xp.take(Vh, order, axis=0)
+    S_host = to_numpy(S).astype(np.float64)
+    tol = _tolerance(S_host, m, n, dtype_eps)
+    rank = int(np.sum(S_host > tol)) if S_host.size and S_host[0] > 0 else 0
+
+    p_cols: list[Array] = []
+    q_cols: list[Array] = []
+    for a, b in _clusters(S_host, rank, tol):
+        Uc = U[:, a:b]
+        if b - a == 1:
+            coeff = None
+        else:
+            coeff = _pivoted_gram_schmidt(xp.matrix_transpose(Uc), b - a, None, rtol, xp)
+            Uc = Uc @ coeff
+        p_cols.append(Uc)
+        if compute_q:
+            if Vh is None:
+                raise ValueError("Q was requested but no right singular vectors were given")
+            Vc = xp.matrix_transpose(Vh[a:b, :])
+            q_cols.append(Vc if coeff is None else Vc @ coeff)
+
+    device = _device_of(U)
+    Pr = xp.concat(p_cols, axis=1) if p_cols else xp.zeros((m, 0), dtype=U.dtype, device=device)
+    signs = sign_canonical(Pr, rtol, xp=xp) if rank else None
+    P = Q = None
+    if compute_p:
+        P_rank = Pr * signs[None, :] if signs is not None else Pr
+        P = xp.concat([P_rank, canonical_complement(P_rank, m, rtol, xp=xp)], axis=1)
+    if compute_q:
+        Qr = xp.concat(q_cols, axis=1) if q_cols else xp.zeros((n, 0), dtype=U.dtype, device=device)
+        Q_rank = Qr * signs[None, :] if signs is not None else Qr
+        Q = xp.concat([Q_rank, canonical_complement(Q_rank, n, rtol, xp=xp)], axis=1)
+    return CanonicalSVD(P=P, S=S, Q=Q, rank=rank)
+
+
+def canonical_svd(
+    G: Array,
+    /,
+    *,
+    compute_p: bool = True,
+    compute_q: bool = True,
+    xp: Namespace | None = None,
+) -> CanonicalSVD:
+    """Canonical full SVD ``G = P Sigma Q^T`` of an ``m x n`` matrix.
+
+    ``P`` (``m x m``) and ``Q`` (``n x n``) are orthogonal and fixed by the rules in
+    the module docstring, so every backend and every valid LAPACK output give the
+    same bases up to rounding.  Only the requested sides are formed: a one-sided
+    optimizer asks for ``P`` alone and never builds an ``n x n`` matrix.
+
+    The thin SVD (``full_matrices=False``) is the only decomposition computed; the
+    ``n - m`` null-space columns of ``Q`` come from the deterministic completion.
+    """
+    xp = namespace(G, xp=xp)
+    if G.ndim != 2:
+        raise ValueError(f"canonical_svd expects a matrix, got shape {tuple(G.shape)}")
+    m, n = (int(d) for d in G.shape)
+    if m == 0 or n == 0:
+        raise ValueError(f"canonical_svd needs a non-empty matrix, got shape {(m, n)}")
+    U, S, Vh = xp.linalg.svd(G, full_matrices=False)
+    return canonicalize_svd(U, S, Vh if compute_q else None, (m, n), compute_p=compute_p, compute_q=compute_q, xp=xp)

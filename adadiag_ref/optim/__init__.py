@@ -1,0 +1,19 @@
+"""Pure functional optimizers: ``init``, ``refresh_basis``, ``update``, ``step``."""
+
+from .core import check_inputs, init, refresh_basis, refresh_due, rotate, step, unrotate, update
+from .layout import Layout, from_work, layout_for, to_work
+
+__all__ = [
+    "Layout",
+    "check_inputs",
+    "from_work",
+    "init",
+    "layout_for",
+    "refresh_basis",
+    "refresh_due",
+    "rotate",
+    "step",
+    "to_work",
+    "unrotate",
+    "update",
+]

@@ -1,0 +1,236 @@
+"""The one update machinery shared by all eight optimizers.
+
+For a parameter ``W`` (work frame ``m x n``, ``m <= n``) and gradient ``G``::
+
+    refresh (t = 1 or (t - 1) mod T == 0):  P, _, Q = canonical_svd(G)
+    G~      = P^T G Q                      (rotate; P or Q is I when absent)
+    U~, S_t = family.direction(S_{t-1}, G~, t)
+    W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)   (unrotate, decoupled decay)
+
+``init``, ``refresh_basis`` and ``update`` are pure and trace under ``jax.jit``
+(no Python branching on array values).  ``step`` is the eager driver: it checks
+its input, decides on the refresh with a Python ``if`` and applies the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._xp import Array, Namespace, array_device, float_dtype_name, namespace, state_dtype
+from ..config import BaseConfig
+from ..linalg import canonical_svd
+from ..state import State
+from .families import FAMILIES, Family
+from .layout import Layout, from_work, layout_for, to_work
+
+__all__ = [
+    "check_inputs",
+    "init",
+    "refresh_basis",
+    "refresh_due",
+    "rotate",
+    "rotation_noise_floor",
+    "step",
+    "unrotate",
+    "update",
+]
+
+
+def _family(cfg: BaseConfig) -> Family:
+    return FAMILIES[cfg.family]
+
+
+def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace) -> Array:
+    """``G~ = P^T G Q`` (a missing basis is the identity)."""
+    if P is not None:
+        g = xp.matrix_transpose(P) @ g
+    if Q is not None:
+        g = g @ Q
+    return g
+
+
+def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace) -> Array:
+    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q``."""
+    if P is not None:
+        u = P @ u
+    if Q is not None:
+        u = u @ xp.matrix_transpose(Q)
+    return u
+
+
+def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
+    """Initial state: zero moments, identity bases, ``count = 0``.
+
+    Shapes follow :func:`~adadiag_ref.optim.layout.layout_for`; the dtype is the
+    state dtype of ``param`` (float64 for float64, float32 otherwise).
+    """
+    xp = namespace(param, xp=xp)
+    layout = layout_for(tuple(param.shape), cfg)
+    dtype = state_dtype(param.dtype, xp, cfg.state_dtype)
+    device = array_device(param)
+    m, n = layout.rows, layout.cols
+    P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
+    Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
+    count = xp.zeros((), dtype=xp.int32, device=device)
+    family = _family(cfg)
+    return family.state_type(count=count, P=P, Q=Q, **family.init_moments(m, n, dtype, device, cfg, xp))  # type: ignore[no-any-return]
+
+
+def _work_dtype(state: State, xp: Namespace) -> Any:
+    return state.r.dtype if hasattr(state, "r") else state.V.dtype  # type: ignore[union-attr]
+
+
+def refresh_basis(state: State, grad: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
+    """``P_t, _, Q_t^T = canonical_svd(G_t)``: new bases, moments untouched.
+
+    Only the sides the layout rotates are decomposed (a one-sided optimizer never
+    forms ``Q``).  Same shapes and dtypes in and out.
+    """
+    xp = namespace(grad, xp=xp)
+    layout = layout_for(tuple(grad.shape), cfg)
+    if not layout.rotate_left:
+        return state
+    g = to_work(xp.astype(grad, _work_dtype(state, xp)), layout, xp)
+    svd = canonical_svd(g, compute_p=True, compute_q=layout.rotate_right, xp=xp)
+    return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
+
+
+def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) -> Array:
+    """Zero the entries of a refresh step's ``G~`` that are pure rounding noise.
+
+    On the step whose gradient defined the bases, ``G~ = P^T G Q = Sigma`` (or
+    ``Sigma Q^T``) exactly, so every entry outside the numerical rank is zero in
+    exact arithmetic.  Computed in floating point those entries are rounding
+    noise of size ``~eps ||G||``, which the Adafactor/Hfac normalisation
+    ``G~ / sqrt(V)`` (with eps = 1e-30) would blow up to O(1) and make the
+    trajectory backend-dependent.  Entries with
+    ``|G~_ij| <= max(m, n) eps(dtype) ||G||_F`` (the rank tolerance of
+    :func:`~adadiag_ref.linalg.canonical_svd`, with ``||G||_F >= sigma_max``) are
+    set to 0 when ``refreshed`` is true.
+    """
+    m, n = g.shape
+    tol = max(m, n) * float(xp.finfo(g.dtype).eps) * xp.sqrt(xp.sum(g * g))
+    noise = xp.abs(g_rot) <= tol
+    if refreshed is not True:
+        noise = noise & refreshed
+    return xp.where(noise, xp.zeros_like(g_rot), g_rot)
+
+
+def update(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    lr: Any = None,
+    refreshed: Any = False,
+    xp: Namespace | None = None,
+) -> tuple[Array, State]:
+    """One optimizer update with the current bases (never refreshes).
+
+    Returns ``(delta, new_state)`` with ``W_{t+1} = W_t + delta`` and
+    ``delta = -eta_t (P U~ Q^T + lambda W_t)``; ``lr`` overrides ``cfg.lr`` (it may
+    be an array, e.g. a scheduled or traced learning rate).  ``delta`` has the
+    parameter's dtype; all arithmetic runs in the state dtype.
+
+    ``refreshed`` (a bool, or a boolean array under ``jax.jit``) says that the
+    bases were just computed from this very gradient.  Then ``G~`` is ``Sigma``
+    (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its entries
+    below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
+    """
+    xp = namespace(grad, param, xp=xp)
+    layout = layout_for(tuple(param.shape), cfg)
+    _check_static(state, grad, param, layout, cfg)
+    family = _family(cfg)
+    dtype = _work_dtype(state, xp)
+    t = xp.astype(state.count + 1, dtype)
+    g = to_work(xp.astype(grad, dtype), layout, xp)
+    w = to_work(xp.astype(param, dtype), layout, xp)
+    g_rot = rotate(g, state.P, state.Q, xp)
+    if state.P is not None and refreshed is not False:
+        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+    u_rot, moments = family.direction(state, g_rot, t, cfg, xp)
+    eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
+    direction = unrotate(u_rot, state.P, state.Q, xp)
+    if cfg.weight_decay:
+        direction = direction + cfg.weight_decay * w
+    delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype)
+    return delta, state._replace(count=state.count + 1, **moments)
+
+
+def refresh_due(count: int, cfg: BaseConfig) -> bool:
+    """Whether step ``t = count + 1`` refreshes the basis: ``t == 1`` or ``(t - 1) mod T == 0``."""
+    t = count + 1
+    if t == 1:
+        return True
+    return cfg.update_freq is not None and (t - 1) % cfg.update_freq == 0
+
+
+def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig) -> None:
+    if tuple(grad.shape) != tuple(param.shape):
+        raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(param.shape)}")
+    family = _family(cfg)
+    if not isinstance(state, family.state_type):
+        raise ValueError(f"state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}")
+    m, n = layout.rows, layout.cols
+    expected = {
+        "P": (m, m) if layout.rotate_left else None,
+        "Q": (n, n) if layout.rotate_right else None,
+        "M": (m, n) if cfg.momentum or cfg.family != "adafactor" else None,
+        "V": (m, n),
+        "r": (m,),
+        "s": (n,),
+        "u": (m,),
+        "v": (n,),
+    }
+    for name in state._fields:
+        if name == "count":
+            continue
+        value = getattr(state, name)
+        want = expected[name]
+        got = None if value is None else tuple(value.shape)
+        if got != want:
+            raise ValueError(
+                f"state field {name!r} has shape {got}, expected {want} for a parameter of shape {layout.shape} "
+                f"under {cfg.name!r}: was the state created for another parameter or config?"
+            )
+
+
+def check_inputs(state: State, grad: Array, cfg: BaseConfig, param: Array, *, xp: Namespace | None = None) -> None:
+    """Eager validation of one step's input; raises ``ValueError`` and touches nothing.
+
+    Checks shapes against the parameter and the state, that parameter and
+    gradient share one real floating dtype, and that the gradient is finite.
+    """
+    xp = namespace(grad, param, xp=xp)
+    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
+    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
+    if pname != gname:
+        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+    if not bool(xp.all(xp.isfinite(grad))):
+        raise ValueError("gradient contains NaN or Inf; the optimizer state was left unchanged")
+
+
+def step(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    lr: Any = None,
+    check: bool = True,
+    xp: Namespace | None = None,
+) -> tuple[Array, State]:
+    """Eager driver: validate, refresh the basis when due, update.
+
+    Returns ``(new_param, new_state)``.  On invalid input it raises
+    ``ValueError`` before computing anything, so the caller's state is intact.
+    """
+    xp = namespace(grad, param, xp=xp)
+    if check:
+        check_inputs(state, grad, cfg, param, xp=xp)
+    refreshed = refresh_due(int(state.count), cfg)
+    if refreshed:
+        state = refresh_basis(state, grad, cfg, xp=xp)
+    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+    return param + delta, state

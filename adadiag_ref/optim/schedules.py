@@ -1,0 +1,51 @@
+"""Scalar schedules and the small shared pieces of the update rules.
+
+All functions take the step ``t`` (1, 2, ...) as a floating array so that they
+trace under ``jax.jit``; none converts an array to a Python number.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._xp import Array, Namespace
+
+__all__ = ["adafactor_beta2", "beta_hat", "clip_by_rms", "one_minus_power", "rms"]
+
+
+def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
+    """``1 - beta^t``, computed as ``-expm1(t log beta)`` to avoid cancellation near beta = 1."""
+    if beta == 0.0:
+        return xp.where(t > 0, xp.ones_like(t), xp.zeros_like(t))
+    return -xp.expm1(t * math.log(beta))
+
+
+def beta_hat(beta: float, t: Array, xp: Namespace, *, bias_correction: bool = True) -> Array:
+    """The paper's bias-corrected EMA coefficient.
+
+    ``beta_hat_t = beta (1 - beta^(t-1)) / (1 - beta^t)``, so that
+    ``M_t = beta_hat_t M_{t-1} + (1 - beta_hat_t) X_t`` equals Adam's
+    bias-corrected moment ``EMA_beta(X)_t / (1 - beta^t)`` exactly.  At t = 1 it
+    is 0.  With ``bias_correction=False`` it is the constant ``beta``.
+    """
+    if not bias_correction or beta == 0.0:
+        return xp.full_like(t, beta)
+    return beta * one_minus_power(beta, t - 1.0, xp) / one_minus_power(beta, t, xp)
+
+
+def adafactor_beta2(t: Array, decay_rate: float, xp: Namespace) -> Array:
+    """Adafactor's increasing decay ``beta2_t = 1 - t^(-c)`` (0 at t = 1), c = ``decay_rate``."""
+    return -xp.expm1(-decay_rate * xp.log(t))
+
+
+def rms(x: Array, xp: Namespace) -> Array:
+    """Root mean square ``RMS(X) = sqrt(mean(X^2))`` over all entries."""
+    return xp.sqrt(xp.mean(x * x))
+
+
+def clip_by_rms(u: Array, threshold: float | None, xp: Namespace) -> Array:
+    """Adafactor's update clipping ``clip(U) = U / max(1, RMS(U) / d)``; identity when d is None."""
+    if threshold is None:
+        return u
+    ratio = rms(u, xp) / threshold
+    return u / xp.maximum(ratio, xp.ones_like(ratio))
