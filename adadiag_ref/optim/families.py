@@ -43,17 +43,23 @@ def _ema(beta_t: Array, old: Array, new: Array) -> Array:
 
 def _factored_second_moment(
     r: Array, s: Array, g: Array, eps: float, beta2_t: Array, xp: Namespace
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, Array]:
     """Adafactor's factored second moment of the rotated gradient.
 
-    ``r_t = EMA[(G~^2 + eps) 1_n]``, ``s_t = EMA[(G~^2 + eps)^T 1_m]`` and
-    ``V_t = r_t s_t^T / (1_m^T r_t)``.
+    ``r_t = EMA[(G~^2 + eps) 1_n]`` and ``s_t = EMA[(G~^2 + eps)^T 1_m]``; the
+    implied ``V_t = r_t s_t^T / (1_m^T r_t)`` is never formed (see :func:`_normalise`).
     """
     sq = g * g + eps
-    r = _ema(beta2_t, r, xp.sum(sq, axis=1))
-    s = _ema(beta2_t, s, xp.sum(sq, axis=0))
-    V = r[:, None] * s[None, :] / xp.sum(r)
-    return r, s, V
+    return _ema(beta2_t, r, xp.sum(sq, axis=1)), _ema(beta2_t, s, xp.sum(sq, axis=0))
+
+
+def _normalise(g: Array, r: Array, s: Array, xp: Namespace) -> Array:
+    """``G~ / sqrt(V_t)`` with ``V_t = r s^T / (1_m^T r)``, as ``G~ sqrt(1^T r) / (sqrt(r) sqrt(s)^T)``.
+
+    The factored form avoids the product ``r_i s_j``, which underflows in float32
+    when both are of the order of eps = 1e-30 (a zero row and a zero column).
+    """
+    return g * xp.sqrt(xp.sum(r)) / (xp.sqrt(r)[:, None] * xp.sqrt(s)[None, :])
 
 
 # ----------------------------------------------------------------------------- Adam
@@ -91,8 +97,8 @@ def _adafactor_direction(
 ) -> tuple[Array, Moments]:
     """Algorithm AdafacDiag: ``U = clip(G~ / sqrt(V_t))``; with momentum ``M_t = EMA_b1[U]`` and ``U = M_t``."""
     assert isinstance(cfg, AdafactorConfig)
-    r, s, V = _factored_second_moment(state.r, state.s, g, cfg.eps, _adafactor_beta2(cfg, t, xp), xp)
-    U = clip_by_rms(g / xp.sqrt(V), cfg.clip_threshold, xp)
+    r, s = _factored_second_moment(state.r, state.s, g, cfg.eps, _adafactor_beta2(cfg, t, xp), xp)
+    U = clip_by_rms(_normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None
     if cfg.momentum:
         M = _ema(beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction), state.M, U)
@@ -141,10 +147,10 @@ def _hfac_direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: N
     col_mean = xp.mean(g, axis=0)
     u = _ema(b1_t, state.u, row_mean)
     v = _ema(b1_t, state.v, col_mean)
-    r, s, V = _factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
+    r, s = _factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
     phi = b1_t * (u - row_mean) / xp.sqrt(r / n)
     psi = b1_t * (v - col_mean) / xp.sqrt(s / m)
-    U = 0.5 * (phi[:, None] + psi[None, :]) + clip_by_rms(g / xp.sqrt(V), cfg.clip_threshold, xp)
+    U = 0.5 * (phi[:, None] + psi[None, :]) + clip_by_rms(_normalise(g, r, s, xp), cfg.clip_threshold, xp)
     return U, {"u": u, "v": v, "r": r, "s": s}
 
 

@@ -1,0 +1,61 @@
+"""Shared fixtures: the array-API backends every core test runs on.
+
+``xp`` runs over numpy, array_api_strict, torch (CPU), jax (x64) and cupy; a
+backend that is not installed, or cupy without a GPU, is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("slow", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _load_backend(name: str) -> Any:
+    if name == "numpy":
+        return np
+    if name == "array_api_strict":
+        return pytest.importorskip("array_api_strict")
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        from array_api_compat import torch as xp_torch
+
+        del torch
+        return xp_torch
+    if name == "jax":
+        jax = pytest.importorskip("jax")
+        jax.config.update("jax_enable_x64", True)
+        return importlib.import_module("jax.numpy")
+    if name == "cupy":
+        cupy = pytest.importorskip("cupy")
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                pytest.skip("no CUDA device")
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            pytest.skip(f"no usable CUDA device: {exc}")
+        return cupy
+    raise ValueError(name)
+
+
+BACKENDS = ["numpy", "array_api_strict", "torch", "jax", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def xp(request: pytest.FixtureRequest) -> Any:
+    """An array namespace; tests create arrays with ``xp.asarray(numpy_array)``."""
+    return _load_backend(request.param)
+
+
+def to_np(x: Any) -> np.ndarray:
+    from adadiag_ref._xp import to_numpy
+
+    return to_numpy(x)
