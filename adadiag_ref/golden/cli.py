@@ -1,0 +1,133 @@
+"""``adadiag-ref golden {generate,verify}`` and ``adadiag-ref replay``.
+
+``replay`` makes the reference usable from any language through files::
+
+    adadiag-ref replay --optimizer adadiag --config '{"lr": 0.01, "update_freq": 4}' \\
+        --input in.npz --output out.npz
+
+``in.npz`` holds ``w0`` (shape ``S``) and ``grads`` (shape ``(K, *S)``, any
+float dtype; the run uses the dtype of ``w0``).  ``out.npz`` receives
+``params`` (``(K, *S)``, ``params[t-1] = W_{t+1}``), ``w0``, ``config`` (the
+full config as a JSON string) and ``library_version``.  Every golden ``.npz``
+is a valid ``in.npz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..config import OPTIMIZERS, make_config
+from .format import config_to_dict, default_data_dir
+from .generator import generate, run_core
+from .verify import verify
+
+__all__ = ["add_parser", "main", "run_generate", "run_replay", "run_verify"]
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    out = generate(args.out)
+    files = sorted(out.iterdir())
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    print(f"wrote {len(files)} files ({total / 1024:.1f} KiB) to {out}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    directory = Path(args.dir) if args.dir else default_data_dir()
+    try:
+        results = verify(directory)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    failed = [r for r in results if not r.passed]
+    for result in results:
+        if args.verbose or not result.passed:
+            print(result.summary())
+    print(f"{len(results) - len(failed)}/{len(results)} golden cases match the live core ({directory})")
+    return 1 if failed else 0
+
+
+def _parse_config(text: str | None) -> dict[str, Any]:
+    """``--config``: a JSON object, or ``@path`` / a path of a file holding one."""
+    if not text:
+        return {}
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    elif not text.lstrip().startswith("{") and Path(text).is_file():
+        text = Path(text).read_text()
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("--config must be a JSON object")
+    return {k: v for k, v in value.items() if k not in ("name", "sides")}
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    try:
+        cfg = make_config(args.optimizer, **_parse_config(args.config))
+    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        print(f"error: bad config: {exc}", file=sys.stderr)
+        return 2
+    with np.load(args.input, allow_pickle=False) as data:
+        missing = [k for k in ("w0", "grads") if k not in data.files]
+        if missing:
+            print(f"error: {args.input} lacks {', '.join(missing)} (it needs w0 and grads)", file=sys.stderr)
+            return 2
+        w0 = np.asarray(data["w0"])
+        grads = np.asarray(data["grads"])
+    if grads.shape[1:] != w0.shape:
+        print(f"error: grads have shape {grads.shape}, expected (K, *{w0.shape})", file=sys.stderr)
+        return 2
+    try:
+        params, _ = run_core(cfg, w0, grads.astype(w0.dtype))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    np.savez(
+        args.output,
+        params=params,
+        w0=w0,
+        config=np.array(json.dumps({"optimizer": args.optimizer, **config_to_dict(cfg)})),
+        library_version=np.array(__version__),
+    )
+    print(f"wrote {params.shape[0]} steps of {args.optimizer} to {args.output}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``golden`` and ``replay`` subcommands on an argparse ``subparsers`` object."""
+    golden = subparsers.add_parser("golden", help="generate or verify the golden fixture set")
+    golden_sub = golden.add_subparsers(dest="golden_command", required=True)
+    gen = golden_sub.add_parser("generate", help="write the fixture set (deterministic, seeded)")
+    gen.add_argument("--out", default=None, help="output directory (default: the package's golden/data)")
+    gen.set_defaults(func=run_generate)
+    ver = golden_sub.add_parser("verify", help="check a fixture set against the live core")
+    ver.add_argument("dir", nargs="?", default=None, help="fixture directory (default: the shipped set)")
+    ver.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures")
+    ver.set_defaults(func=run_verify)
+
+    replay = subparsers.add_parser("replay", help="run an optimizer on w0 and grads from a file")
+    replay.add_argument("--optimizer", required=True, choices=list(OPTIMIZERS))
+    replay.add_argument("--config", default=None, help="JSON object of config fields, or @file.json")
+    replay.add_argument("--input", required=True, help=".npz with w0 (S) and grads (K, *S)")
+    replay.add_argument("--output", required=True, help=".npz to write params (K, *S) to")
+    replay.set_defaults(func=run_replay)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (used by the tests): ``main(["golden", "verify"])``."""
+    parser = argparse.ArgumentParser(prog="adadiag-ref")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_parser(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The golden-vector format, version 1 (specified in ``docs/golden.md``).
+
+A fixture set is a directory holding ``manifest.json`` and one ``<case>.npz``
+per case.  The manifest says what every case is (optimizer, full config,
+dtype, shape, gradient-stream recipe, tolerances, refresh steps); the ``.npz``
+holds the numbers:
+
+==========================  =================================================
+key                         content
+==========================  =================================================
+``w0``                      initial parameter ``W_1``, shape ``S``
+``grads``                   gradient stream, shape ``(K, *S)``; ``grads[t-1] = G_t``
+``params``                  parameter after every step, shape ``(K, *S)``;
+                            ``params[t-1] = W_{t+1}``
+``state_t{t:03d}_{field}``  optimizer state after step ``t`` (work frame), for
+                            ``t`` in the case's ``state_steps``; ``field`` is
+                            one of ``count P Q M V r s u v`` (absent = ``None``)
+==========================  =================================================
+
+Every ``.npz`` is also a valid input of ``adadiag-ref replay`` (it has ``w0``
+and ``grads``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import BaseConfig, make_config
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "STATE_FIELDS",
+    "GoldenCase",
+    "Tolerance",
+    "array_sha256",
+    "config_from_dict",
+    "config_to_dict",
+    "default_data_dir",
+    "load_case",
+    "load_cases",
+    "load_manifest",
+    "state_key",
+]
+
+FORMAT_NAME = "adadiag-golden"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_FIELDS = ("count", "P", "Q", "M", "V", "r", "s", "u", "v")
+
+
+def default_data_dir() -> Path:
+    """The fixture set shipped with the package (``adadiag_ref/golden/data``)."""
+    return Path(__file__).resolve().parent / "data"
+
+
+def state_key(t: int, name: str) -> str:
+    """The ``.npz`` key of state field ``name`` after step ``t``."""
+    return f"state_t{t:03d}_{name}"
+
+
+def array_sha256(x: np.ndarray) -> str:
+    """SHA-256 of an array's dtype, shape and C-order little-endian bytes."""
+    a = np.ascontiguousarray(x)
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    h = hashlib.sha256()
+    h.update(f"{a.dtype.str}|{a.shape}|".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def config_to_dict(cfg: BaseConfig) -> dict[str, Any]:
+    """Every init field of ``cfg`` as JSON-ready values (``betas`` as a list)."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        if not f.init:
+            continue
+        value = getattr(cfg, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_from_dict(name: str, options: dict[str, Any]) -> BaseConfig:
+    """Inverse of :func:`config_to_dict` (``name`` and ``sides`` are taken from the optimizer name)."""
+    opts = {k: v for k, v in options.items() if k not in ("name", "sides")}
+    if "sides" in options:
+        expected = make_config(name).sides
+        if int(options["sides"]) != expected:
+            raise ValueError(f"config says sides={options['sides']} but optimizer {name!r} has sides={expected}")
+    return make_config(name, **opts)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How a trajectory is checked against a case.
+
+    A value ``x`` matches the golden ``y`` when ``|x - y| <= atol + rtol |y|``.
+    ``atol`` is absolute, fixed at generation time as ``atol_factor * scale``
+    with ``scale = max |W|`` over ``w0`` and the whole trajectory, so that
+    entries passing near zero (whose relative error is meaningless) are judged
+    on the trajectory's own scale.  State arrays use ``state_rtol`` and an
+    ``atol`` of ``state_rtol * max |array|`` per array.
+    """
+
+    rtol: float
+    atol: float
+    state_rtol: float
+    atol_factor: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rtol": self.rtol, "atol": self.atol, "state_rtol": self.state_rtol, "atol_factor": self.atol_factor}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Tolerance:
+        return cls(
+            rtol=float(d["rtol"]),
+            atol=float(d["atol"]),
+            state_rtol=float(d.get("state_rtol", d["rtol"])),
+            atol_factor=float(d.get("atol_factor", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    """One golden case: its manifest entry and (once loaded) its arrays."""
+
+    name: str
+    optimizer: str
+    config: dict[str, Any]
+    dtype: str
+    shape: tuple[int, ...]
+    steps: int
+    refresh_steps: tuple[int, ...]
+    state_steps: tuple[int, ...]
+    tolerance: Tolerance
+    stream: dict[str, Any]
+    features: tuple[str, ...] = ()
+    description: str = ""
+    file: str = ""
+    sha256: dict[str, str] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ access
+    def make_config(self) -> BaseConfig:
+        """The validated :class:`~adadiag_ref.config.BaseConfig` of this case."""
+        return config_from_dict(self.optimizer, self.config)
+
+    @property
+    def w0(self) -> np.ndarray:
+        return self.arrays["w0"]
+
+    @property
+    def grads(self) -> np.ndarray:
+        return self.arrays["grads"]
+
+    @property
+    def params(self) -> np.ndarray:
+        return self.arrays["params"]
+
+    def state(self, t: int) -> dict[str, np.ndarray]:
+        """State fields stored after step ``t`` (absent fields are ``None`` in the core)."""
+        return {name: self.arrays[state_key(t, name)] for name in STATE_FIELDS if state_key(t, name) in self.arrays}
+
+    # ------------------------------------------------------------------ manifest
+    def manifest_entry(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "file": self.file,
+            "optimizer": self.optimizer,
+            "config": self.config,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "steps": self.steps,
+            "refresh_steps": list(self.refresh_steps),
+            "state_steps": list(self.state_steps),
+            "tolerance": self.tolerance.to_dict(),
+            "stream": self.stream,
+            "features": list(self.features),
+            "description": self.description,
+            "sha256": dict(self.sha256),
+        }
+
+    @classmethod
+    def from_manifest_entry(cls, entry: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> GoldenCase:
+        return cls(
+            name=entry["name"],
+            optimizer=entry["optimizer"],
+            config=dict(entry["config"]),
+            dtype=entry["dtype"],
+            shape=tuple(int(d) for d in entry["shape"]),
+            steps=int(entry["steps"]),
+            refresh_steps=tuple(int(t) for t in entry["refresh_steps"]),
+            state_steps=tuple(int(t) for t in entry["state_steps"]),
+            tolerance=Tolerance.from_dict(entry["tolerance"]),
+            stream=dict(entry.get("stream", {})),
+            features=tuple(entry.get("features", ())),
+            description=entry.get("description", ""),
+            file=entry.get("file", f"{entry['name']}.npz"),
+            sha256=dict(entry.get("sha256", {})),
+            arrays=arrays or {},
+        )
+
+
+def load_manifest(directory: str | Path | None = None) -> dict[str, Any]:
+    """Read and check ``manifest.json`` of a fixture directory (default: the shipped set)."""
+    path = Path(directory) if directory is not None else default_data_dir()
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST_NAME} in {path}; run `adadiag-ref golden generate --out {path}`")
+    manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT_NAME:
+        raise ValueError(f"{manifest_path} is not an {FORMAT_NAME} manifest (format={manifest.get('format')!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{manifest_path} has format_version {version!r}; this library reads {FORMAT_VERSION}")
+    return manifest
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {key: np.asarray(data[key]) for key in data.files}
+
+
+def load_cases(
+    directory: str | Path | None = None,
+    *,
+    optimizer: str | None = None,
+    dtype: str | None = None,
+    feature: str | None = None,
+    arrays: bool = True,
+) -> list[GoldenCase]:
+    """All cases of a fixture directory, optionally filtered; with their arrays unless ``arrays=False``."""
+    path = Path(directory) if directory is not None else default_data_dir()
+    manifest = load_manifest(path)
+    out = []
+    for entry in manifest["cases"]:
+        if optimizer is not None and entry["optimizer"] != optimizer:
+            continue
+        if dtype is not None and entry["dtype"] != dtype:
+            continue
+        if feature is not None and feature not in entry.get("features", ()):
+            continue
+        data = _read_arrays(path / entry["file"]) if arrays else None
+        out.append(GoldenCase.from_manifest_entry(entry, data))
+    return out
+
+
+def load_case(name_or_path: str | Path, directory: str | Path | None = None) -> GoldenCase:
+    """One case, by name (looked up in ``directory``, default the shipped set) or by ``.npz`` path.
+
+    A path's manifest is the ``manifest.json`` next to it.
+    """
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".npz" and candidate.is_file():
+        directory, wanted = candidate.parent, candidate.name
+        manifest = load_manifest(directory)
+        entries = [e for e in manifest["cases"] if e["file"] == wanted]
+    else:
+        path = Path(directory) if directory is not None else default_data_dir()
+        manifest = load_manifest(path)
+        directory = path
+        entries = [e for e in manifest["cases"] if e["name"] == str(name_or_path)]
+    if not entries:
+        raise KeyError(f"no golden case {str(name_or_path)!r} in {directory}")
+    entry = entries[0]
+    return GoldenCase.from_manifest_entry(entry, _read_arrays(Path(directory) / entry["file"]))
