@@ -1,0 +1,101 @@
+"""Per-step overhead of the torch adapter against calling the core directly on the same tensors.
+
+For each optimizer and a small model-like set of parameters, times (median of
+``--repeats`` steps, after warm-up, refresh steps excluded by T = infinity):
+
+* ``adapter``: ``opt.step()`` of ``adadiag_ref.adapters.pytorch``;
+* ``core``:    ``ar.update`` (+ ``check_inputs``) per parameter, the same core calls with the state kept as NamedTuples;
+* ``torch``:   ``torch.optim.AdamW`` (foreach=False), for the AdamW row only.
+
+Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _adapter_import  # noqa: F401
+from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
+
+import adadiag_ref as ar
+
+SHAPES = [(256, 512), (512,), (512, 256), (256,), (64, 32, 3, 3)]
+
+
+def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
+    return params
+
+
+def _median_ms(fn, repeats: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:
+    params = _params(dtype)
+    opt = OPTIMIZER_CLASSES[name](params, lr=1e-3, update_freq=None)
+    adapter = _median_ms(opt.step, repeats)
+
+    cfg = ar.make_config(name, lr=1e-3, update_freq=None)
+    core_params = _params(dtype)
+    states = []
+    with torch.no_grad():
+        for p in core_params:  # t = 1 refresh done once, as the adapter's warm-up did
+            s = ar.refresh_basis(ar.init(p, cfg), p.grad, cfg)
+            states.append(s)
+
+    @torch.no_grad()
+    def core_step() -> None:
+        for i, p in enumerate(core_params):
+            ar.check_inputs(states[i], p.grad, cfg, p)
+            delta, states[i] = ar.update(states[i], p.grad, cfg, p, lr=1e-3)
+            p.add_(delta)
+
+    row = {"adapter_ms": adapter, "core_ms": _median_ms(core_step, repeats)}
+    if name == "adamw":
+        ref_params = _params(dtype)
+        ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=0.0, foreach=False)
+        row["torch_ms"] = _median_ms(ref.step, repeats)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"shapes {SHAPES}, dtype {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
+    print(f"{'optimizer':15s} {'adapter ms':>11s} {'core ms':>9s} {'ratio':>7s} {'torch.AdamW ms':>15s}")
+    ratios = []
+    for name in ar.OPTIMIZERS:
+        row = bench(name, args.repeats, dtype)
+        ratio = row["adapter_ms"] / row["core_ms"]
+        ratios.append(ratio)
+        extra = f"{row['torch_ms']:15.3f}" if "torch_ms" in row else ""
+        print(f"{name:15s} {row['adapter_ms']:11.3f} {row['core_ms']:9.3f} {ratio:7.3f} {extra}")
+    print(f"median adapter/core ratio over the eight optimizers: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

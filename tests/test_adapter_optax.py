@@ -1,0 +1,246 @@
+"""The optax adapter (``adadiag_ref.adapters.optax``) against the core, for all eight optimizers.
+
+Tolerances: the adapter runs the core's ``update`` on jax arrays while
+``ar.replay`` runs it on NumPy arrays (both refresh through the core's NumPy
+``canonical_svd``), so in float64 they agree to rounding: rtol 1e-12.  jit and
+eager run the same jaxpr-level code and are compared at the same tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
+
+import adadiag_ref as ar  # noqa: E402
+
+NAMES = list(ar.OPTIMIZERS)
+SHAPES = {"w": (5, 7), "b": (7,), "k": (6, 2, 2)}
+MATRIX = {"w": (5, 7)}  # one leaf: for the tests whose point is not the shape rules (compile time)
+SUBSET = ["adamw", "adadiag_pp", "adafacdiag_pp", "hfacdiag"]  # one per family + the two-sided ones
+STEPS, FREQ = 12, 3  # refreshes at t = 1, 4, 7, 10
+RTOL = 1e-12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+def _stream(steps=STEPS, seed=0, shapes=None):
+    rng = np.random.default_rng(seed)
+    shapes = SHAPES if shapes is None else shapes
+    w0 = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    grads = {k: rng.standard_normal((steps, *s)) for k, s in shapes.items()}
+    return w0, grads
+
+
+def _device(tree):
+    return jax.device_put(jax.tree.map(jnp.asarray, tree), jax.devices()[0])
+
+
+def _run(opt, w0, grads, *, jit=True, steps=STEPS):
+    params = _device(w0)
+    state = opt.init(params)
+    update = jax.jit(opt.update) if jit else opt.update
+    traj = {k: [] for k in w0}
+    for t in range(steps):
+        g = _device({k: v[t] for k, v in grads.items()})
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        for k in w0:
+            traj[k].append(np.asarray(params[k]))
+    return {k: np.stack(v) for k, v in traj.items()}, state
+
+
+def _assert_matches_replay(traj, w0, grads, name, **hyper):
+    for k in w0:
+        ref = ar.replay(name, w0[k], grads[k], **hyper)
+        np.testing.assert_allclose(traj[k], ref, rtol=RTOL, atol=1e-14, err_msg=f"{name}/{k}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_alias_trajectory_equals_core_replay(name):
+    w0, grads = _stream()
+    traj, state = _run(ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=FREQ), w0, grads)
+    _assert_matches_replay(traj, w0, grads, name, lr=0.01, weight_decay=0.1, update_freq=FREQ)
+    core_states = state[0].states
+    assert int(core_states["w"].count) == STEPS
+    assert type(core_states["w"]) is type(ar.init(w0["w"], ar.make_config(name)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scale_by_returns_the_direction(name):
+    """``scale_by_<name>`` gives ``U`` with ``W_{t+1} = W_t - eta U`` when lambda = 0."""
+    w0, grads = _stream(shapes=MATRIX)
+    scale_by = getattr(ao, f"scale_by_{name}")
+    traj, _ = _run(optax.chain(scale_by(update_freq=FREQ), optax.scale(-0.02)), w0, grads)
+    _assert_matches_replay(traj, w0, grads, name, lr=0.02, update_freq=FREQ)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adafacdiag", "adafacdiag_pp"])
+def test_adafactor_relative_step_and_parameter_scaling(name):
+    w0, grads = _stream()
+    opts = {"relative_step": True, "scale_parameter": True, "beta2_schedule": "adafactor"}
+    traj, _ = _run(ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=FREQ, **opts), w0, grads)
+    _assert_matches_replay(traj, w0, grads, name, lr=0.01, weight_decay=0.1, update_freq=FREQ, **opts)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit_equals_eager(name):
+    w0, grads = _stream(steps=5, shapes={"w": (5, 7), "b": (7,)})
+    opt = ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=2)
+    jitted, _ = _run(opt, w0, grads, jit=True, steps=5)
+    eager, _ = _run(opt, w0, grads, jit=False, steps=5)
+    for k in w0:
+        np.testing.assert_allclose(jitted[k], eager[k], rtol=RTOL, atol=1e-14)
+
+
+class _CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_update_compiles_once_across_refresh_and_plain_steps(name):
+    w0, grads = _stream(steps=7, shapes=MATRIX)
+    opt = ao.ALIASES[name](0.01, update_freq=3)
+    traces = []
+
+    def counted_update(g, state, params):
+        traces.append(1)  # Python side effect: runs once per trace
+        return opt.update(g, state, params)
+
+    update = jax.jit(counted_update)
+    params = _device(w0)
+    state = opt.init(params)
+    log = _CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(log)
+    try:
+        with jax.log_compiles():
+            for t in range(7):  # t = 1, 4, 7 refresh; the others do not
+                updates, state = update(_device({k: v[t] for k, v in grads.items()}), state, params)
+                params = optax.apply_updates(params, updates)
+    finally:
+        logger.removeHandler(log)
+    compiles = [m for m in log.messages if m.startswith("Compiling jit(counted_update)")]
+    assert len(traces) == 1
+    assert len(compiles) == 1, compiles
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_inside_chain(name):
+    w0, grads = _stream(shapes=MATRIX)
+    plain, _ = _run(ao.ALIASES[name](0.01, update_freq=FREQ), w0, grads)
+    chained, _ = _run(optax.chain(optax.clip_by_global_norm(1e6), ao.ALIASES[name](0.01, update_freq=FREQ)), w0, grads)
+    for k in w0:
+        np.testing.assert_array_equal(plain[k], chained[k])
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_inject_hyperparams_learning_rate(name):
+    w0, grads = _stream(steps=6, shapes=MATRIX)
+    factory = optax.inject_hyperparams(ao.ALIASES[name], static_args=("update_freq", "b1", "b2", "eps"))
+    opt = factory(learning_rate=0.01, weight_decay=0.1, update_freq=FREQ)
+    params = _device(w0)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    cfg = ar.make_config(name, weight_decay=0.1, update_freq=FREQ)
+    core = {k: ar.init(v, cfg) for k, v in w0.items()}
+    ref = dict(w0)
+    for t in range(6):
+        lr = 0.01 * 0.5 ** (t // 2)
+        state.hyperparams["learning_rate"] = jnp.asarray(lr)
+        updates, state = update(_device({k: v[t] for k, v in grads.items()}), state, params)
+        params = optax.apply_updates(params, updates)
+        for k in w0:
+            ref[k], core[k] = ar.step(core[k], grads[k][t], cfg, ref[k], lr=lr)
+    for k in w0:
+        np.testing.assert_allclose(np.asarray(params[k]), ref[k], rtol=RTOL, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_multisteps_accumulates_then_applies_the_core_update(name):
+    k_acc = 2
+    w0, grads = _stream(steps=6, shapes=MATRIX)
+    # each gradient is given twice, so MultiSteps' running mean is exactly that gradient
+    repeated = {k: np.repeat(v, k_acc, axis=0) for k, v in grads.items()}
+    opt = optax.MultiSteps(ao.ALIASES[name](0.01, update_freq=2), every_k_schedule=k_acc, accumulator_dtype=jnp.float64)
+    traj, _ = _run(opt, w0, repeated, steps=6 * k_acc)
+    for k in w0:
+        ref = ar.replay(name, w0[k], grads[k], lr=0.01, update_freq=2)
+        np.testing.assert_allclose(traj[k][k_acc - 1 :: k_acc], ref, rtol=RTOL, atol=1e-14)
+        np.testing.assert_array_equal(traj[k][0], w0[k])  # the first mini-step only accumulates
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_params_keep_float32_state(name, dtype):
+    w0, grads = _stream(steps=4, shapes=MATRIX)
+    w0 = {k: jnp.asarray(v, dtype=dtype) for k, v in w0.items()}
+    grads = {k: jnp.asarray(v, dtype=dtype) for k, v in grads.items()}
+    opt = ao.ALIASES[name](0.01, update_freq=2)
+    params = w0
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for t in range(4):
+        updates, state = update({k: v[t] for k, v in grads.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert all(v.dtype == jnp.dtype(dtype) for v in params.values())
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    assert all(bool(jnp.isfinite(v.astype(jnp.float32)).all()) for v in params.values())
+
+
+def test_missing_params_with_parameter_scaling_raise():
+    opt = ao.adafacdiag(0.01, scale_parameter=True)
+    params = {"w": jnp.ones((3, 4))}
+    with pytest.raises(ValueError, match="needs params"):
+        opt.update(params, opt.init(params))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_reduces_the_loss(name):
+    key_x, key_w, key_1, key_2 = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(key_x, (64, 8))
+    y = jnp.sin(x @ jax.random.normal(key_w, (8, 1)))
+    params = {
+        "w1": jax.random.normal(key_1, (8, 16)) / jnp.sqrt(8.0),
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(key_2, (16, 1)) / 4.0,
+        "b2": jnp.zeros(1),
+    }
+
+    def loss_fn(p):
+        hidden = jnp.tanh(x @ p["w1"] + p["b1"])
+        return jnp.mean((hidden @ p["w2"] + p["b2"] - y) ** 2)
+
+    opt = ao.ALIASES[name](1e-2, update_freq=5)
+    state = opt.init(params)
+
+    @jax.jit
+    def train_step(p, s):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    losses = []
+    for _ in range(30):
+        params, state, loss = train_step(params, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -1,0 +1,279 @@
+"""The PyTorch adapter (``adadiag_ref.adapters.pytorch``) against the core, for all eight optimizers.
+
+Tolerances: the adapter calls the same core functions on the same torch tensors
+as ``ar.replay`` / ``ar.step``, so trajectories are compared bit for bit
+(``torch.equal``) where the op sequence is identical, and with rtol 1e-12
+(float64) where a second implementation (``torch.optim.AdamW``) is involved.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
+import pytest
+import torch
+from adadiag_ref.adapters import pytorch as at
+
+import adadiag_ref as ar
+
+NAMES = list(ar.OPTIMIZERS)
+CLASSES = at.OPTIMIZER_CLASSES
+SHAPES = [(5, 7), (7,), (6, 2, 2)]  # matrix, vector (1 x n rule), conv kernel (reshaped 6 x 4, transposed)
+STEPS, FREQ = 12, 3  # refreshes at t = 1, 4, 7, 10
+HYPER = {"lr": 0.01, "weight_decay": 0.1, "update_freq": FREQ}
+
+
+def _stream(shape, steps=STEPS, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    grads = torch.randn((steps, *shape), generator=gen, dtype=torch.float64).to(dtype)
+    return w0, grads
+
+
+def _run(opt, params, grads_per_param):
+    """Feed the given gradients; returns the trajectory of each parameter."""
+    trajs = [[] for _ in params]
+    for k in range(len(grads_per_param[0])):
+        for p, gs in zip(params, grads_per_param):
+            p.grad = gs[k].clone()
+        opt.step()
+        for traj, p in zip(trajs, params):
+            traj.append(p.detach().clone())
+    return [torch.stack(t) for t in trajs]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trajectory_equals_core_replay(name):
+    streams = [_stream(s, seed=i) for i, s in enumerate(SHAPES)]
+    params = [torch.nn.Parameter(w0.clone()) for w0, _ in streams]
+    opt = CLASSES[name](params, **HYPER)
+    trajs = _run(opt, params, [g for _, g in streams])
+    for (w0, grads), traj in zip(streams, trajs):
+        ref = ar.replay(name, w0, grads, **HYPER)
+        torch.testing.assert_close(traj, ref, rtol=1e-12, atol=0)
+        assert torch.equal(traj, ref)  # same core calls on the same tensors: bit-identical
+    assert int(opt.state[params[0]]["step"]) == STEPS
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_layout(name):
+    w0, grads = _stream((5, 7), steps=1)
+    p = torch.nn.Parameter(w0.clone())
+    opt = CLASSES[name]([p], **HYPER)
+    _run(opt, [p], [grads])
+    state = opt.state[p]
+    cfg = opt.config()
+    core = ar.init(w0, cfg)
+    expected = {"step"} | {f for f in core._fields[1:] if getattr(core, f) is not None}
+    assert set(state) == expected
+    assert state["step"].dtype == torch.int32 and state["step"].ndim == 0
+    assert all(v.dtype == torch.float64 for k, v in state.items() if k != "step")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip_continues_bit_identically(name):
+    w0, grads = _stream((5, 7), steps=2 * STEPS)
+    p1 = torch.nn.Parameter(w0.clone())
+    opt1 = CLASSES[name]([p1], **HYPER)
+    _run(opt1, [p1], [grads[:5]])
+    buffer = io.BytesIO()
+    torch.save({"param": p1.detach().clone(), "optim": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    p2 = torch.nn.Parameter(saved["param"].clone())
+    opt2 = CLASSES[name]([p2], lr=0.5, update_freq=FREQ, weight_decay=0.1)  # lr comes from the checkpoint
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.param_groups[0]["lr"] == HYPER["lr"]
+    t1 = _run(opt1, [p1], [grads[5:]])[0]
+    t2 = _run(opt2, [p2], [grads[5:]])[0]
+    assert torch.equal(t1, t2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_param_groups_use_their_own_hyperparameters(name):
+    (w_a, g_a), (w_b, g_b) = _stream((5, 7), seed=1), _stream((4, 3), seed=2)
+    a, b = torch.nn.Parameter(w_a.clone()), torch.nn.Parameter(w_b.clone())
+    opt = CLASSES[name](
+        [{"params": [a]}, {"params": [b], "lr": 0.05, "weight_decay": 0.0, "update_freq": 2}],
+        lr=0.01,
+        weight_decay=0.1,
+        update_freq=FREQ,
+    )
+    ta, tb = _run(opt, [a, b], [g_a, g_b])
+    assert torch.equal(ta, ar.replay(name, w_a, g_a, lr=0.01, weight_decay=0.1, update_freq=FREQ))
+    assert torch.equal(tb, ar.replay(name, w_b, g_b, lr=0.05, weight_decay=0.0, update_freq=2))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_grad_and_zero_grad_behave_like_torch_adamw(name):
+    for cls in (CLASSES[name], torch.optim.AdamW):
+        skipped = torch.nn.Parameter(torch.ones(3, 4, dtype=torch.float64))
+        zero = torch.nn.Parameter(torch.ones(3, 4, dtype=torch.float64))
+        opt = cls([skipped, zero], lr=0.01, weight_decay=0.1)
+        zero.grad = torch.zeros_like(zero)
+        for _ in range(3):
+            opt.step()
+        assert torch.equal(skipped, torch.ones(3, 4, dtype=torch.float64)), cls
+        assert skipped not in opt.state or not opt.state[skipped], cls
+        assert torch.isfinite(zero).all(), cls
+        # zero gradient: only the decoupled decay acts, W_3 = (1 - lr wd)^3 W_0 (Adafactor/Hfac: clip keeps U = 0)
+        torch.testing.assert_close(zero.detach(), torch.full((3, 4), (1 - 1e-3) ** 3, dtype=torch.float64))
+
+
+def test_adamw_matches_torch_adamw():
+    w0, grads = _stream((5, 7))
+    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    mine = at.AdamW([p], lr=0.01, weight_decay=0.1)
+    ref = torch.optim.AdamW([q], lr=0.01, weight_decay=0.1)
+    t1, t2 = _run(mine, [p], [grads])[0], _run(ref, [q], [grads])[0]
+    torch.testing.assert_close(t1, t2, rtol=1e-12, atol=1e-14)  # two implementations: equal to rounding
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deepcopy_continues_identically(name):
+    w0, grads = _stream((5, 7))
+    model = torch.nn.Linear(7, 5, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    opt = CLASSES[name](model.parameters(), **HYPER)
+    _run(opt, [model.weight], [grads[:4]])
+    model2, opt2 = copy.deepcopy((model, opt))
+    assert opt2.param_groups[0]["params"][0] is model2.weight
+    t1 = _run(opt, [model.weight], [grads[4:]])[0]
+    t2 = _run(opt2, [model2.weight], [grads[4:]])[0]
+    assert torch.equal(t1, t2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lr_scheduler_drives_the_core_learning_rate(name):
+    w0, grads = _stream((5, 7))
+    p = torch.nn.Parameter(w0.clone())
+    opt = CLASSES[name]([p], **HYPER)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    traj = []
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        sched.step()
+        traj.append(p.detach().clone())
+    cfg = ar.make_config(name, **HYPER)
+    state, w, ref = ar.init(w0, cfg), w0, []
+    for k, g in enumerate(grads):
+        w, state = ar.step(state, g, cfg, w, lr=0.01 * 0.5 ** (k // 4))
+        ref.append(w)
+    assert torch.equal(torch.stack(traj), torch.stack(ref))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_params_keep_float32_state(name, dtype):
+    w0, grads = _stream((5, 7), dtype=dtype)
+    p = torch.nn.Parameter(w0.clone())
+    opt = CLASSES[name]([p], **HYPER)
+    traj = _run(opt, [p], [grads])[0]
+    assert traj.dtype == dtype
+    assert all(v.dtype == torch.float32 for k, v in opt.state[p].items() if k != "step")
+    assert torch.equal(traj, ar.replay(name, w0, grads, **HYPER))
+    # a checkpoint keeps the float32 state (torch's default loader would cast it to the parameter's dtype)
+    opt2 = CLASSES[name]([torch.nn.Parameter(w0.clone())], **HYPER)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    state2 = next(iter(opt2.state.values()))
+    assert all(v.dtype == torch.float32 for k, v in state2.items() if k != "step")
+    assert all(torch.equal(state2[k], v) for k, v in opt.state[p].items())
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag_pp", "hfacdiag"])
+def test_maximize_equals_negated_gradients(name):
+    w0, grads = _stream((5, 7))
+    p, q = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    t1 = _run(CLASSES[name]([p], maximize=True, **HYPER), [p], [grads])[0]
+    t2 = _run(CLASSES[name]([q], **HYPER), [q], [-grads])[0]
+    assert torch.equal(t1, t2)
+
+
+def test_invalid_gradients_leave_every_state_untouched():
+    (w_a, g_a), (w_b, g_b) = _stream((5, 7), seed=1), _stream((4, 3), seed=2)
+    a, b = torch.nn.Parameter(w_a.clone()), torch.nn.Parameter(w_b.clone())
+    opt = at.AdaDiag([a, b], **HYPER)
+    _run(opt, [a, b], [g_a[:2], g_b[:2]])
+    before = copy.deepcopy((a.detach(), b.detach(), opt.state_dict()["state"]))
+    a.grad = g_a[2].clone()
+    b.grad = torch.full_like(b, float("nan"))  # the second parameter is bad: the first must not move either
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        opt.step()
+    after = (a.detach(), b.detach(), opt.state_dict()["state"])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    for i in (0, 1):
+        assert all(torch.equal(before[2][i][k], after[2][i][k]) for k in before[2][i])
+
+
+def test_sparse_and_complex_gradients_are_rejected():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = at.AdaDiag(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    c = torch.nn.Parameter(torch.ones(3, 3, dtype=torch.complex128))
+    c.grad = torch.ones_like(c)
+    with pytest.raises(RuntimeError, match="complex"):
+        at.AdaDiag([c]).step()
+
+
+def test_invalid_hyperparameters_raise_at_construction():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="beta1"):
+        at.AdaDiag([p], betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="unknown option"):
+        at.AdaDiag([p], clip_threshold=1.0)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        at.CoreOptimizer([p], name="sgd")
+    opt = at.Adafactor([p], momentum=False, clip_threshold=None)
+    assert opt.config().momentum is False
+
+
+def test_step_returns_closure_loss():
+    p = torch.nn.Parameter(torch.ones(3, 2))
+    opt = at.HfacDiag([p], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    assert float(opt.step(closure).detach()) == 6.0
+    assert float((p.detach() ** 2).sum()) < 6.0
+
+
+def _train(name, model, x, y, loss_fn, steps, lr):
+    opt = CLASSES[name](model.parameters(), lr=lr, update_freq=5)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_reduces_the_loss(name):
+    torch.manual_seed(0)
+    lr = 1e-2
+    # two-layer MLP regression
+    x = torch.randn(64, 8)
+    y = torch.sin(x @ torch.randn(8, 1))
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    mlp_losses = _train(name, mlp, x, y, torch.nn.functional.mse_loss, 40, lr)
+    # small CNN classification: conv kernels (out, in, kh, kw) go through the reshape rule
+    images = torch.randn(32, 1, 8, 8)
+    labels = (images.mean(dim=(1, 2, 3)) > 0).long()
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+    )
+    cnn_losses = _train(name, cnn, images, labels, torch.nn.functional.cross_entropy, 30, lr)
+    assert mlp_losses[-1] < 0.5 * mlp_losses[0], mlp_losses
+    assert cnn_losses[-1] < 0.7 * cnn_losses[0], cnn_losses
