@@ -8,6 +8,7 @@ for the exact equations and conventions.
 
 from .config import OPTIMIZERS, AdafactorConfig, AdamConfig, BaseConfig, HfacConfig, default_eps, make_config
 from .linalg import CanonicalSVD, canonical_svd
+from .memory import state_nbytes
 from .optim import check_inputs, init, layout_for, refresh_basis, refresh_due, rotate, step, unrotate, update
 from .replay import replay
 from .state import AdafactorState, AdamState, HfacState
@@ -35,6 +36,7 @@ __all__ = [
     "refresh_due",
     "replay",
     "rotate",
+    "state_nbytes",
     "step",
     "unrotate",
     "update",

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._xp import Array, Namespace, array_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
-from ..linalg import canonical_svd
+from ..linalg import canonical_svd, refresh_method
 from ..state import State
 from .families import FAMILIES, Family
 from .layout import Layout, from_work, layout_for, to_work
@@ -91,7 +91,7 @@ def refresh_basis(state: State, grad: Array, cfg: BaseConfig, *, xp: Namespace |
     if not layout.rotate_left:
         return state
     g = to_work(xp.astype(grad, _work_dtype(state, xp)), layout, xp)
-    svd = canonical_svd(g, compute_p=True, compute_q=layout.rotate_right, xp=xp)
+    svd = canonical_svd(g, compute_p=True, compute_q=layout.rotate_right, method=refresh_method(), xp=xp)
     return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
 
 

@@ -1,0 +1,303 @@
+"""Optional numba fast paths for the NumPy backend (the reference stays the generic code).
+
+Two layers live here:
+
+* **Functional kernels** (:func:`adam_direction`, :func:`adafactor_direction`,
+  :func:`hfac_direction`).  They compute exactly what the generic family
+  ``direction`` functions compute (``adadiag_ref.optim.families``) in one or two
+  fused passes, writing into freshly allocated outputs (the core is functional,
+  so inputs are never mutated).  The families call them automatically when the
+  namespace is NumPy, numba is importable and the fast path is enabled.  They
+  agree with the generic path to rounding (tested at ``rtol = 1e-12`` in
+  float64): the same formulas in the same order; only the positive sums
+  ``sum(G~^2 + eps)`` and ``sum(U^2)`` are accumulated sequentially instead of
+  pairwise.
+* **In-place kernels** (``*_inplace``) used by the benchmark's in-place
+  "engine" (``adadiag_ref.perf.engine``), the fast embedding path: they mutate
+  preallocated moment buffers and write the direction into a preallocated
+  output, so a whole step moves each array once.
+
+Switch: ``ADADIAG_REF_NUMBA=0`` in the environment or :func:`set_fast_path`
+(``False``) turns the functional fast path off.
+
+Thread policy: every kernel here is serial (``parallel=False``) except the
+``*_parallel`` in-place AdamW kernel, which is only used where no BLAS call runs
+in the same step (unrotated parameters).  BLAS owns the cores during GEMMs; a
+numba thread pool spinning next to OpenBLAS's threads doubles step times on
+small machines (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AVAILABLE",
+    "adafactor_direction",
+    "adam_direction",
+    "adamw_inplace",
+    "fast_path_enabled",
+    "hfac_direction",
+    "set_fast_path",
+]
+
+try:  # numba is optional
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only without numba
+    numba = None  # type: ignore[assignment]
+    AVAILABLE = False
+
+_ENABLED = os.environ.get("ADADIAG_REF_NUMBA", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_fast_path(enabled: bool) -> bool:
+    """Turn the numba fast path on or off; returns the previous setting."""
+    global _ENABLED
+    previous = _ENABLED
+    _ENABLED = bool(enabled)
+    return previous
+
+
+def fast_path_enabled() -> bool:
+    """Whether the families will route NumPy work through numba (installed and switched on)."""
+    return AVAILABLE and _ENABLED
+
+
+def usable(xp: Any, *arrays: Any) -> bool:
+    """True when the fast path applies: enabled, and every array is a float32/float64 NumPy array."""
+    if not (AVAILABLE and _ENABLED):
+        return False
+    dtype = None
+    for a in arrays:
+        if a is None:
+            continue
+        if type(a) is not np.ndarray or a.dtype not in (np.float32, np.float64):
+            return False
+        if dtype is None:
+            dtype = a.dtype
+        elif a.dtype != dtype:
+            return False
+    return dtype is not None
+
+
+def _jit(fn: Any) -> Any:
+    if numba is None:  # pragma: no cover
+        return fn
+    return numba.njit(cache=True, nogil=True, parallel=False, fastmath=False)(fn)
+
+
+# ----------------------------------------------------------------------------- functional kernels
+
+
+@_jit
+def _adam_kernel(M0, V0, g, b1, c1, b2, c2, eps, M, V, U):  # type: ignore[no-untyped-def]
+    m, n = g.shape
+    for i in range(m):
+        for j in range(n):
+            x = g[i, j]
+            mij = b1 * M0[i, j] + c1 * x
+            vij = b2 * V0[i, j] + c2 * (x * x)
+            M[i, j] = mij
+            V[i, j] = vij
+            U[i, j] = mij / (math.sqrt(vij) + eps)
+
+
+def _scalar(x: Any, dtype: Any) -> Any:
+    return np.asarray(x, dtype=dtype)[()]
+
+
+def adam_direction(M0: np.ndarray, V0: np.ndarray, g: np.ndarray, b1_t: Any, b2_t: Any, eps: float) -> tuple:
+    """``M = b1 M0 + (1 - b1) G~``, ``V = b2 V0 + (1 - b2) G~^2``, ``U = M / (sqrt(V) + eps)`` in one pass."""
+    dt = g.dtype
+    b1, b2 = _scalar(b1_t, dt), _scalar(b2_t, dt)
+    c1, c2 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt), _scalar(1.0 - np.asarray(b2_t, dtype=dt), dt)
+    M = np.empty(g.shape, dtype=dt)
+    V = np.empty(g.shape, dtype=dt)
+    U = np.empty(g.shape, dtype=dt)
+    _adam_kernel(M0, V0, g, b1, c1, b2, c2, _scalar(eps, dt), M, V, U)
+    return M, V, U
+
+
+@_jit
+def _square_sums(g, eps, rows, cols):  # type: ignore[no-untyped-def]
+    """rows[i] = sum_j (g_ij^2 + eps), cols[j] = sum_i (g_ij^2 + eps), accumulated in float64."""
+    m, n = g.shape
+    acc_c = np.zeros(n, dtype=np.float64)
+    for i in range(m):
+        acc = 0.0
+        for j in range(n):
+            x = g[i, j]
+            sq = x * x + eps
+            acc += sq
+            acc_c[j] += sq
+        rows[i] = acc
+    for j in range(n):
+        cols[j] = acc_c[j]
+
+
+@_jit
+def _normalise(g, sqrt_total, sqrt_r, sqrt_s, U):  # type: ignore[no-untyped-def]
+    """U = G~ sqrt(1^T r) / (sqrt(r) sqrt(s)^T) (= G~ / sqrt(V), factored form); returns sum(U^2) in float64."""
+    m, n = g.shape
+    acc = 0.0
+    for i in range(m):
+        sri = sqrt_r[i]
+        for j in range(n):
+            u = g[i, j] * sqrt_total / (sri * sqrt_s[j])
+            U[i, j] = u
+            acc += float(u) * float(u)
+    return acc
+
+
+@_jit
+def _clip_momentum(U, divisor, M0, b1, c1, M):  # type: ignore[no-untyped-def]
+    m, n = U.shape
+    for i in range(m):
+        for j in range(n):
+            M[i, j] = b1 * M0[i, j] + c1 * (U[i, j] / divisor)
+
+
+@_jit
+def _clip(U, divisor):  # type: ignore[no-untyped-def]
+    m, n = U.shape
+    for i in range(m):
+        for j in range(n):
+            U[i, j] = U[i, j] / divisor
+
+
+@_jit
+def _hfac_combine(U, divisor, phi, psi):  # type: ignore[no-untyped-def]
+    m, n = U.shape
+    for i in range(m):
+        for j in range(n):
+            U[i, j] = 0.5 * (phi[i] + psi[j]) + U[i, j] / divisor
+
+
+def _ema(beta_t: Any, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    return beta_t * old + (1.0 - beta_t) * new  # type: ignore[no-any-return]
+
+
+def _factored(r0: np.ndarray, s0: np.ndarray, g: np.ndarray, eps: float, beta2_t: Any) -> tuple:
+    dt = g.dtype
+    m, n = g.shape
+    rows = np.empty(m, dtype=dt)
+    cols = np.empty(n, dtype=dt)
+    _square_sums(g, _scalar(eps, dt), rows, cols)
+    r = _ema(beta2_t, r0, rows)
+    s = _ema(beta2_t, s0, cols)
+    return r, s
+
+
+def _clip_divisor(sum_sq: float, size: int, threshold: float | None, dt: Any) -> Any:
+    if threshold is None:
+        return None
+    rms = np.sqrt(np.asarray(sum_sq / size, dtype=dt))
+    ratio = rms / threshold
+    return _scalar(np.maximum(ratio, np.ones_like(ratio)), dt)
+
+
+def adafactor_direction(
+    r0: np.ndarray,
+    s0: np.ndarray,
+    M0: np.ndarray | None,
+    g: np.ndarray,
+    eps: float,
+    beta2_t: Any,
+    b1_t: Any,
+    clip_threshold: float | None,
+) -> tuple:
+    """Adafactor/AdafacDiag direction: factored ``V``, ``U = clip(G~ / sqrt(V))``, optional momentum.
+
+    Returns ``(U, M, r, s)`` (``M`` is ``None`` without momentum; then ``U`` is the clipped direction).
+    """
+    dt = g.dtype
+    r, s = _factored(r0, s0, g, eps, beta2_t)
+    U = np.empty(g.shape, dtype=dt)
+    sum_sq = _normalise(g, _scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
+    divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
+    if M0 is None:
+        if divisor is not None:
+            _clip(U, divisor)
+        return U, None, r, s
+    b1 = _scalar(b1_t, dt)
+    c1 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt)
+    M = np.empty(g.shape, dtype=dt)
+    _clip_momentum(U, divisor if divisor is not None else _scalar(1.0, dt), M0, b1, c1, M)
+    return M, M, r, s
+
+
+def hfac_direction(
+    u0: np.ndarray,
+    v0: np.ndarray,
+    r0: np.ndarray,
+    s0: np.ndarray,
+    g: np.ndarray,
+    eps: float,
+    b1_t: Any,
+    b2_t: Any,
+    clip_threshold: float | None,
+) -> tuple:
+    """Hfac/HfacDiag direction (see ``families._hfac_direction``); returns ``(U, u, v, r, s)``."""
+    dt = g.dtype
+    m, n = g.shape
+    row_mean = np.mean(g, axis=1)
+    col_mean = np.mean(g, axis=0)
+    u = _ema(b1_t, u0, row_mean)
+    v = _ema(b1_t, v0, col_mean)
+    r, s = _factored(r0, s0, g, eps, b2_t)
+    phi = b1_t * (u - row_mean) / np.sqrt(r / n)
+    psi = b1_t * (v - col_mean) / np.sqrt(s / m)
+    U = np.empty(g.shape, dtype=dt)
+    sum_sq = _normalise(g, _scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
+    divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
+    _hfac_combine(U, divisor if divisor is not None else _scalar(1.0, dt), phi.astype(dt), psi.astype(dt))
+    return U, u, v, r, s
+
+
+# ----------------------------------------------------------------------------- in-place kernels (engine)
+
+
+@_jit
+def adam_moments_inplace(M, V, g, b1, c1, b2, c2, eps, out):  # type: ignore[no-untyped-def]
+    """In place: ``M, V`` updated, ``out = M / (sqrt(V) + eps)`` (``out`` may alias ``g``)."""
+    m, n = g.shape
+    for i in range(m):
+        for j in range(n):
+            x = g[i, j]
+            mij = b1 * M[i, j] + c1 * x
+            vij = b2 * V[i, j] + c2 * (x * x)
+            M[i, j] = mij
+            V[i, j] = vij
+            out[i, j] = mij / (math.sqrt(vij) + eps)
+
+
+@_jit
+def apply_update_inplace(W, D, lr, wd):  # type: ignore[no-untyped-def]
+    """In place: ``W -= lr (D + wd W)`` (flat 1-D views)."""
+    for k in range(W.shape[0]):
+        w = W[k]
+        W[k] = w - lr * (D[k] + wd * w)
+
+
+def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-untyped-def]
+    for k in numba.prange(W.shape[0]):
+        x = g[k]
+        mk = b1 * M[k] + c1 * x
+        vk = b2 * V[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        w = W[k]
+        W[k] = w - lr * (mk / (math.sqrt(vk) + eps) + wd * w)
+
+
+if numba is not None:
+    adamw_inplace = numba.njit(cache=True, nogil=True, parallel=False, fastmath=False)(_adamw_flat)
+    adamw_inplace_parallel = numba.njit(cache=True, nogil=True, parallel=True, fastmath=False)(_adamw_flat)
+else:  # pragma: no cover
+    adamw_inplace = adamw_inplace_parallel = _adamw_flat

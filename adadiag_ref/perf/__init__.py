@@ -1,0 +1,1 @@
+"""Performance tooling: the in-place benchmark engine, the ``bench`` and ``memory`` CLI subcommands."""

@@ -1,0 +1,68 @@
+"""CLI subcommands ``bench`` and ``memory`` (wired into ``adadiag-ref`` by the main CLI)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, state_nbytes
+
+__all__ = ["add_parser", "main", "run_bench", "run_memory"]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    run(args.model, quick=args.quick, reps=args.reps, period=args.period, use_torch=not args.no_torch,
+        refresh=not args.no_refresh, functional=not args.no_functional)  # fmt: skip
+    return 0
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    models = args.model or list(LLAMA_CONFIGS)
+    unit = {"paper": PAPER_GB, "GB": 1e9, "GiB": 2.0**30}[args.unit]
+    cols = list(LLAMA_CONFIGS)
+    print(f"optimizer-state memory, {args.dtype}, rule={args.rule}, G = {unit:.4g} bytes")
+    header = f"{'optimizer':26s}" + "".join(f"{m:>13s}" for m in models)
+    print(header + ("   paper" if args.rule == "paper" and args.dtype in ("bf16", "bfloat16") else ""))
+    for label, (name, opts) in PAPER_ROWS.items():
+        vals = [state_nbytes(m, name, dtype=args.dtype, rule=args.rule, **opts) / unit for m in models]
+        line = f"{label:26s}" + "".join(f"{v:12.2f}G" for v in vals)
+        if args.rule == "paper" and args.dtype in ("bf16", "bfloat16") and args.unit == "paper":
+            paper = [PAPER_MEMORY_TABLE[label][cols.index(m)] for m in models]
+            match = all(round(v, 2) == p for v, p in zip(vals, paper))
+            line += "   " + " ".join(f"{p:.2f}" for p in paper) + ("  match" if match else "  MISMATCH")
+        print(line)
+    print(f"{'GaLore rank-r=m/4':26s}" + "".join(f"{'n/a':>13s}" for _ in models)
+          + "   not an optimizer of this library (see docs/performance.md)")  # fmt: skip
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench`` and ``memory`` on an argparse ``subparsers`` object."""
+    b = subparsers.add_parser("bench", help="step-time benchmark against the measured roofline and PyTorch")
+    b.add_argument("--model", default="llama-60m", choices=["llama-60m", "llama-130m"])
+    b.add_argument("--quick", action="store_true", help="tiny shapes, a few seconds (smoke test)")
+    b.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    b.add_argument("--period", type=int, default=200, help="refresh period T for the amortised cost")
+    b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
+    b.add_argument("--no-refresh", action="store_true", help="skip the basis-refresh timing")
+    b.add_argument("--no-functional", action="store_true", help="skip the functional ar.update timings")
+    b.set_defaults(func=run_bench)
+    m = subparsers.add_parser("memory", help="optimizer-state memory (the paper's table) from the state layout")
+    m.add_argument("--model", action="append", choices=list(LLAMA_CONFIGS), help="repeatable; default all four")
+    m.add_argument("--dtype", default="bf16", help="bf16 (paper), fp16, fp32, fp64")
+    m.add_argument("--rule", default="paper", choices=["paper", "all"])
+    m.add_argument("--unit", default="paper", choices=["paper", "GB", "GiB"], help="paper: G = 1.024e9 bytes")
+    m.set_defaults(func=run_memory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="adadiag-ref")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
