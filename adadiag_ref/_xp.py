@@ -27,6 +27,7 @@ __all__ = [
     "Array",
     "Namespace",
     "array_device",
+    "creation_device",
     "float_dtype_name",
     "is_float64",
     "namespace",
@@ -40,6 +41,20 @@ def namespace(*arrays: Array, xp: Namespace | None = None) -> Namespace:
     if xp is not None:
         return xp
     return array_namespace(*(a for a in arrays if a is not None))
+
+
+def creation_device(x: Array) -> Any:
+    """The ``device=`` to create new arrays next to ``x``.
+
+    A JAX array sharded over several devices reports its sharding as its device;
+    that sharding fits only arrays of its own rank, so new arrays (a 0-d counter,
+    an ``m x m`` basis) are created with ``device=None`` and left to JAX's placement.
+    """
+    dev = array_device(x)
+    device_set = getattr(dev, "device_set", None)
+    if device_set is not None and len(device_set) > 1:
+        return None
+    return dev
 
 
 def is_float64(dtype: Any, xp: Namespace) -> bool:

@@ -95,9 +95,9 @@ def sign_canonical(B: Array, rtol: float, *, xp: Namespace | None = None) -> Arr
 
 
 def _device_of(x: Array) -> object:
-    from ._xp import array_device
+    from ._xp import creation_device
 
-    return array_device(x)
+    return creation_device(x)
 
 
 def _pivoted_gram_schmidt(X: Array, count: int, against: Array | None, rtol: float, xp: Namespace) -> Array:

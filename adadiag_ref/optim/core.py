@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._xp import Array, Namespace, array_device, float_dtype_name, namespace, state_dtype
+from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import canonical_svd, refresh_method
 from ..state import State
@@ -67,7 +67,7 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     xp = namespace(param, xp=xp)
     layout = layout_for(tuple(param.shape), cfg)
     dtype = state_dtype(param.dtype, xp, cfg.state_dtype)
-    device = array_device(param)
+    device = creation_device(param)
     m, n = layout.rows, layout.cols
     P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
     Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
