@@ -15,10 +15,17 @@ _SUBCOMMAND_MODULES = ("adadiag_ref.ode.cli", "adadiag_ref.golden.cli", "adadiag
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import run_report
+    from .report import golden_summary, memory_summary, plot_curves, run_report
 
-    run_report(steps=args.steps, backends=args.backend or None)
-    return 0
+    rows = run_report(steps=args.steps, backends=args.backend or None)
+    if args.plot:
+        plot_curves(rows, args.plot)
+        print(f"loss curves written to {args.plot}")
+    print()
+    ok = golden_summary()
+    print()
+    memory_summary()
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--backend", action="append", choices=["numpy", "torch", "jax", "cupy"], help="restrict to backend(s)"
     )
+    report.add_argument("--plot", metavar="PNG", help="also draw the loss curves (needs matplotlib)")
     report.set_defaults(func=_report)
     for module_name in _SUBCOMMAND_MODULES:
         try:

@@ -1,9 +1,11 @@
-"""``adadiag-ref report``: every optimizer on a small matrix problem, on every installed backend.
+"""``adadiag-ref report``: the main job.
 
-The problem is the ill-conditioned matrix least squares
-``L(W) = 0.5 ||A W B - C||_F^2`` (m x n parameter), where rotations matter.
-For each backend the report prints the loss at a few checkpoints and the
-median wall time of one eager ``step`` for every optimizer.
+1. Every optimizer on the ill-conditioned matrix least squares
+   ``L(W) = 0.5 ||A W B - C||_F^2`` (m x n parameter, where rotations matter),
+   on every installed backend: the loss at a few checkpoints and the median wall
+   time of one eager ``step``.
+2. The shipped golden fixtures verified against the live core.
+3. The paper's memory table reproduced from the library's state layout.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class ReportRow(NamedTuple):
     optimizer: str
     losses: tuple[float, ...]
     step_ms: float
+    curve: tuple[float, ...] = ()
 
 
 def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints: Sequence[int]) -> ReportRow:
@@ -92,15 +95,17 @@ def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints:
     state = init(W, cfg)
     losses: list[float] = []
     times: list[float] = []
+    curve: list[float] = []
     for t in range(1, steps + 1):
         loss, G = loss_and_grad(W)
+        curve.append(loss)
         if t in checkpoints:
             losses.append(loss)
         start = time.perf_counter()
         W, state = step(state, G, cfg, W)
         to_numpy(W[:1, :1])  # synchronise asynchronous backends before stopping the clock
         times.append(time.perf_counter() - start)
-    return ReportRow("", name, tuple(losses), 1e3 * statistics.median(times))
+    return ReportRow("", name, tuple(losses), 1e3 * statistics.median(times), tuple(curve))
 
 
 def run_report(
@@ -134,3 +139,50 @@ def run_report(
                 print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
             out(f"{b:8} {name:14}" + "".join(f" {v:11.4e}" for v in row.losses) + f"   {row.step_ms:7.3f}")
     return rows
+
+
+def plot_curves(rows: Sequence[ReportRow], path: str) -> None:
+    """Loss against step for every optimizer (first backend), log scale, written to ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise SystemExit("--plot needs matplotlib: pip install 'adadiag-ref[plot]'") from exc
+    backend = rows[0].backend
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for row in rows:
+        if row.backend == backend:
+            style = "-" if "diag" in row.optimizer else "--"
+            ax.semilogy(range(1, len(row.curve) + 1), row.curve, style, label=row.optimizer)
+    ax.set_xlabel("step t")
+    ax.set_ylabel("L(W_t) = 0.5 ||A W B - C||^2")
+    ax.set_title(f"adadiag-ref report ({backend}): rotated (solid) vs baselines (dashed)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(ncol=2, fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def golden_summary(out: Callable[[str], None] = print) -> bool:
+    """Verify the shipped golden fixtures against the live core; print one line (and any failure)."""
+    from .golden import verify
+
+    results = verify()
+    failed = [r for r in results if not r.passed]
+    out(f"golden fixtures: {len(results) - len(failed)}/{len(results)} cases match the live core")
+    for r in failed:
+        out("  " + r.summary())
+    return not failed
+
+
+def memory_summary(out: Callable[[str], None] = print) -> None:
+    """The paper's memory table (LLaMA, bf16) from :func:`adadiag_ref.state_nbytes`."""
+    from .memory import LLAMA_CONFIGS, PAPER_GB, paper_memory_table
+
+    table = paper_memory_table()
+    out(f"optimizer-state memory, bf16, G = {PAPER_GB:.4g} bytes (adadiag-ref memory for details)")
+    out(f"{'optimizer':26}" + "".join(f"{m:>12}" for m in LLAMA_CONFIGS))
+    for label, row in table.items():
+        out(f"{label:26}" + "".join(f"{row[m] / PAPER_GB:11.2f}G" for m in LLAMA_CONFIGS))

@@ -1,0 +1,34 @@
+"""The main job: ``adadiag-ref report``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import adadiag_ref as ar
+from adadiag_ref.cli import main
+
+
+def test_report_prints_every_optimizer_golden_and_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "curves.png"
+    assert main(["report", "--steps", "20", "--backend", "numpy", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for name in ar.OPTIMIZERS:
+        assert f"numpy    {name}" in out
+    assert "golden fixtures: 75/75 cases match" in out
+    assert "AdaDiag++" in out and "11.59G" in out  # the paper's memory table, 1.3B column
+    assert png.stat().st_size > 10_000
+
+
+def test_report_losses_decrease() -> None:
+    from adadiag_ref.report import run_report
+
+    rows = run_report(steps=60, backends=["numpy"], out=lambda _: None, progress=False)
+    for row in rows:
+        assert row.losses[-1] < row.losses[0], row.optimizer
+
+
+def test_unknown_subcommand_is_an_error() -> None:
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
