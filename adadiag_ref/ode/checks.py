@@ -1,0 +1,472 @@
+r"""``check(...) -> CheckResult``: integrate one system on one problem and judge the Hamiltonian claims.
+
+What is measured (``t`` runs over the accepted steps ``t_0 < t_1 < ... < t_N = T``):
+
+* **largest increase of H**: ``max_k (H(y_{k+1}) - H(y_k))`` (absolute and relative
+  to ``|H(0)|``), compared with the *local error estimate* of ``H`` on that step.
+  The estimate is Richardson's ``|H(y_h) - H(y_{h/2,h/2})| 2^p / (2^p - 1)`` (the
+  step redone as two half steps), or the embedded one ``|H(y_1) - H(y_1 - y_err)|``
+  when larger.  An increase within a few estimates (plus rounding) is discretisation
+  error, not a property of the ODE.
+* **closed-form dH/dt** along the saved states: ``max dH/dt > 0`` means the ODE
+  itself increases ``H`` there, i.e. the claim ``dH/dt <= 0`` fails on this trajectory.
+* **energy balance** ``H(0) - H(T) = int_0^T -dH/dt dt``, the integral by Simpson's
+  rule on every step (midpoints from the dense output), each step with the basis in
+  force on it.
+* **gradient**: ``||grad L||`` at the start, at the end and its largest value on the
+  tail (the last 10 % of ``[0, T]``).
+* **invariants**: ``min V``, ``min r``, ``min s`` (they must stay >= 0; positive for ``H``).
+* **observed order** (optional): see :func:`~.reference.observed_order`.
+
+**Well-posedness.**  The Adam family needs ``eps > 0`` or ``V > 0``; ``H`` and
+``dH/dt`` need ``V > 0`` (``H`` is not differentiable at ``V = 0``), which holds
+for all ``t`` once ``V(0) > 0`` because ``V' >= -b V``.  ``V(0) = 0`` (the
+discrete optimizer's zero start) with small ``eps`` makes ``W' = -M / eps``
+initially: the system is stiff, of stiffness ``~ 1 / (sqrt(V) + eps)``.  The
+factored families need ``r, s > 0`` (``V^ = r s^T / 1^T r`` is ``0/0`` at zero);
+:func:`~.systems.initial_state`'s default start guarantees both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._arrays import Array, namespace_of, scalar
+from .controllers import ConstantStepSize, PIController
+from .integrate import BasisSchedule, SaveAt, Solution, integrate
+from .problems import Problem
+from .reference import OrderResult, observed_order
+from .solvers import Solver, interpolate, make_solver
+from .systems import AdafactorODEState, AdamODEState, Basis, HfacODEState, System
+from .terms import SystemTerm
+
+__all__ = ["CheckResult", "Trajectory", "check", "well_posedness"]
+
+_EPS64 = float(np.finfo(np.float64).eps)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """Per saved state diagnostics (host arrays), for plots."""
+
+    t: np.ndarray
+    H: np.ndarray
+    L: np.ndarray
+    grad_norm: np.ndarray
+    dHdt: np.ndarray
+    step_sizes: np.ndarray
+    refresh_times: np.ndarray
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Everything :func:`check` measured; :meth:`to_dict` gives the JSON form.
+
+    ``verdict`` is one of
+
+    * ``"monotone"``: ``dH/dt <= 0`` at every sampled state (step ends and midpoints)
+      and no step increased ``H`` beyond rounding;
+    * ``"within_error"``: ``dH/dt <= 0`` at every sampled state, but some step increased
+      ``H`` by no more than a few local error estimates (discretisation error: the
+      discrete trajectory is not monotone, the ODE's is);
+    * ``"violated"``: the closed-form ``dH/dt`` is positive somewhere (the ODE itself
+      increases ``H``; see ``docs/errata.md``);
+    * ``"numerical_increase"``: ``dH/dt <= 0`` at every sampled state, yet a step increased
+      ``H`` beyond its error estimate (unresolved dynamics or an unreliable estimate);
+    * ``"failed"``: the integration did not reach ``T`` (``status``);
+    * ``"ill_posed"``: the initial state is outside the system's domain (e.g. ``r = 0``);
+      nothing was integrated.
+    """
+
+    system: str
+    problem: str
+    integrator: str
+    t_end: float
+    status: str
+    verdict: str
+    message: str
+    h0: float
+    h_end: float
+    loss0: float
+    loss_end: float
+    optimal_value: float | None
+    max_h_increase: float
+    max_h_increase_rel: float
+    t_max_h_increase: float
+    local_error_estimate: float
+    increase_tolerance: float
+    max_dhdt: float
+    t_max_dhdt: float
+    energy_drop: float
+    energy_integral: float
+    energy_residual: float
+    energy_residual_rel: float
+    grad_norm0: float
+    grad_norm_end: float
+    grad_norm_tail: float
+    min_second_moment: float | None
+    invariants_ok: bool
+    well_posed: bool
+    notes: tuple[str, ...]
+    n_steps: int
+    n_rejected: int
+    n_evals: int
+    n_check_evals: int
+    wall_time: float
+    observed_order: float | None = None
+    order_dts: tuple[float, ...] = ()
+    order_errors: tuple[float, ...] = ()
+    trajectory: Trajectory | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite floats become ``None``; the trajectory is left out)."""
+        out = {k: v for k, v in asdict(self).items() if k != "trajectory"}
+        for key, value in out.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+            elif isinstance(value, tuple):
+                out[key] = [None if isinstance(x, float) and not math.isfinite(x) else x for x in value]
+        return out
+
+
+def well_posedness(system: System, state: Any) -> tuple[bool, list[str]]:
+    """Whether ``H`` and the vector field are well defined at ``state``, with explanatory notes."""
+    xp = namespace_of(state.W)
+    notes: list[str] = []
+    ok = True
+    if isinstance(state, AdamODEState):
+        vmin = scalar(xp.min(state.V))
+        dmin = math.sqrt(max(vmin, 0.0)) + system.eps
+        if vmin < 0:
+            ok = False
+            notes.append(f"V has a negative entry ({vmin:.3g}): sqrt(V) is undefined")
+        elif vmin == 0 and system.eps == 0:
+            ok = False
+            notes.append("V = 0 with eps = 0: W' = -M / sqrt(V) divides by zero")
+        elif vmin == 0:
+            notes.append(
+                "V = 0 somewhere: H is not differentiable there, and W' = -M / eps "
+                f"(1/eps = {1 / system.eps:.3g}) makes the start stiff"
+            )
+        if ok and dmin < 1e-4:
+            notes.append(
+                f"min(sqrt(V) + eps) = {dmin:.3g}: the preconditioner 1/(sqrt(V) + eps) reaches {1 / dmin:.3g}, "
+                "so the system is stiff there"
+            )
+    if isinstance(state, AdafactorODEState | HfacODEState):
+        rmin, smin = scalar(xp.min(state.r)), scalar(xp.min(state.s))
+        if rmin <= 0 or smin <= 0:
+            ok = False
+            notes.append(f"r or s not positive (min r {rmin:.3g}, min s {smin:.3g}): V^ = r s^T / 1^T r is undefined")
+        else:
+            R, Sum_s = scalar(xp.sum(state.r)), scalar(xp.sum(state.s))
+            gap = abs(R - Sum_s) / max(R, Sum_s)
+            if gap > 1e-8:
+                notes.append(
+                    f"off the invariant manifold 1^T r = 1^T s (relative gap {gap:.3g}); it decays like exp(-b t)"
+                )
+    if system.b > 4 * system.a and system.family != "momentum":
+        notes.append(f"b = {system.b:g} > 4a = {4 * system.a:g}: dH/dt <= 0 is not guaranteed (docs/errata.md)")
+    return ok, notes
+
+
+def _second_moment_min(states: list[Any], xp: Any) -> float | None:
+    mins = []
+    for s in states:
+        if isinstance(s, AdamODEState):
+            mins.append(scalar(xp.min(s.V)))
+        elif isinstance(s, AdafactorODEState | HfacODEState):
+            mins.append(min(scalar(xp.min(s.r)), scalar(xp.min(s.s))))
+    return min(mins) if mins else None
+
+
+def _richardson_h_error(
+    term: SystemTerm, solver: Solver, t: float, y: Array, h: float, args: Basis
+) -> tuple[float, int]:
+    """Local error estimate of ``H`` over one step, by step doubling; and the evaluations used."""
+    full = solver.step(term, t, y, h, args, solver.init(term, t, y, args))
+    half1 = solver.step(term, t, y, h / 2, args, solver.init(term, t, y, args))
+    half2 = solver.step(term, t + h / 2, half1.y1, h / 2, args, half1.carry)
+    p = solver.order
+    scale = 2.0**p / (2.0**p - 1.0)
+    estimate = abs(term.hamiltonian(half2.y1) - term.hamiltonian(full.y1)) * scale
+    return estimate, full.n_evals + half1.n_evals + half2.n_evals
+
+
+def _default_dt(integrator: str, t_end: float) -> float:
+    return t_end / (200.0 if integrator in ("rk4", "dopri5") else 2000.0)
+
+
+def check(
+    system: System,
+    problem: Problem,
+    integrator: str | Solver = "dopri5",
+    t_end: float = 10.0,
+    *,
+    dt: float | None = None,
+    rtol: float = 1e-8,
+    atol: float = 1e-10,
+    refresh_period: float | None = None,
+    moments: str = "gradient",
+    floor: float = 1e-4,
+    y0: Array | None = None,
+    basis: Basis | None = None,
+    order: bool = False,
+    order_t_end: float | None = None,
+    order_dt0: float | None = None,
+    progress: bool | None = False,
+    max_steps: int = 1_000_000,
+) -> CheckResult:
+    """Integrate ``system`` on ``problem`` over ``[0, t_end]`` and measure everything listed above.
+
+    Args:
+        integrator: ``euler``, ``semi_implicit_euler``, ``rk4``, ``dopri5`` or a solver.
+        dt: fixed step (default ``t_end / 2000`` for Euler-type, ``t_end / 200`` for RK4);
+            ignored by ``dopri5``, which uses a PI controller with ``rtol``, ``atol``.
+        refresh_period: refresh the basis every ``T`` time units from ``t = 0``
+            (``None``: basis of ``grad L(W0)``, fixed).
+        moments, floor: initial moments (:func:`~.systems.initial_state`).
+        y0, basis: start from this flat state / basis instead (e.g. a counterexample).
+        order: also measure the observed order (fixed steps against DOP853) on
+            ``[0, order_t_end]`` (default ``min(t_end, 1)``) from ``order_dt0``.
+        progress: progress bar (``None``: on a TTY).
+    """
+    solver = make_solver(integrator) if isinstance(integrator, str) else integrator
+    term = SystemTerm(system, problem)
+    if basis is None:
+        basis = term.initial_basis()
+    if y0 is None:
+        y0 = term.initial_state(basis, moments=moments, floor=floor)
+    posed, notes = well_posedness(system, term.unpack(y0))
+    if not posed:
+        return _ill_posed(system, problem, solver, term, y0, t_end, notes)
+    schedule = BasisSchedule.every(refresh_period, 0.0, t_end) if refresh_period else None
+    adaptive = solver.error_order is not None
+    controller = PIController(rtol=rtol, atol=atol) if adaptive else ConstantStepSize()
+    step = dt if dt is not None else (None if adaptive else _default_dt(solver.name, t_end))
+    sol = integrate(
+        term,
+        solver,
+        0.0,
+        t_end,
+        y0,
+        basis,
+        dt0=step,
+        controller=controller,
+        saveat=SaveAt(steps=True, dense=True, errors=True),
+        basis_schedule=schedule,
+        max_steps=max_steps,
+        progress=progress,
+    )
+    result = _analyse(system, problem, term, solver, sol, t_end)
+    if order:
+        t_ord = min(t_end, 1.0) if order_t_end is None else order_t_end
+        dt0 = order_dt0 if order_dt0 is not None else t_ord / (10.0 if solver.order >= 4 else 40.0)
+        od = observed_order(term, solver, 0.0, t_ord, y0, basis, dt0=dt0, basis_schedule=schedule)
+        result = _with_order(result, od)
+    return result
+
+
+def _ill_posed(
+    system: System, problem: Problem, solver: Solver, term: SystemTerm, y0: Array, t_end: float, notes: list[str]
+) -> CheckResult:
+    """The result for an initial state where the system is not defined: nothing is integrated."""
+    nan = math.nan
+    g0 = term.grad_norm(y0)
+    loss0 = term.loss(y0)
+    return CheckResult(
+        system=system.name,
+        problem=problem.name,
+        integrator=solver.name,
+        t_end=float(t_end),
+        status="ill_posed",
+        verdict="ill_posed",
+        message="the initial state is outside the domain of the system: " + "; ".join(notes),
+        h0=nan,
+        h_end=nan,
+        loss0=loss0,
+        loss_end=loss0,
+        optimal_value=problem.optimal_value,
+        max_h_increase=nan,
+        max_h_increase_rel=nan,
+        t_max_h_increase=nan,
+        local_error_estimate=nan,
+        increase_tolerance=nan,
+        max_dhdt=nan,
+        t_max_dhdt=nan,
+        energy_drop=nan,
+        energy_integral=nan,
+        energy_residual=nan,
+        energy_residual_rel=nan,
+        grad_norm0=g0,
+        grad_norm_end=g0,
+        grad_norm_tail=g0,
+        min_second_moment=_second_moment_min([term.unpack(y0)], term.xp),
+        invariants_ok=True,
+        well_posed=False,
+        notes=tuple(notes),
+        n_steps=0,
+        n_rejected=0,
+        n_evals=0,
+        n_check_evals=1,
+        wall_time=0.0,
+        trajectory=None,
+    )
+
+
+def _with_order(result: CheckResult, od: OrderResult) -> CheckResult:
+    from dataclasses import replace
+
+    return replace(
+        result,
+        observed_order=od.slope,
+        order_dts=tuple(float(x) for x in od.dts),
+        order_errors=tuple(float(x) for x in od.errors),
+    )
+
+
+def _analyse(
+    system: System, problem: Problem, term: SystemTerm, solver: Solver, sol: Solution, t_end: float
+) -> CheckResult:
+    xp = namespace_of(sol.ys)
+    n = len(sol.ts)
+    ys = [sol.ys[i, :] for i in range(n)]
+    states = [term.unpack(y) for y in ys]
+    # H, L, ||grad L|| and dH/dt at every saved state, with the basis of the step that ended there;
+    # where a refresh starts the next step, dH/dt again with the new basis (H itself does not change)
+    H, L, gnorm, rate_end = (np.empty(n) for _ in range(4))
+    for i in range(n):
+        d = term.diagnostics(float(sol.ts[i]), ys[i], sol.bases[int(sol.segments[i])])
+        H[i], L[i], gnorm[i], rate_end[i] = d
+    check_evals = n
+    rate_start = np.empty(max(n - 1, 0))
+    rate_mid = np.empty(max(n - 1, 0))
+    assert sol.dense is not None
+    for k in range(n - 1):
+        basis = sol.bases[int(sol.segments[k + 1])]
+        if int(sol.segments[k + 1]) == int(sol.segments[k]):
+            rate_start[k] = rate_end[k]
+        else:
+            rate_start[k] = term.hamiltonian_rate(float(sol.ts[k]), ys[k], basis)
+            check_evals += 1
+        t_mid = 0.5 * (float(sol.ts[k]) + float(sol.ts[k + 1]))
+        rate_mid[k] = term.hamiltonian_rate(t_mid, interpolate(sol.dense[k], t_mid), basis)
+        check_evals += 1
+    hs = np.diff(sol.ts)
+    integral = float(np.sum(hs / 6.0 * (rate_start + 4.0 * rate_mid + rate_end[1:]))) if n > 1 else 0.0
+    drop = float(H[0] - H[-1])
+    residual = drop - (-integral)
+    all_rates = np.concatenate([rate_start, rate_mid, rate_end])
+    finite_rates = all_rates[np.isfinite(all_rates)]
+    rate_scale = float(np.max(np.abs(finite_rates))) if finite_rates.size else 0.0
+    i_rate = int(np.argmax(rate_end))
+    max_rate = float(rate_end[i_rate])
+    t_max_rate = float(sol.ts[i_rate])
+    if n > 1 and float(np.max(rate_mid)) > max_rate:
+        k = int(np.argmax(rate_mid))
+        max_rate, t_max_rate = float(rate_mid[k]), float(0.5 * (sol.ts[k] + sol.ts[k + 1]))
+
+    # largest increase of H and its local error estimate
+    dH = np.diff(H)
+    if dH.size:
+        k_inc = int(np.argmax(dH))
+        inc = max(0.0, float(dH[k_inc]))
+    else:
+        k_inc, inc = 0, 0.0
+    estimate = 0.0
+    if dH.size and inc > 0:
+        basis = sol.bases[int(sol.segments[k_inc + 1])]
+        estimate, used = _richardson_h_error(term, solver, float(sol.ts[k_inc]), ys[k_inc], float(hs[k_inc]), basis)
+        check_evals += used
+        if sol.y_errs is not None and sol.y_errs.shape[0] > k_inc:
+            embedded = abs(term.hamiltonian(ys[k_inc + 1]) - term.hamiltonian(ys[k_inc + 1] - sol.y_errs[k_inc, :]))
+            estimate = max(estimate, embedded)
+    rounding = 64.0 * _EPS64 * float(np.max(np.abs(H[max(k_inc, 0) : k_inc + 2]))) if n > 1 else 0.0
+    tolerance = 3.0 * estimate + rounding
+    rate_tol = 1e-10 * max(rate_scale, 1e-300)
+
+    # tail of the gradient norm
+    t0 = float(sol.ts[0])
+    tail = gnorm[sol.ts >= t0 + 0.9 * (sol.t_final - t0)]
+    vmin = _second_moment_min(states, xp)
+    invariants_ok = vmin is None or vmin >= 0.0
+    ok, notes = well_posedness(system, states[0])
+
+    if sol.status != "success":
+        verdict = "failed"
+        message = f"integration stopped at t = {sol.t_final:.6g}: {sol.status}"
+    elif max_rate > rate_tol:
+        verdict = "violated"
+        message = (
+            f"dH/dt = {max_rate:.3g} > 0 at t = {t_max_rate:.4g}: the ODE itself increases H "
+            f"(largest step increase {inc:.3g}, local error estimate {estimate:.3g})"
+        )
+    elif inc > tolerance:
+        verdict = "numerical_increase"
+        message = (
+            f"H rose by {inc:.3g} on one step, more than its local error estimate {estimate:.3g}, "
+            "although dH/dt <= 0 at every sampled state: reduce the step (stiff system?)"
+        )
+    elif inc > rounding:
+        verdict = "within_error"
+        message = (
+            f"dH/dt <= 0 at every sampled state; H rose by {inc:.3g} on one step, within its local error "
+            f"estimate {estimate:.3g} ({estimate / max(abs(H[k_inc]), 1e-300):.2g} of H): discretisation error, "
+            "a smaller step removes it"
+        )
+    else:
+        verdict = "monotone"
+        message = f"H is non-increasing (largest step increase {inc:.3g}, rounding level {rounding:.3g})"
+
+    refresh_times = np.asarray(sol.piece_starts[1:]) if len(sol.piece_starts) > 1 else np.zeros(0)
+    trajectory = Trajectory(
+        t=np.asarray(sol.ts),
+        H=H,
+        L=L,
+        grad_norm=gnorm,
+        dHdt=rate_end,
+        step_sizes=sol.step_sizes,
+        refresh_times=refresh_times,
+    )
+    return CheckResult(
+        system=system.name,
+        problem=problem.name,
+        integrator=solver.name,
+        t_end=float(t_end),
+        status=sol.status,
+        verdict=verdict,
+        message=message,
+        h0=float(H[0]),
+        h_end=float(H[-1]),
+        loss0=float(L[0]),
+        loss_end=float(L[-1]),
+        optimal_value=problem.optimal_value,
+        max_h_increase=inc,
+        max_h_increase_rel=inc / abs(H[0]) if H[0] else math.inf if inc else 0.0,
+        t_max_h_increase=float(sol.ts[k_inc + 1]) if dH.size else 0.0,
+        local_error_estimate=float(estimate),
+        increase_tolerance=float(tolerance),
+        max_dhdt=max_rate,
+        t_max_dhdt=t_max_rate,
+        energy_drop=drop,
+        energy_integral=-integral,
+        energy_residual=residual,
+        energy_residual_rel=abs(residual) / abs(drop) if drop else math.inf if residual else 0.0,
+        grad_norm0=float(gnorm[0]),
+        grad_norm_end=float(gnorm[-1]),
+        grad_norm_tail=float(np.max(tail)) if tail.size else float(gnorm[-1]),
+        min_second_moment=vmin,
+        invariants_ok=bool(invariants_ok),
+        well_posed=ok,
+        notes=tuple(notes),
+        n_steps=sol.n_steps,
+        n_rejected=sol.n_rejected,
+        n_evals=sol.n_evals,
+        n_check_evals=check_evals,
+        wall_time=sol.wall_time,
+        trajectory=trajectory,
+    )

@@ -1,0 +1,196 @@
+"""``adadiag-ref ode``: integrate one optimizer's ODE on one problem and print a verdict.
+
+::
+
+    adadiag-ref ode --optimizer NAME --problem NAME --integrator NAME --t-end X [--json] [--plot out.png]
+
+The main ``adadiag-ref`` command registers this subcommand with :func:`add_parser`;
+``python -m adadiag_ref.ode.cli ...`` runs it on its own (:func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from typing import Any
+
+from .checks import CheckResult, check
+from .problems import PROBLEMS, make_problem
+from .solvers import SOLVERS
+from .systems import ALIASES, SYSTEMS, make_system
+
+__all__ = ["add_parser", "build_parser", "format_report", "main", "run"]
+
+_INTEGRATOR_CHOICES = [*SOLVERS, "sie", "dp5"]
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--optimizer", required=True, choices=[*SYSTEMS, *ALIASES], help="which optimizer's ODE")
+    parser.add_argument("--problem", default="least_squares", choices=list(PROBLEMS), help="test problem")
+    parser.add_argument("--integrator", default="dopri5", choices=_INTEGRATOR_CHOICES, help="time integrator")
+    parser.add_argument("--t-end", type=float, default=10.0, help="final ODE time T (default 10)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--plot", metavar="PATH", help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)")
+    group = parser.add_argument_group("integration")
+    group.add_argument("--dt", type=float, help="fixed step (euler, semi_implicit_euler, rk4); default T/2000 or T/200")
+    group.add_argument("--rtol", type=float, default=1e-8, help="dopri5 relative tolerance (1e-8)")
+    group.add_argument("--atol", type=float, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
+    group.add_argument("--max-steps", type=int, default=1_000_000, help="give up after this many steps")
+    group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
+    bar = group.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show the progress bar"
+    )
+    bar.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show it (default: on a terminal)"
+    )
+    sysg = parser.add_argument_group("system")
+    sysg.add_argument("--a", type=float, default=1.0, help="first-moment rate a (1 - beta1 = a * lr)")
+    sysg.add_argument("--b", type=float, default=1.0, help="second-moment rate b (1 - beta2 = b * lr)")
+    sysg.add_argument("--eps", type=float, help="smoothing term (default: the paper's, 1e-8 or 1e-30)")
+    sysg.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay lambda")
+    sysg.add_argument("--clip-threshold", type=float, help="clipping threshold d (Adafactor update form, Hfac)")
+    sysg.add_argument("--momentum-form", choices=["gradient", "update", "none"], help="Adafactor family: which ODE")
+    sysg.add_argument("--normalization", choices=["paper", "algorithm"], help="Hfac family: sqrt(r) or sqrt(r/n)")
+    sysg.add_argument("--momentum-scale", type=float, help="Hfac family: factor c of phi and psi")
+    sysg.add_argument("--refresh-every", type=float, help="refresh the basis every T time units (default: fixed)")
+    sysg.add_argument("--moments", choices=["gradient", "zero"], default="gradient", help="initial moments")
+    sysg.add_argument("--floor", type=float, default=1e-4, help="relative floor of the initial second moments")
+    sysg.add_argument("--seed", type=int, default=0, help="problem data seed")
+
+
+def build_parser(prog: str = "adadiag-ref ode") -> argparse.ArgumentParser:
+    """A standalone parser for the ``ode`` subcommand."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0] if __doc__ else None)
+    _configure(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ode`` on ``subparsers`` (from ``ArgumentParser.add_subparsers``); sets ``func=run``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "ode",
+        help="integrate an optimizer's ODE and check its Hamiltonian",
+        description="Integrate one optimizer's continuous-time form on a test problem and check dH/dt <= 0.",
+    )
+    _configure(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _system_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"a": args.a, "b": args.b, "weight_decay": args.weight_decay}
+    for name in ("eps", "clip_threshold", "momentum_form", "normalization", "momentum_scale"):
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def _problem_options(name: str, seed: int) -> dict[str, Any]:
+    accepted = inspect.signature(PROBLEMS[name]).parameters
+    return {"seed": seed} if "seed" in accepted else {}
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def format_report(result: CheckResult, system_text: str, problem_text: str, total_time: float) -> str:
+    """The human-readable report printed by ``adadiag-ref ode``."""
+    lines = [
+        f"adadiag-ref ode: {system_text} on {problem_text}, {result.integrator}, t in [0, {result.t_end:g}]",
+        f"  verdict: {result.verdict.upper()} - {result.message}",
+        f"  H(0) = {result.h0:.6g}   H(T) = {result.h_end:.6g}   L(T) = {result.loss_end:.6g}"
+        + (f"   L* = {result.optimal_value:.6g}" if result.optimal_value is not None else ""),
+        f"  largest H increase over a step: {result.max_h_increase:.3g} (relative {result.max_h_increase_rel:.3g})"
+        + (
+            f" at t = {result.t_max_h_increase:.4g}; local error estimate {result.local_error_estimate:.3g}"
+            if result.max_h_increase > 0
+            else ""
+        ),
+        f"  largest dH/dt on the trajectory: {result.max_dhdt:.3g} at t = {result.t_max_dhdt:.4g}",
+        f"  energy balance: H(0) - H(T) = {result.energy_drop:.6g}, int -dH/dt = {result.energy_integral:.6g}, "
+        f"residual {result.energy_residual:.2g} (relative {result.energy_residual_rel:.2g})",
+        f"  ||grad L||: {result.grad_norm0:.4g} -> {result.grad_norm_end:.4g} "
+        f"(largest on the last 10%: {result.grad_norm_tail:.4g})",
+        f"  invariants V, r, s >= 0: {'ok' if result.invariants_ok else 'VIOLATED'} "
+        f"(min {_fmt(result.min_second_moment)})",
+        f"  well posed at t = 0: {'yes' if result.well_posed else 'NO'}",
+    ]
+    lines += [f"    note: {note}" for note in result.notes]
+    if result.observed_order is not None:
+        errs = ", ".join(f"{e:.2e}" for e in result.order_errors)
+        lines.append(f"  observed order: {result.observed_order:.3f} (errors {errs} vs DOP853)")
+    lines.append(
+        f"  steps: {result.n_steps} accepted, {result.n_rejected} rejected, {result.n_evals} evaluations; "
+        f"integration {result.wall_time:.3g} s, total {total_time:.3g} s"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``adadiag-ref ode`` for parsed ``args``.
+
+    Exit status: 0 when the integration reached ``T`` (whatever the verdict), 1 when it
+    stopped early, 2 for invalid options, 3 when the initial state is ill posed.
+    """
+    start = time.perf_counter()
+    try:
+        system = make_system(args.optimizer, **_system_options(args))
+        problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))
+    except ValueError as exc:
+        print(f"adadiag-ref ode: error: {exc}", file=sys.stderr)
+        return 2
+    result = check(
+        system,
+        problem,
+        args.integrator,
+        args.t_end,
+        dt=args.dt,
+        rtol=args.rtol,
+        atol=args.atol,
+        refresh_period=args.refresh_every,
+        moments=args.moments,
+        floor=args.floor,
+        order=args.order,
+        progress=args.progress,
+        max_steps=args.max_steps,
+    )
+    plot_path = None
+    if args.plot and result.trajectory is not None:
+        from .plotting import plot_check
+
+        try:
+            plot_path = plot_check(result, args.plot)
+        except RuntimeError as exc:
+            print(f"adadiag-ref ode: error: {exc}", file=sys.stderr)
+            return 2
+    total = time.perf_counter() - start
+    if args.json:
+        payload = result.to_dict()
+        payload.update(
+            {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
+        )
+        if plot_path:
+            payload["plot"] = plot_path
+        print(json.dumps(payload, indent=2, sort_keys=True))
+    else:
+        print(format_report(result, system.describe(), problem.description or problem.name, total))
+        if plot_path:
+            print(f"  plot: {plot_path}")
+    return 0 if result.status == "success" else 1 if result.status != "ill_posed" else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m adadiag_ref.ode.cli ARGS``: parse ``argv`` and :func:`run`."""
+    args = build_parser().parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,270 @@
+r"""One-step solvers: explicit Runge-Kutta from a tableau, and semi-implicit Euler.
+
+A solver advances ``y(t)`` to ``y(t + h)`` and nothing else: accepting steps and
+choosing ``h`` is the controller's job (:mod:`.controllers`), looping and
+saving is :func:`~.integrate.integrate`'s.
+
+* :func:`rk_step` is the one pure Runge-Kutta step, for any :class:`~.tableaus.ButcherTableau`.
+* :class:`ExplicitRK` wraps it (``Euler``, ``RK4``, ``Dopri5``) with the
+  first-same-as-last re-use of ``f(t + h, y_1)`` and a dense interpolant.
+* :class:`SemiImplicitEuler` is the discrete optimizer itself (see its docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ._arrays import Array, namespace_of
+from .tableaus import DOPRI5, DOPRI5_DENSE, EULER, RK4, ButcherTableau
+
+__all__ = [
+    "SOLVERS",
+    "DenseStep",
+    "Dopri5",
+    "Euler",
+    "ExplicitRK",
+    "RK4Solver",
+    "RKStep",
+    "SemiImplicitEuler",
+    "Solver",
+    "StepOutput",
+    "interpolate",
+    "make_solver",
+    "rk_step",
+]
+
+VectorField = Callable[[float, Array, Any], Array]
+
+
+class RKStep(NamedTuple):
+    """Result of :func:`rk_step`: ``y_1``, the embedded error estimate (or ``None``) and the stages."""
+
+    y1: Array
+    y_err: Array | None
+    ks: tuple[Array, ...]
+
+
+def rk_step(
+    f: VectorField, t: float, y: Array, h: float, args: Any, tableau: ButcherTableau, k1: Array | None = None
+) -> RKStep:
+    r"""One explicit Runge-Kutta step (pure)::
+
+        k_i = f(t + c_i h, y + h sum_{j<i} A_ij k_j),   y_1 = y + h sum_i b_i k_i,
+        y_err = h sum_i b_err_i k_i
+
+    ``k1 = f(t, y)`` may be supplied (first-same-as-last re-use).  Zero
+    coefficients are skipped, so the arithmetic is exactly the tableau's.
+    """
+    ks: list[Array] = []
+    for i, (ci, row) in enumerate(zip(tableau.c, tableau.A, strict=True)):
+        if i == 0 and k1 is not None:
+            ks.append(k1)
+            continue
+        yi = y
+        for aij, kj in zip(row, ks, strict=False):
+            if aij != 0.0:
+                yi = yi + (h * aij) * kj
+        ks.append(f(t + ci * h, yi, args))
+    y1 = y
+    for bi, ki in zip(tableau.b, ks, strict=True):
+        if bi != 0.0:
+            y1 = y1 + (h * bi) * ki
+    y_err = None
+    if tableau.b_err is not None:
+        y_err = namespace_of(y).zeros_like(y)
+        for ei, ki in zip(tableau.b_err, ks, strict=True):
+            if ei != 0.0:
+                y_err = y_err + (h * ei) * ki
+    return RKStep(y1, y_err, tuple(ks))
+
+
+class DenseStep(NamedTuple):
+    """Interpolation data of one step on ``[t0, t0 + h]``.
+
+    ``kind`` is ``"linear"`` (coeffs ``y0, y1``), ``"hermite"`` (cubic Hermite,
+    coeffs ``y0, y1, h f0, h f1``) or ``"dopri5"`` (the 4th-order continuous
+    extension, coeffs ``y0, dy, e1, e2, e3``; see :data:`~.tableaus.DOPRI5_DENSE`).
+    """
+
+    kind: str
+    t0: float
+    h: float
+    coeffs: tuple[Array, ...]
+
+
+def interpolate(dense: DenseStep, t: float) -> Array:
+    """``y(t)`` for ``t`` in ``[t0, t0 + h]`` from one step's :class:`DenseStep`."""
+    theta = (t - dense.t0) / dense.h if dense.h else 1.0
+    if dense.kind == "linear":
+        y0, y1 = dense.coeffs
+        return y0 + theta * (y1 - y0)
+    if dense.kind == "hermite":
+        y0, y1, hf0, hf1 = dense.coeffs
+        t2, t3 = theta * theta, theta * theta * theta
+        return (2 * t3 - 3 * t2 + 1) * y0 + (t3 - 2 * t2 + theta) * hf0 + (3 * t2 - 2 * t3) * y1 + (t3 - t2) * hf1
+    y0, dy, e1, e2, e3 = dense.coeffs
+    rest = 1.0 - theta
+    return y0 + theta * (dy + rest * (e1 + theta * (e2 + rest * e3)))
+
+
+class StepOutput(NamedTuple):
+    """One attempted step.
+
+    ``carry`` is for the next step from ``y1`` if this one is accepted, ``retry_carry``
+    for another attempt from the same ``y`` if it is rejected (``f(t, y)`` is not recomputed).
+    """
+
+    y1: Array
+    y_err: Array | None
+    dense: DenseStep
+    carry: Any
+    n_evals: int
+    retry_carry: Any = None
+
+
+class Solver:
+    """Interface of a one-step method.
+
+    ``init(term, t0, y0, args)`` returns the carry for the first step (``None``
+    works for every solver here); ``step(term, t, y, h, args, carry)`` returns a
+    :class:`StepOutput`.  ``carry`` must be re-initialised after ``args``
+    change (a basis refresh).  ``order`` is the global order, ``error_order``
+    that of an embedded estimate (``None`` when there is none).
+    """
+
+    name: str = "solver"
+    order: int = 0
+    error_order: int | None = None
+
+    def init(self, term: Any, t0: float, y0: Array, args: Any) -> Any:
+        """Carry for the first step."""
+        return None
+
+    def step(self, term: Any, t: float, y: Array, h: float, args: Any, carry: Any) -> StepOutput:
+        """Advance from ``(t, y)`` by ``h``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ExplicitRK(Solver):
+    """An explicit Runge-Kutta method given by its tableau.
+
+    The carry is ``f(t, y)`` at the current point: after an accepted step it is
+    ``f(t + h, y_1)``, the last stage for a first-same-as-last tableau, else one
+    extra evaluation, which also gives the cubic Hermite interpolant its end slope.
+    So ``n`` fixed steps of an ``s``-stage non-FSAL method cost ``s n + 1`` evaluations.
+    """
+
+    tableau: ButcherTableau
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.tableau.name
+
+    @property
+    def order(self) -> int:  # type: ignore[override]
+        return self.tableau.order
+
+    @property
+    def error_order(self) -> int | None:  # type: ignore[override]
+        return self.tableau.error_order
+
+    def step(self, term: Any, t: float, y: Array, h: float, args: Any, carry: Any) -> StepOutput:
+        """``rk_step`` plus ``f(t + h, y_1)`` for the next step and the interpolant."""
+        k1 = carry
+        evals = self.tableau.stages - (1 if k1 is not None else 0)
+        out = rk_step(term.vector_field, t, y, h, args, self.tableau, k1)
+        if self.tableau.fsal:
+            f1 = out.ks[-1]
+        else:
+            f1 = term.vector_field(t + h, out.y1, args)
+            evals += 1
+        if self.tableau is DOPRI5:
+            dy = out.y1 - y
+            e1 = h * out.ks[0] - dy
+            e2 = dy - h * f1 - e1
+            e3 = namespace_of(y).zeros_like(y)
+            for di, ki in zip(DOPRI5_DENSE, out.ks, strict=True):
+                if di != 0.0:
+                    e3 = e3 + (h * di) * ki
+            dense = DenseStep("dopri5", t, h, (y, dy, e1, e2, e3))
+        else:
+            dense = DenseStep("hermite", t, h, (y, out.y1, h * out.ks[0], h * f1))
+        return StepOutput(out.y1, out.y_err, dense, f1, evals, out.ks[0])
+
+
+def Euler() -> ExplicitRK:
+    """Explicit Euler, ``y_1 = y + h f(t, y)`` (order 1)."""
+    return ExplicitRK(EULER)
+
+
+def RK4Solver() -> ExplicitRK:
+    """The classical Runge-Kutta method (order 4)."""
+    return ExplicitRK(RK4)
+
+
+def Dopri5() -> ExplicitRK:
+    """Dormand-Prince 5(4) with its 4th-order dense output; use with a :class:`~.controllers.PIController`."""
+    return ExplicitRK(DOPRI5)
+
+
+@dataclass(frozen=True)
+class SemiImplicitEuler(Solver):
+    r"""Semi-implicit (symplectic-style, Gauss-Seidel) Euler over the system's blocks.
+
+    With ``G_k = grad L(W_k)`` evaluated once, the blocks of
+    :func:`~.systems.update_order` are advanced in turn, each by explicit Euler
+    with the newest values of the blocks before it::
+
+        V_{k+1} = V_k + h b (G~_k^2 - V_k)          = beta_2 V_k + (1 - beta_2) G~_k^2
+        M_{k+1} = M_k + h a (G~_k - M_k)            = beta_1 M_k + (1 - beta_1) G~_k
+        W_{k+1} = W_k - h (P M_{k+1} / (sqrt(V_{k+1}) + eps) + lambda W_k)
+
+    which is the discrete optimizer with ``eta = h``, ``beta_1 = 1 - a h``,
+    ``beta_2 = 1 - b h`` and no bias correction, to rounding.  First order.
+    Needs a :class:`~.terms.SystemTerm` (it uses the system's block structure).
+    """
+
+    name: str = "semi_implicit_euler"
+    order: int = 1
+    error_order: int | None = None
+
+    def init(self, term: Any, t0: float, y0: Array, args: Any) -> Any:
+        """The blocks of ``term``, in update order."""
+        if not hasattr(term, "blocks"):
+            raise TypeError("SemiImplicitEuler needs a SystemTerm (a system with an update order)")
+        return term.blocks()
+
+    def step(self, term: Any, t: float, y: Array, h: float, args: Any, carry: Any) -> StepOutput:
+        """One discrete optimizer update: one gradient, then the blocks in order."""
+        blocks = carry if carry is not None else self.init(term, t, y, args)
+        grads = term.gradients(t, y, args)
+        y0 = y
+        for block in blocks:
+            y = y + h * term.field_given_gradients(t, y, grads, args, block)
+        return StepOutput(y, None, DenseStep("linear", t, h, (y0, y)), blocks, 1, blocks)
+
+
+SOLVERS: dict[str, Callable[[], Solver]] = {
+    "euler": Euler,
+    "semi_implicit_euler": SemiImplicitEuler,
+    "rk4": RK4Solver,
+    "dopri5": Dopri5,
+}
+
+_SOLVER_ALIASES = {
+    "sie": "semi_implicit_euler",
+    "semi-implicit-euler": "semi_implicit_euler",
+    "dp5": "dopri5",
+    "dopri": "dopri5",
+}
+
+
+def make_solver(name: str) -> Solver:
+    """The solver called ``name``: ``euler``, ``semi_implicit_euler`` (``sie``), ``rk4``, ``dopri5`` (``dp5``)."""
+    key = _SOLVER_ALIASES.get(name, name)
+    if key not in SOLVERS:
+        raise ValueError(f"unknown integrator {name!r}; choose one of {', '.join(SOLVERS)}")
+    return SOLVERS[key]()
