@@ -100,14 +100,24 @@ def _device_of(x: Array) -> object:
     return creation_device(x)
 
 
-def _pivoted_gram_schmidt(X: Array, count: int, against: Array | None, rtol: float, xp: Namespace) -> Array:
+def _pivoted_gram_schmidt(
+    X: Array, count: int, against: Array | None, rtol: float, xp: Namespace, fast: bool = False
+) -> Array:
     """``count`` orthonormal vectors chosen greedily from the columns of ``X``.
 
     Step k picks the column of the running residual ``R`` (``X`` with every chosen
     vector projected out) of largest norm, ties to the lowest index, normalises
     it, re-orthogonalises it against ``against`` and the vectors chosen so far,
     and projects it out of ``R``.  Returns a ``d x count`` matrix.
+
+    ``fast`` (Gram refresh route only): the same steps with an in-place residual
+    (:func:`adadiag_ref._kernels.pivoted_gram_schmidt`) for NumPy input.
     """
+    if fast:
+        from . import _kernels
+
+        if _kernels.usable(xp, X, against):
+            return _kernels.pivoted_gram_schmidt(X, count, against, rtol)
     residual = X
     chosen: list[Array] = []
     for _ in range(count):
@@ -126,7 +136,7 @@ def _pivoted_gram_schmidt(X: Array, count: int, against: Array | None, rtol: flo
     return xp.stack(chosen, axis=1)
 
 
-def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | None = None) -> Array:
+def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | None = None, fast: bool = False) -> Array:
     """Deterministic orthonormal completion of the columns of ``B`` (``size x r``).
 
     Returns ``size x (size - r)`` columns by pivoted Gram-Schmidt over ``e_1..e_size``
@@ -136,7 +146,7 @@ def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | No
     r = B.shape[1]
     eye = xp.eye(size, dtype=B.dtype, device=_device_of(B))
     complement = eye - B @ xp.matrix_transpose(B) if r else eye
-    C = _pivoted_gram_schmidt(complement, size - r, B if r else None, rtol, xp)
+    C = _pivoted_gram_schmidt(complement, size - r, B if r else None, rtol, xp, fast)
     if C.shape[1] == 0:
         return C
     return C * sign_canonical(C, rtol, xp=xp)[None, :]
@@ -162,13 +172,15 @@ def canonicalize_svd(
     compute_p: bool = True,
     compute_q: bool = True,
     xp: Namespace | None = None,
+    fast: bool = False,
 ) -> CanonicalSVD:
     """Apply the canonical rules to any thin SVD ``G = U diag(S) Vh``.
 
     ``U`` is ``m x k`` and ``Vh`` is ``k x n`` (``k <= min(m, n)``; ``Vh`` may be
     ``None`` when ``Q`` is not requested).  Any decomposition of the same ``G``
     (another library's signs, order within a cluster or null-space basis) maps to
-    the same result, up to rounding.
+    the same result, up to rounding.  ``fast`` (set only by the Gram refresh route,
+    :func:`_gram_route`) runs the pivoted Gram-Schmidt steps in place (same pivots and vectors).
     """
     xp = namespace(U, S, xp=xp)
     m, n = shape
@@ -190,7 +202,7 @@ def canonicalize_svd(
         if b - a == 1:
             coeff = None
         else:
-            coeff = _pivoted_gram_schmidt(xp.matrix_transpose(Uc), b - a, None, rtol, xp)
+            coeff = _pivoted_gram_schmidt(xp.matrix_transpose(Uc), b - a, None, rtol, xp, fast)
             Uc = Uc @ coeff
         p_cols.append(Uc)
         if compute_q:
@@ -205,11 +217,11 @@ def canonicalize_svd(
     P = Q = None
     if compute_p:
         P_rank = Pr * signs[None, :] if signs is not None else Pr
-        P = xp.concat([P_rank, canonical_complement(P_rank, m, rtol, xp=xp)], axis=1)
+        P = xp.concat([P_rank, canonical_complement(P_rank, m, rtol, xp=xp, fast=fast)], axis=1)
     if compute_q:
         Qr = xp.concat(q_cols, axis=1) if q_cols else xp.zeros((n, 0), dtype=U.dtype, device=device)
         Q_rank = Qr * signs[None, :] if signs is not None else Qr
-        Q = xp.concat([Q_rank, canonical_complement(Q_rank, n, rtol, xp=xp)], axis=1)
+        Q = xp.concat([Q_rank, canonical_complement(Q_rank, n, rtol, xp=xp, fast=fast)], axis=1)
     return CanonicalSVD(P=P, S=S, Q=Q, rank=rank)
 
 
@@ -323,4 +335,4 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, force: bool, xp: N
     order = xp.asarray(np.arange(m - 1, m - 1 - k, -1), device=_device_of(G))
     U = xp.astype(xp.take(vecs, order, axis=1), G.dtype)
     S = xp.asarray(sigma_host[:k], dtype=G.dtype, device=_device_of(G))
-    return canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, xp=xp)
+    return canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, xp=xp, fast=True)

@@ -9,23 +9,38 @@ norms, embedding and head) it measures, all in one process:
   bound ``GEMM flops / peak + elementwise bytes / bandwidth``;
 * torch.optim.AdamW (foreach and fused) and AdaDiag written directly in torch
   ops on the same CPU, and the torch adapter when it is installed;
-* one basis refresh of every matrix (SVD and Gram routes) and its cost
-  amortised over T steps, as a percentage of the average step.
+* one basis refresh of every rotated matrix (SVD, ``auto`` and Gram routes) on
+  gradients with a decaying spectrum (``sigma_i ~ 1/i``) and on Gaussian ones
+  (flat spectrum, the worst case), amortised over T steps as a percentage of
+  the average step.
+
+Parameter rule (``rule="paper"``, the default): as in the paper's memory table
+(``adadiag_ref.memory``), AdaDiag rotates only the transformer blocks' matrices
+(attention q/k/v/o, MLP gate/up/down); embedding, LM head and norms take the
+unrotated baseline (AdamW's elementwise update).  ``rule="all"`` rotates every
+matrix.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+import importlib.util
 import math
 import os
 import platform
+import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..memory import LLAMA_CONFIGS, LlamaConfig, ParamSpec, llama_parameters
+from .engine import is_rotated
 
 QUICK = LlamaConfig(hidden=64, intermediate=172, layers=2, heads=2, vocab=1000)
 
@@ -38,6 +53,68 @@ def _setup_threads() -> int:
     if config.THREADING_LAYER in ("default", ""):
         config.THREADING_LAYER = "workqueue"
     return os.cpu_count() or 1
+
+
+def _openblas() -> Any:
+    """numpy's own OpenBLAS (ctypes handle), or None when it cannot be found."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read())))
+    except OSError:
+        return None
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (
+            ("scipy_openblas", "64_"),
+            ("scipy_openblas", ""),
+            ("openblas", ""),
+            ("openblas", "64_"),
+        ):
+            getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+            setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+            if getter is not None and setter is not None:
+                return getter, setter
+    return None
+
+
+def blas_threads(n: int | None = None) -> int | None:
+    """Threads of numpy's OpenBLAS (set them to ``n`` first when given); None when unknown."""
+    handle = _openblas()
+    if handle is None:
+        return None
+    getter, setter = handle
+    if n is not None:
+        setter(ctypes.c_int(n))
+    return int(getter())
+
+
+def import_torch_adapter() -> Any:
+    """``adadiag_ref.adapters.pytorch``, also from a source checkout.
+
+    ``adapters/`` is installed as ``adadiag_ref.adapters`` (``package-dir`` in
+    pyproject.toml); an older editable install, or running from the repository
+    root (where ``./adadiag_ref`` shadows the installed mapping), leaves that
+    name unresolved.  Then the package is registered from the ``adapters/``
+    folder next to ``adadiag_ref`` (the same idea as ``tests/_adapter_import.py``).
+    """
+    try:
+        return importlib.import_module("adadiag_ref.adapters.pytorch")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("adadiag_ref.adapters", "adadiag_ref.adapters.pytorch"):
+            raise
+    import adadiag_ref
+
+    folder = Path(adadiag_ref.__file__).resolve().parent.parent / "adapters"
+    spec = importlib.util.spec_from_file_location(
+        "adadiag_ref.adapters", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    if spec is None or spec.loader is None or not folder.is_dir():
+        raise ModuleNotFoundError("adadiag_ref.adapters is neither installed nor next to the package")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["adadiag_ref.adapters"] = module
+    spec.loader.exec_module(module)
+    adadiag_ref.adapters = module  # type: ignore[attr-defined]
+    return importlib.import_module("adadiag_ref.adapters.pytorch")
 
 
 def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
@@ -60,17 +137,41 @@ def _triad_kernel() -> Any:
     @numba.njit(parallel=True, cache=True)
     def triad(a, b, c, s):  # type: ignore[no-untyped-def]
         for i in numba.prange(a.shape[0]):
-            a[i] = b[i] + s * c[i]
+            a[i] = a[i] + b[i] + s * c[i]
 
     return triad
 
 
 def measure_bandwidth(n: int, reps: int) -> float:
-    """STREAM triad over three float32 arrays of ``n`` elements; bytes/s (12 n bytes per pass)."""
+    """In-place triad ``a += b + s c`` over three float32 arrays of ``n`` elements; bytes/s (16 n per pass).
+
+    In place (read a, b, c; write a) like every optimizer pass, so the write costs no extra
+    read-for-ownership: STREAM's ``a = b + s c`` moves 16 bytes per element through the caches while
+    counting 12, which understates the bandwidth available to in-place kernels by a quarter."""
     triad = _triad_kernel()
-    a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
-    t = median_time(lambda: triad(a, b, c, np.float32(3.0)), max(reps, 5), warmup=2)
-    return 12.0 * n / t
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+    t = median_time(lambda: triad(a, b, c, np.float32(1e-3)), max(reps, 9), warmup=2)
+    return 16.0 * n / t
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1, pause: float = 0.3
+) -> dict[str, float]:
+    """Median times of several functions measured in alternation (a drifting machine biases none of them).
+
+    ``pause`` seconds of sleep follow every call, so that one library's spinning thread pool (torch's
+    OpenMP threads spin for up to ~200 ms after a parallel region) does not slow the next call down."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            time.sleep(pause)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def measure_gemm(shapes: list[tuple[int, int]], reps: int) -> dict[tuple[int, int], float]:
@@ -95,21 +196,25 @@ def _work_specs(specs: list[ParamSpec]) -> list[tuple[ParamSpec, tuple[int, int]
     return [(s, work_shape(s.shape)) for s in specs]
 
 
-def bench_functional(name: str, specs: list[ParamSpec], reps: int) -> float:
-    """The reference functional path: ``ar.update`` over every parameter (float32, bases already set)."""
+def bench_functional(name: str, specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
+    """The reference functional path: ``ar.update`` over every parameter (float32, bases already set).
+
+    Unrotated parameters under ``rule`` use ``adamw`` (the unrotated baseline)."""
     import adadiag_ref as ar
 
     cfg = ar.make_config(name, update_freq=None)
+    base = ar.make_config("adamw", update_freq=None)
     rng = np.random.default_rng(1)
     items: list[list[Any]] = []
     for s in specs:
         w = rng.standard_normal(s.shape, dtype=np.float32)
         g = rng.standard_normal(s.shape, dtype=np.float32)
-        items.append([ar.init(w, cfg), g, w])
+        c = cfg if is_rotated(s, rule) else base
+        items.append([ar.init(w, c), g, w, c])
 
     def one() -> None:
         for it in items:
-            delta, it[0] = ar.update(it[0], it[1], cfg, it[2])
+            delta, it[0] = ar.update(it[0], it[1], it[3], it[2])
             np.add(it[2], delta, out=it[2])
 
     t = median_time(one, reps)
@@ -152,17 +257,20 @@ def _torch_params(specs: list[ParamSpec], torch: Any) -> list[Any]:
     return params
 
 
-def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
+def torch_adamw(specs: list[ParamSpec], **kw: Any) -> Any:
     import torch
 
-    params = _torch_params(specs, torch)
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, **kw)
+    return torch.optim.AdamW(_torch_params(specs, torch), lr=1e-3, weight_decay=0.0, **kw)
+
+
+def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
+    opt = torch_adamw(specs, **kw)
     t = median_time(opt.step, reps)
-    del opt, params
+    del opt
     return t
 
 
-def bench_torch_adadiag(specs: list[ParamSpec], reps: int) -> float:
+def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
     """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames."""
     import torch
 
@@ -170,10 +278,10 @@ def bench_torch_adadiag(specs: list[ParamSpec], reps: int) -> float:
 
     gen = torch.Generator().manual_seed(4)
     mats, vecs = [], []
-    for _, (m, n) in _work_specs(specs):
+    for spec, (m, n) in _work_specs(specs):
         W, G = torch.randn(m, n, generator=gen), torch.randn(m, n, generator=gen)
         state = (W, G, torch.zeros(m, n), torch.zeros(m, n))
-        if m == 1:
+        if not is_rotated(spec, rule):
             vecs.append(state)
             continue
         P = torch.linalg.qr(torch.randn(m, m, generator=gen))[0].contiguous()
@@ -204,30 +312,77 @@ def bench_torch_adadiag(specs: list[ParamSpec], reps: int) -> float:
     return t
 
 
-def bench_torch_adapter(specs: list[ParamSpec], reps: int) -> float | None:
-    """The library's torch adapter (``adadiag_ref.adapters.pytorch.AdaDiag``), non-refresh steps."""
-    try:
-        import torch
+def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") -> dict[str, float]:
+    """The torch adapter (``adadiag_ref.adapters.pytorch.AdaDiag``) and the core called on the same tensors.
 
-        from ..adapters.pytorch import AdaDiag  # type: ignore[import-not-found]
-    except Exception:
-        return None
+    Non-refresh steps (the t = 1 refresh runs in the warm-up, Gram route).  Unrotated
+    parameters under ``rule`` are stepped by the adapter's ``AdamW`` (the unrotated baseline).
+    ``core``: ``ar.update`` + ``W.add_(delta)`` per parameter on the very tensors
+    (and states) the adapter uses, i.e. the adapter minus its own bookkeeping.
+    """
+    import torch
+
+    import adadiag_ref as ar
+
     from .. import linalg
 
+    pytorch = import_torch_adapter()
     params = _torch_params(specs, torch)
-    opt = AdaDiag(params, lr=1e-3, update_freq=None)
+    rotated = [p for p, s in zip(params, specs) if is_rotated(s, rule)]
+    others = [p for p, s in zip(params, specs) if not is_rotated(s, rule)]
+    opts = [pytorch.AdaDiag(rotated, lr=1e-3, update_freq=None)]
+    if others:
+        opts.append(pytorch.AdamW(others, lr=1e-3, update_freq=None))
+
+    def adapter_step() -> None:
+        for opt in opts:
+            opt.step()
+
     previous = linalg.set_refresh_method("auto")
     try:
-        opt.step()  # t = 1 refreshes the bases; every later step is a non-refresh step
+        adapter_step()  # t = 1 refreshes the bases; every later step is a non-refresh step
     finally:
         linalg.set_refresh_method(previous)
-    t = median_time(opt.step, reps, warmup=0)
-    del opt, params
-    return t
+    res = {"adapter": median_time(adapter_step, reps)}
+
+    work = []
+    for opt in opts:
+        for index, group in enumerate(opt.param_groups):
+            cfg = opt.config(index)
+            for p in group["params"]:
+                work.append([p, pytorch.to_core_state(opt.state[p], cfg), cfg])
+
+    @torch.no_grad()
+    def core_step() -> None:
+        for item in work:
+            p, state, cfg = item
+            delta, item[1] = ar.update(state, p.grad, cfg, p, lr=1e-3)
+            p.add_(delta)
+
+    res["core"] = median_time(core_step, reps)
+    work.clear()
+    opts.clear()
+    params.clear()
+    return res
 
 
-def bench_refresh(specs: list[ParamSpec], method: str, reps: int) -> float:
-    """One one-sided basis refresh of every matrix (``ar.refresh_basis``) with ``method``."""
+def gradient_with_spectrum(shape: tuple[int, ...], spectrum: str, rng: np.random.Generator) -> np.ndarray:
+    """A float32 test gradient: ``"decaying"``: ``U diag(sigma) V^T`` with ``sigma_i = 1/i`` and random
+    orthonormal ``U, V`` (the decaying spectrum of real gradients); ``"flat"``: Gaussian entries (the
+    worst case for the Gram route's conditioning is not reached, but it is the slowest SVD)."""
+    if spectrum == "flat":
+        return rng.standard_normal(shape, dtype=np.float32)
+    a, b = shape[0], math.prod(shape[1:])
+    k = min(a, b)
+    U, _ = np.linalg.qr(rng.standard_normal((a, k)))
+    V, _ = np.linalg.qr(rng.standard_normal((b, k)))
+    return ((U / np.arange(1, k + 1)) @ V.T).astype(np.float32).reshape(shape)
+
+
+def bench_refresh(
+    specs: list[ParamSpec], method: str, reps: int, spectrum: str = "decaying", rule: str = "paper"
+) -> float:
+    """One one-sided basis refresh of every rotated matrix (``ar.refresh_basis``) with ``method``."""
     import adadiag_ref as ar
     from adadiag_ref import linalg
 
@@ -235,9 +390,9 @@ def bench_refresh(specs: list[ParamSpec], method: str, reps: int) -> float:
     rng = np.random.default_rng(5)
     items = []
     for s in specs:
-        if len(s.shape) < 2:
+        if not is_rotated(s, rule):
             continue
-        g = rng.standard_normal(s.shape, dtype=np.float32)
+        g = gradient_with_spectrum(s.shape, spectrum, rng)
         items.append((ar.init(g, cfg), g))
     previous = linalg.set_refresh_method(method)
     try:
@@ -273,10 +428,12 @@ def run(
     use_torch: bool = True,
     refresh: bool = True,
     functional: bool = True,
+    rule: str = "paper",
     out: Callable[[str], None] = print,
 ) -> dict:
     """Run the benchmark and print the tables; returns the measurements."""
     ncpu = _setup_threads()
+    threads = blas_threads(ncpu)  # BLAS owns every core during GEMMs (docs/performance.md)
     config = QUICK if quick else LLAMA_CONFIGS[model]
     specs = llama_parameters(config)
     label = "quick (tiny shapes)" if quick else model
@@ -290,28 +447,41 @@ def run(
     from .engine import AdaDiagEngine, AdamWEngine
 
     size = sum(math.prod(s.shape) for s in specs)
-    work = [ws for _, ws in _work_specs(specs) if ws[0] > 1]
+    rotated = [s for s in specs if is_rotated(s, rule)]
+    work = [ws for s, ws in _work_specs(rotated)]
     out(f"adadiag-ref bench: {label}, {len(specs)} parameters, {size / 1e6:.2f}M elements, float32")
+    out(f"parameter rule {rule!r}: AdaDiag rotates {len(rotated)} matrices "
+        f"({sum(math.prod(s.shape) for s in rotated) / 1e6:.2f}M elements"
+        + ("; the transformer blocks' q/k/v/o/gate/up/down, as in the paper's memory table); embedding, "
+           "LM head and norms take the unrotated AdamW update" if rule == "paper" else ")"))  # fmt: skip
     out(f"machine: {machine_description()}")
+    out(f"threads: OpenBLAS {threads if threads is not None else '?'} (GEMMs); numba elementwise passes "
+        f"between GEMMs and the flat AdamW pass: workqueue x{ncpu} (never during a GEMM); torch x{ncpu}")  # fmt: skip
     bw = measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
     rates = measure_gemm(work, reps)
     peak = max(rates.values())
-    out(f"roofline: triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s "
+    out(f"roofline: in-place triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s "
         f"(per shape: {', '.join(f'{m}x{n} {r / 1e9:.0f}' for (m, n), r in sorted(rates.items()))})")  # fmt: skip
-    res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak}
+    res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak, "blas_threads": threads, "rule": rule}
     rows: list[tuple[str, float, float | None, str]] = []
 
     # AdamW
     eng = AdamWEngine(specs)
     adamw_bound = eng.bytes_moved() / bw
-    res["adamw_engine"] = median_time(eng.step, reps)
+    if use_torch:  # the engine and torch's fused AdamW in alternation: a fair head-to-head on a drifting VM
+        fused = torch_adamw(specs, fused=True)
+        pause = 0.01 if quick else 0.3
+        pair = interleaved_medians({"adamw_engine": eng.step, "torch_adamw_fused": fused.step}, reps, pause=pause)
+        res.update(pair)
+        del fused
+    else:
+        res["adamw_engine"] = median_time(eng.step, reps)
     del eng
     res["adamw_numpy_unfused"] = bench_numpy_adamw_unfused(size, reps)
     if functional:
         res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
     if use_torch:
         res["torch_adamw_foreach"] = bench_torch_adamw(specs, reps, foreach=True)
-        res["torch_adamw_fused"] = bench_torch_adamw(specs, reps, fused=True)
     for key, text in [("adamw_engine", "AdamW numba fused in place (engine)"),
                       ("adamw_numpy_unfused", "AdamW numpy in place, unfused"),
                       ("adamw_functional", "AdamW ar.update (functional reference)"),
@@ -321,25 +491,46 @@ def run(
             rows.append((text, res[key], adamw_bound, "bandwidth bound"))
 
     # AdaDiag
-    eng2 = AdaDiagEngine(specs)
+    eng2 = AdaDiagEngine(specs, rule=rule)
     gemm_bound = eng2.flops() / peak
     elem_bound = eng2.bytes_moved() / bw
     adadiag_bound = gemm_bound + elem_bound
-    res["adadiag_engine"] = median_time(eng2.step, reps)
-    res["adadiag_gemm_only"] = median_time(lambda: eng2.step(elementwise=False), reps)
+
+    def serial_step() -> None:
+        eng2.set_parallel_elementwise(False)
+        try:
+            eng2.step()
+        finally:
+            eng2.set_parallel_elementwise(True)
+
+    variants = {  # one engine, its variants in alternation (this VM drifts by 20 % within minutes)
+        "adadiag_engine": eng2.step,
+        "adadiag_engine_serial": serial_step,
+        "adadiag_gemm_only": lambda: eng2.step(elementwise=False),
+        "adadiag_elementwise_only": lambda: eng2.step(gemm=False),
+    }
+    res.update(interleaved_medians(variants, reps, warmup=2, pause=0.0 if quick else 0.05))
     eng2.items.clear()
+    eng2.vectors.clear()
     if functional:
-        res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2))
+        res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2), rule)
     if use_torch:
-        res["torch_adadiag_direct"] = bench_torch_adadiag(specs, reps)
-        adapter = bench_torch_adapter(specs, max(2, reps // 2))
-        if adapter is not None:
-            res["torch_adadiag_adapter"] = adapter
+        res["torch_adadiag_direct"] = bench_torch_adadiag(specs, reps, rule)
+        try:
+            adapter = bench_torch_adapter(specs, max(3, reps // 2), rule)
+        except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
+            out(f"  torch adapter not importable: {exc}")
+        else:
+            res["torch_adadiag_adapter"] = adapter["adapter"]
+            res["torch_adadiag_core"] = adapter["core"]
     rows.append(("AdaDiag numba + BLAS in place (engine)", res["adadiag_engine"], adadiag_bound, "GEMM + bytes"))
+    rows.append(("AdaDiag engine, elementwise serial", res["adadiag_engine_serial"], adadiag_bound, "GEMM + bytes"))
     rows.append(("AdaDiag engine, GEMMs only", res["adadiag_gemm_only"], gemm_bound, "GEMM bound"))
+    rows.append(("AdaDiag engine, elementwise only", res["adadiag_elementwise_only"], elem_bound, "bandwidth bound"))
     for key, text in [("adadiag_functional", "AdaDiag ar.update (functional reference)"),
                       ("torch_adadiag_direct", "AdaDiag direct torch ops"),
-                      ("torch_adadiag_adapter", "AdaDiag torch adapter")]:  # fmt: skip
+                      ("torch_adadiag_adapter", "AdaDiag torch adapter (opt.step)"),
+                      ("torch_adadiag_core", "AdaDiag core ar.update on torch tensors")]:  # fmt: skip
         if key in res:
             rows.append((text, res[key], adadiag_bound, "GEMM + bytes"))
     res.update(adamw_bound=adamw_bound, adadiag_bound=adadiag_bound, gemm_bound=gemm_bound, elem_bound=elem_bound)
@@ -355,16 +546,23 @@ def run(
         out(f"  AdamW engine / torch fused = {res['adamw_engine'] / res['torch_adamw_fused']:.2f}; "
             f"torch foreach / bound = {res['torch_adamw_foreach'] / adamw_bound:.2f}")  # fmt: skip
     if "torch_adadiag_adapter" in res:
-        out(f"  torch adapter / direct torch = {res['torch_adadiag_adapter'] / res['torch_adadiag_direct']:.2f}")
+        out(
+            f"  torch adapter / direct torch = {res['torch_adadiag_adapter'] / res['torch_adadiag_direct']:.2f}; "
+            f"adapter / core on the same tensors = {res['torch_adadiag_adapter'] / res['torch_adadiag_core']:.2f}"
+        )
 
     if refresh:
         out("")
-        out(f"{'refresh (all matrices, one-sided)':44s} {'median s':>10s} {'amortised T=' + str(period):>16s}")
+        out(f"refresh of the {len(rotated)} rotated matrices (one-sided, P only), amortised over T={period} "
+            f"against the engine step")  # fmt: skip
+        out(f"{'gradient spectrum, method':44s} {'median s':>10s} {'amortised':>10s}")
         step = res["adadiag_engine"]
-        for method in ("svd", "auto"):
-            t = bench_refresh(specs, method, 1 if not quick else reps)
-            pct = (t / period) / (step + t / period)
-            res[f"refresh_{method}"] = t
-            res[f"refresh_{method}_pct"] = pct
-            out(f"{'refresh, method=' + method:44s} {t:10.3f} {pct:15.2%}")
+        for spectrum in ("decaying", "flat"):
+            for method in ("svd", "auto", "gram"):
+                t = bench_refresh(specs, method, reps if quick else max(1, reps // 3), spectrum, rule)
+                pct = (t / period) / (step + t / period)
+                res[f"refresh_{spectrum}_{method}"] = t
+                res[f"refresh_{spectrum}_{method}_pct"] = pct
+                text = f"{spectrum} ({'sigma_i ~ 1/i' if spectrum == 'decaying' else 'Gaussian'}), {method}"
+                out(f"{text:44s} {t:10.3f} {pct:10.2%}")
     return res

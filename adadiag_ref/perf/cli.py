@@ -14,7 +14,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .bench import run
 
     run(args.model, quick=args.quick, reps=args.reps, period=args.period, use_torch=not args.no_torch,
-        refresh=not args.no_refresh, functional=not args.no_functional)  # fmt: skip
+        refresh=not args.no_refresh, functional=not args.no_functional, rule=args.rule)  # fmt: skip
     return 0
 
 
@@ -48,6 +48,8 @@ def add_parser(subparsers: Any) -> None:
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     b.add_argument("--no-refresh", action="store_true", help="skip the basis-refresh timing")
     b.add_argument("--no-functional", action="store_true", help="skip the functional ar.update timings")
+    b.add_argument("--rule", default="paper", choices=["paper", "all"],
+                   help="paper: rotate only the transformer blocks' matrices (embedding/head unrotated)")  # fmt: skip
     b.set_defaults(func=run_bench)
     m = subparsers.add_parser("memory", help="optimizer-state memory (the paper's table) from the state layout")
     m.add_argument("--model", action="append", choices=list(LLAMA_CONFIGS), help="repeatable; default all four")

@@ -17,9 +17,11 @@ fused, parallel pass (no BLAS runs in the step, so the numba pool does not
 compete with OpenBLAS).  ``b1, b2`` are the paper's bias-corrected beta-hats.
 
 Thread policy: BLAS (numpy's OpenBLAS) uses every core during GEMMs; the
-AdaDiag elementwise kernels run on one thread between GEMMs; AdamW's single
-flat pass uses a numba pool (threading layer ``workqueue``, which does not
-spin).  scipy's separate OpenBLAS is never called in a step.
+AdaDiag elementwise kernels and AdamW's flat pass use a numba pool (threading
+layer ``workqueue``, which does not spin) between GEMMs, never during one
+(``parallel_elementwise=False``: serial elementwise kernels, measured slower
+on the 2-core VM, docs/performance.md).  scipy's separate OpenBLAS is never
+called in a step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .. import _kernels
 from ..memory import ParamSpec
 from ..optim.schedules import beta_hat
 
-__all__ = ["AdaDiagEngine", "AdamWEngine", "coefficients", "work_shape"]
+__all__ = ["AdaDiagEngine", "AdamWEngine", "coefficients", "is_rotated", "work_shape"]
 
 
 def work_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -79,17 +81,30 @@ class AdamWEngine:
         return 7 * 4 * self.size
 
 
+def is_rotated(spec: ParamSpec, rule: str) -> bool:
+    """Whether AdaDiag rotates ``spec``: ``rule="paper"`` rotates only the transformer blocks' matrices
+    (embedding and LM head take the unrotated baseline, as in the paper's memory table, see
+    ``adadiag_ref.memory``); ``rule="all"`` rotates every matrix (the library's own layout)."""
+    if work_shape(spec.shape)[0] == 1:
+        return False
+    return rule == "all" or spec.role == "block"
+
+
 class AdaDiagEngine:
-    """AdaDiag (one-sided) with preallocated buffers; 1-D parameters take the AdamW kernel."""
+    """AdaDiag (one-sided) with preallocated buffers; unrotated parameters take the AdamW kernel."""
 
     def __init__(self, specs: list[ParamSpec], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, wd: float = 0.0, seed: int = 0) -> None:  # fmt: skip
+                 eps: float = 1e-8, wd: float = 0.0, seed: int = 0, rule: str = "paper",
+                 parallel_unrotated: bool = True, parallel_elementwise: bool = True) -> None:  # fmt: skip
         rng = np.random.default_rng(seed)
         self.items: list[dict[str, np.ndarray]] = []
         self.vectors: list[tuple[np.ndarray, ...]] = []
+        self.unrotated_kernel = _kernels.adamw_inplace_parallel if parallel_unrotated else _kernels.adamw_inplace
+        self.set_parallel_elementwise(parallel_elementwise)
         for spec in specs:
             m, n = work_shape(spec.shape)
-            if m == 1:
+            if not is_rotated(spec, rule):
+                n = m * n
                 buf = [rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)]
                 self.vectors.append((*buf, np.zeros(n, np.float32), np.zeros(n, np.float32)))
                 continue
@@ -107,23 +122,28 @@ class AdaDiagEngine:
             )
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
 
+    def set_parallel_elementwise(self, parallel: bool) -> None:
+        """Run the moments and update passes between GEMMs on numba's pool (True) or on one thread."""
+        self.moments_kernel = _kernels.adam_moments_inplace_parallel if parallel else _kernels.adam_moments_inplace
+        self.update_kernel = _kernels.apply_update_inplace_parallel if parallel else _kernels.apply_update_inplace
+
     def step(self, *, elementwise: bool = True, gemm: bool = True) -> None:
         self.t += 1
         b1, c1, b2, c2 = coefficients(self.t, self.betas, np.float32)
         f = np.float32
         eps, lr, wd = f(self.eps), f(self.lr), f(self.wd)
+        if elementwise:  # unrotated parameters first: no BLAS thread is awake yet to compete with numba's pool
+            for W, G, M, V in self.vectors:
+                self.unrotated_kernel(W, G, M, V, b1, c1, b2, c2, eps, lr, wd)
         for it in self.items:
             if gemm:
                 np.matmul(it["P"].T, it["G"], out=it["Gt"])
             if elementwise:
-                _kernels.adam_moments_inplace(it["M"], it["V"], it["Gt"], b1, c1, b2, c2, eps, it["Gt"])
+                self.moments_kernel(it["M"], it["V"], it["Gt"], b1, c1, b2, c2, eps, it["Gt"])
             if gemm:
                 np.matmul(it["P"], it["Gt"], out=it["D"])
             if elementwise:
-                _kernels.apply_update_inplace(it["W"].reshape(-1), it["D"].reshape(-1), lr, wd)
-        if elementwise:
-            for W, G, M, V in self.vectors:
-                _kernels.adamw_inplace(W, G, M, V, b1, c1, b2, c2, eps, lr, wd)
+                self.update_kernel(it["W"].reshape(-1), it["D"].reshape(-1), lr, wd)
 
     def flops(self) -> int:
         """Two ``m x m`` by ``m x n`` GEMMs per matrix."""
