@@ -9,7 +9,18 @@ for the exact equations and conventions.
 from .config import OPTIMIZERS, AdafactorConfig, AdamConfig, BaseConfig, HfacConfig, default_eps, make_config
 from .linalg import CanonicalSVD, canonical_svd
 from .memory import state_nbytes
-from .optim import check_inputs, init, layout_for, refresh_basis, refresh_due, rotate, step, unrotate, update
+from .optim import (
+    check_inputs,
+    init,
+    layout_for,
+    refresh_basis,
+    refresh_due,
+    rotate,
+    step,
+    unrotate,
+    update,
+    update_in_place,
+)
 from .replay import replay
 from .state import AdafactorState, AdamState, HfacState
 
@@ -40,4 +51,5 @@ __all__ = [
     "step",
     "unrotate",
     "update",
+    "update_in_place",
 ]

@@ -139,6 +139,9 @@ class _ShapeNamespace:
     def eye(self, n: int, dtype: Any = None, device: Any = None) -> _Shape:
         return _Shape((n, n), dtype)
 
+    def matrix_transpose(self, x: _Shape) -> _Shape:
+        return _Shape((*x.shape[:-2], x.shape[-1], x.shape[-2]), x.dtype)
+
 
 _SHAPE_XP = _ShapeNamespace()
 

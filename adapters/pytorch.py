@@ -6,8 +6,9 @@ The adapter owns no math.  For every parameter with a gradient, one call of
 
     check_inputs(S, G, cfg, W)                    # all parameters first: an error leaves every state untouched
     if refresh_due(t - 1):  S <- refresh_basis(S, G, cfg)   # P, Q <- canonical_svd(G)
-    delta, S <- update(S, G, cfg, W, lr=group["lr"], refreshed=...)
-    W <- W + delta                                # delta = -eta_t (P U~ Q^T + lambda W_t)
+    S <- update_in_place(S, G, cfg, W, lr=group["lr"], refreshed=...)
+                                                  # W += delta, delta = -eta_t (P U~ Q^T + lambda W_t);
+                                                  # bit-identical to update(), moments overwritten in place
 
 The core resolves the torch namespace itself (``array_api_compat``); nothing is
 copied to NumPy.
@@ -194,8 +195,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             refreshed = ar.refresh_due(int(state.count), cfg)
             if refreshed:
                 state = ar.refresh_basis(state, grad, cfg)
-            delta, state = ar.update(state, grad, cfg, p, lr=lr, refreshed=refreshed)
-            p.add_(delta)
+            # same numbers as ``p += ar.update(...)[0]`` (bit for bit), without new moment tensors
+            state = ar.update_in_place(state, grad, cfg, p, lr=lr, refreshed=refreshed)
             self.state[p] = from_core_state(state)
         return loss
 

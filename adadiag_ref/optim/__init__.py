@@ -1,6 +1,7 @@
 """Pure functional optimizers: ``init``, ``refresh_basis``, ``update``, ``step``."""
 
 from .core import check_inputs, init, refresh_basis, refresh_due, rotate, step, unrotate, update
+from .inplace import supports_in_place, update_in_place
 from .layout import Layout, from_work, layout_for, to_work
 
 __all__ = [
@@ -13,7 +14,9 @@ __all__ = [
     "refresh_due",
     "rotate",
     "step",
+    "supports_in_place",
     "to_work",
     "unrotate",
     "update",
+    "update_in_place",
 ]

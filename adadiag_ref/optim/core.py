@@ -40,8 +40,23 @@ def _family(cfg: BaseConfig) -> Family:
     return FAMILIES[cfg.family]
 
 
-def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace) -> Array:
-    """``G~ = P^T G Q`` (a missing basis is the identity)."""
+def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
+    """``G~ = P^T G Q`` (a missing basis is the identity).
+
+    ``transposed`` says that ``g`` is the transposed view of a tall parameter
+    (:func:`~adadiag_ref.optim.layout.to_work`); the product is then formed as
+    ``(Q^T G^T P)^T`` so that ``G~`` keeps the parameter's memory order, like the
+    state's matrices (:func:`init`), and no elementwise operation mixes orders.
+    """
+    if P is None and Q is None:
+        return g
+    if transposed:
+        gt = xp.matrix_transpose(g)
+        if P is not None:
+            gt = gt @ P
+        if Q is not None:
+            gt = xp.matrix_transpose(Q) @ gt
+        return xp.matrix_transpose(gt)
     if P is not None:
         g = xp.matrix_transpose(P) @ g
     if Q is not None:
@@ -49,13 +64,33 @@ def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace) -> Array:
     return g
 
 
-def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace) -> Array:
-    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q``."""
+def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
+    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q`` (``transposed`` as there)."""
+    if P is None and Q is None:
+        return u
+    if transposed:
+        ut = xp.matrix_transpose(u)
+        if P is not None:
+            ut = ut @ xp.matrix_transpose(P)
+        if Q is not None:
+            ut = Q @ ut
+        return xp.matrix_transpose(ut)
     if P is not None:
         u = P @ u
     if Q is not None:
         u = u @ xp.matrix_transpose(Q)
     return u
+
+
+def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
+    """A zero ``m x n`` state matrix of a tall parameter, stored as the transpose of an ``n x m`` array.
+
+    Shapes stay those of the work frame; only the memory order follows the
+    parameter, so that ``G``, ``W`` and the moments are traversed in one order.
+    """
+    if x is None or x.ndim != 2:
+        return x
+    return xp.matrix_transpose(xp.zeros((x.shape[1], x.shape[0]), dtype=x.dtype, device=creation_device(x)))
 
 
 def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
@@ -73,7 +108,10 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
     count = xp.zeros((), dtype=xp.int32, device=device)
     family = _family(cfg)
-    return family.state_type(count=count, P=P, Q=Q, **family.init_moments(m, n, dtype, device, cfg, xp))  # type: ignore[no-any-return]
+    moments = family.init_moments(m, n, dtype, device, cfg, xp)
+    if layout.transposed:
+        moments = {name: _in_parameter_order(value, xp) for name, value in moments.items()}
+    return family.state_type(count=count, P=P, Q=Q, **moments)  # type: ignore[no-any-return]
 
 
 def _work_dtype(state: State, xp: Namespace) -> Any:
@@ -90,7 +128,7 @@ def refresh_basis(state: State, grad: Array, cfg: BaseConfig, *, xp: Namespace |
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
-    g = to_work(xp.astype(grad, _work_dtype(state, xp)), layout, xp)
+    g = to_work(xp.astype(grad, _work_dtype(state, xp), copy=False), layout, xp)
     svd = canonical_svd(g, compute_p=True, compute_q=layout.rotate_right, method=refresh_method(), xp=xp)
     return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
 
@@ -144,17 +182,18 @@ def update(
     family = _family(cfg)
     dtype = _work_dtype(state, xp)
     t = xp.astype(state.count + 1, dtype)
-    g = to_work(xp.astype(grad, dtype), layout, xp)
-    w = to_work(xp.astype(param, dtype), layout, xp)
-    g_rot = rotate(g, state.P, state.Q, xp)
+    # copy=False: no copy of G and W when they already have the state dtype (the pure functions never mutate)
+    g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
+    w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
+    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
         g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
     u_rot, moments = family.direction(state, g_rot, t, cfg, xp)
     eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
-    direction = unrotate(u_rot, state.P, state.Q, xp)
+    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=layout.transposed)
     if cfg.weight_decay:
         direction = direction + cfg.weight_decay * w
-    delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype)
+    delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype, copy=False)
     return delta, state._replace(count=state.count + 1, **moments)
 
 

@@ -60,7 +60,8 @@ def _normalise(g: Array, r: Array, s: Array, xp: Namespace) -> Array:
     The factored form avoids the product ``r_i s_j``, which underflows in float32
     when both are of the order of eps = 1e-30 (a zero row and a zero column).
     """
-    return g * xp.sqrt(xp.sum(r)) / (xp.sqrt(r)[:, None] * xp.sqrt(s)[None, :])
+    # vectors broadcast against G~ (no m x n temporary of its own) keep G~'s memory order
+    return g * (xp.sqrt(xp.sum(r)) / xp.sqrt(s))[None, :] / xp.sqrt(r)[:, None]
 
 
 # ----------------------------------------------------------------------------- Adam

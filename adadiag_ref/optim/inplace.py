@@ -1,0 +1,120 @@
+"""In-place application of one update, for frameworks that own mutable buffers.
+
+:func:`update_in_place` computes exactly what ``delta, new = update(state, G, cfg, W)``
+followed by ``W += delta`` computes, bit for bit, but overwrites ``W`` and the
+moment arrays of ``state`` instead of allocating new ones.  On a large parameter
+the functional form allocates about ten temporaries of its size per step; the
+in-place form of the Adam family allocates at most two.  It is how the torch
+adapter applies updates.
+
+The Adam-family arithmetic is the functional one reordered only where IEEE
+arithmetic is exactly commutative (``b * M`` vs ``M * b``), so results are
+identical; the tests compare with ``array_equal``.  The Adafactor and Hfac
+families use the functional update and copy its results into the buffers.
+
+Only backends with mutable arrays qualify (NumPy, CuPy, PyTorch); JAX arrays are
+immutable and get a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_namespace
+
+from .._xp import Array, Namespace, namespace
+from ..config import BaseConfig
+from ..state import AdamState, State
+from .core import _check_static, _work_dtype, rotate, rotation_noise_floor, unrotate, update
+from .layout import from_work, layout_for, to_work
+from .schedules import beta_hat
+
+__all__ = ["supports_in_place", "update_in_place"]
+
+
+def _native(xp: Namespace) -> Any:
+    """The backend module whose ufuncs take ``out=`` (numpy, cupy or torch)."""
+    if is_numpy_namespace(xp):
+        import numpy
+
+        return numpy
+    if is_cupy_namespace(xp):
+        import cupy
+
+        return cupy
+    if is_torch_namespace(xp):
+        import torch
+
+        return torch
+    raise TypeError(f"update_in_place needs mutable arrays (numpy, cupy, torch), not {xp.__name__}")
+
+
+def supports_in_place(x: Array) -> bool:
+    """Whether :func:`update_in_place` accepts arrays like ``x``."""
+    xp = namespace(x)
+    return bool(is_numpy_namespace(xp) or is_cupy_namespace(xp) or is_torch_namespace(xp))
+
+
+def _ema_in_place(beta_t: Array, old: Array, new: Array, scratch_ok: bool) -> None:
+    """``old <- beta_t * old + (1 - beta_t) * new``; ``new`` is overwritten when ``scratch_ok``."""
+    old *= beta_t
+    if scratch_ok:
+        new *= 1.0 - beta_t
+        old += new
+    else:
+        old += (1.0 - beta_t) * new
+
+
+def update_in_place(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    lr: Any = None,
+    refreshed: Any = False,
+    xp: Namespace | None = None,
+) -> State:
+    """``W <- W + delta`` and the moments overwritten, as :func:`~adadiag_ref.optim.update` defines them.
+
+    Returns the new state: the same moment arrays (now updated), the same bases
+    and ``count + 1``.  ``grad`` is never modified.  Like ``update`` it never
+    refreshes the basis and does not validate finiteness (see ``check_inputs``).
+    """
+    xp = namespace(grad, param, xp=xp)
+    native = _native(xp)
+    if not isinstance(state, AdamState):
+        delta, new = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+        for old, fresh in zip(state[1:], new[1:]):
+            if old is not None and old is not fresh:
+                old[...] = fresh
+        param += delta
+        return state._replace(count=new.count)
+
+    layout = layout_for(tuple(param.shape), cfg)
+    _check_static(state, grad, param, layout, cfg)
+    dtype = _work_dtype(state, xp)
+    t = xp.astype(state.count + 1, dtype)
+    g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
+    w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
+    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
+    if state.P is not None and refreshed is not False:
+        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+    owned = g_rot is not g  # a fresh GEMM output may serve as scratch space
+
+    b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
+    b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+    M, V = state.M, state.V
+    buf = g_rot * g_rot  # G~^2, later the scratch for sqrt(V) and U~
+    _ema_in_place(b2_t, V, buf, scratch_ok=True)
+    _ema_in_place(b1_t, M, g_rot, scratch_ok=owned)
+    native.sqrt(V, out=buf)
+    buf += cfg.eps
+    native.divide(M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
+    direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
+    if cfg.weight_decay:
+        direction += cfg.weight_decay * w
+    eta = cfg.lr if lr is None else lr
+    direction *= -eta
+    param += xp.astype(from_work(direction, layout, xp), param.dtype, copy=False)
+    return state._replace(count=state.count + 1)
