@@ -101,6 +101,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             The default is the core's 0.0 (``torch.optim.AdamW`` defaults to 0.01).
         update_freq: basis refresh period T (``None``: refresh at t = 1 only).
         maximize: ascend the objective (the gradient is negated before the core sees it).
+        split_refresh: under ``torch.distributed`` with identical gradients on every
+            rank (DDP), rank ``r`` decomposes only the ``j``-th matrices due for a
+            refresh with ``j mod world_size == r`` and broadcasts their bases; the
+            result is bit-identical to every rank decomposing every matrix.  Ignored
+            when no process group is initialised.
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -124,10 +129,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         update_freq: int | None = 200,
         *,
         maximize: bool = False,
+        split_refresh: bool = False,
         name: str | None = None,
         **family_options: Any,
     ) -> None:
         name = name or self.core_name
+        self.split_refresh = bool(split_refresh)
         if name not in ar.OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
@@ -149,10 +156,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             self._build_config(group)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "core_name": self.core_name}
+        return {**super().__getstate__(), "core_name": self.core_name, "split_refresh": self.split_refresh}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.split_refresh = bool(state.get("split_refresh", False))
         self._configs = {}
 
     # ------------------------------------------------------------------ config
@@ -191,14 +199,36 @@ class CoreOptimizer(torch.optim.Optimizer):
                 state = to_core_state(flat, cfg) if flat else ar.init(p, cfg)
                 ar.check_inputs(state, grad, cfg, p)
                 work.append((p, grad, state, cfg, group["lr"]))
-        for p, grad, state, cfg, lr in work:
-            refreshed = ar.refresh_due(int(state.count), cfg)
+        due = [ar.refresh_due(int(state.count), cfg) for _, _, state, cfg, _ in work]
+        bases = self._refresh([item for item, d in zip(work, due) if d])
+        for (p, grad, state, cfg, lr), refreshed in zip(work, due):
             if refreshed:
-                state = ar.refresh_basis(state, grad, cfg)
+                state = bases.pop(0)
             # same numbers as ``p += ar.update(...)[0]`` (bit for bit), without new moment tensors
             state = ar.update_in_place(state, grad, cfg, p, lr=lr, refreshed=refreshed)
             self.state[p] = from_core_state(state)
         return loss
+
+    def _refresh(self, items: list[tuple[Any, ...]]) -> list[Any]:
+        """New bases (``refresh_basis``) for the parameters due, split over ranks when asked."""
+        dist = torch.distributed
+        if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return [ar.refresh_basis(state, grad, cfg) for _, grad, state, cfg, _ in items]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        out = []
+        for j, (_, grad, state, cfg, _) in enumerate(items):
+            owner = j % world
+            if owner == rank:
+                state = ar.refresh_basis(state, grad, cfg)
+            else:  # receive into fresh buffers: the old bases may be referenced by a saved state_dict
+                state = state._replace(
+                    **{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None}
+                )
+            for basis in (state.P, state.Q):
+                if basis is not None:
+                    dist.broadcast(basis, src=owner)
+            out.append(state)
+        return out
 
     @staticmethod
     def _checked_grad(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:

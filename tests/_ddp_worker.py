@@ -54,14 +54,17 @@ def worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         results = {}
-        for name in names:
-            model = torch.nn.parallel.DistributedDataParallel(make_model())
-            opt = OPTIMIZER_CLASSES[name](model.parameters(), lr=0.01, weight_decay=0.1, update_freq=FREQ)
-            for step in range(STEPS):
-                opt.zero_grad()
-                _loss(model, *data(step, rank)).backward()
-                opt.step()
-            results[name] = [p.detach().clone() for p in model.parameters()]
+        for split in (False, True):
+            for name in names:
+                model = torch.nn.parallel.DistributedDataParallel(make_model())
+                opt = OPTIMIZER_CLASSES[name](
+                    model.parameters(), lr=0.01, weight_decay=0.1, update_freq=FREQ, split_refresh=split
+                )
+                for step in range(STEPS):
+                    opt.zero_grad()
+                    _loss(model, *data(step, rank)).backward()
+                    opt.step()
+                results[name + ("/split" if split else "")] = [p.detach().clone() for p in model.parameters()]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()

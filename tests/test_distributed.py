@@ -48,6 +48,10 @@ def test_ddp_ranks_bit_identical_and_equal_to_single_process(tmp_path):
         reference = _ddp_worker.reference_run(name)
         for p, ref in zip(ranks[0][name], reference):
             torch.testing.assert_close(p, ref, rtol=1e-12, atol=1e-14)
+        # split refresh: each rank decomposes a share of the matrices and broadcasts -> the same bits
+        for r in range(_ddp_worker.WORLD):
+            for p_split, p_full in zip(ranks[r][name + "/split"], ranks[0][name]):
+                assert torch.equal(p_split, p_full), (name, r)
 
 
 def test_optax_sharded_over_two_host_devices_equals_unsharded():
