@@ -14,7 +14,7 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
@@ -154,6 +154,30 @@ def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) 
     return xp.where(noise, xp.zeros_like(g_rot), g_rot)
 
 
+class StepInput(NamedTuple):
+    """What every update form computes first (:func:`prepare_step`)."""
+
+    layout: Layout
+    t: Array  # the step t = count + 1, in the state dtype
+    g: Array  # G in the work frame and state dtype
+    w: Array  # W in the work frame and state dtype
+    g_rot: Array  # G~ = P^T G Q, noise floor applied on a refresh step
+
+
+def prepare_step(state: State, grad: Array, cfg: BaseConfig, param: Array, refreshed: Any, xp: Namespace) -> StepInput:
+    """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms)."""
+    layout = layout_for(tuple(param.shape), cfg)
+    _check_static(state, grad, param, layout, cfg)
+    dtype = _work_dtype(state, xp)
+    # copy=False: no copy of G and W when they already have the state dtype (nothing here mutates them)
+    g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
+    w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
+    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
+    if state.P is not None and refreshed is not False:
+        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+    return StepInput(layout, xp.astype(state.count + 1, dtype), g, w, g_rot)
+
+
 def update(
     state: State,
     grad: Array,
@@ -177,18 +201,10 @@ def update(
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
     """
     xp = namespace(grad, param, xp=xp)
-    layout = layout_for(tuple(param.shape), cfg)
-    _check_static(state, grad, param, layout, cfg)
     family = _family(cfg)
-    dtype = _work_dtype(state, xp)
-    t = xp.astype(state.count + 1, dtype)
-    # copy=False: no copy of G and W when they already have the state dtype (the pure functions never mutate)
-    g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
-    w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
-    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
-    if state.P is not None and refreshed is not False:
-        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
-    u_rot, moments = family.direction(state, g_rot, t, cfg, xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    layout, t, w = step_in.layout, step_in.t, step_in.w
+    u_rot, moments = family.direction(state, step_in.g_rot, t, cfg, xp)
     eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
     direction = unrotate(u_rot, state.P, state.Q, xp, transposed=layout.transposed)
     if cfg.weight_decay:

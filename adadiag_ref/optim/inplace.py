@@ -25,8 +25,8 @@ from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_nam
 from .._xp import Array, Namespace, namespace
 from ..config import BaseConfig
 from ..state import AdamState, State
-from .core import _check_static, _work_dtype, rotate, rotation_noise_floor, unrotate, update
-from .layout import from_work, layout_for, to_work
+from .core import prepare_step, unrotate, update
+from .layout import from_work
 from .schedules import beta_hat
 
 __all__ = ["supports_in_place", "update_in_place"]
@@ -91,15 +91,7 @@ def update_in_place(
         param += delta
         return state._replace(count=new.count)
 
-    layout = layout_for(tuple(param.shape), cfg)
-    _check_static(state, grad, param, layout, cfg)
-    dtype = _work_dtype(state, xp)
-    t = xp.astype(state.count + 1, dtype)
-    g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
-    w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
-    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
-    if state.P is not None and refreshed is not False:
-        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+    layout, t, g, w, g_rot = prepare_step(state, grad, cfg, param, refreshed, xp)
     owned = g_rot is not g  # a fresh GEMM output may serve as scratch space
 
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
