@@ -154,7 +154,7 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
         U = np.empty_like(g)
         W = np.ones_like(g)
         f = np.float32
-        moments(M, V, g, f(0.9), f(0.1), f(0.99), f(0.01), f(1e-8), U)
+        moments(M, V, g, f(0.9), f(0.1), f(0.99), f(0.01), f(1e-8), M, V, U)
         update(W.reshape(-1), U.reshape(-1), f(1e-2), f(0.1))
         outs.append((M, V, U, W))
     for a, b in zip(*outs):

@@ -96,19 +96,6 @@ def _jit(fn: Any) -> Any:
 # ----------------------------------------------------------------------------- functional kernels
 
 
-@_jit
-def _adam_kernel(M0, V0, g, b1, c1, b2, c2, eps, M, V, U):  # type: ignore[no-untyped-def]
-    m, n = g.shape
-    for i in range(m):
-        for j in range(n):
-            x = g[i, j]
-            mij = b1 * M0[i, j] + c1 * x
-            vij = b2 * V0[i, j] + c2 * (x * x)
-            M[i, j] = mij
-            V[i, j] = vij
-            U[i, j] = mij / (math.sqrt(vij) + eps)
-
-
 def _scalar(x: Any, dtype: Any) -> Any:
     return np.asarray(x, dtype=dtype)[()]
 
@@ -121,7 +108,7 @@ def adam_direction(M0: np.ndarray, V0: np.ndarray, g: np.ndarray, b1_t: Any, b2_
     M = np.empty(g.shape, dtype=dt)
     V = np.empty(g.shape, dtype=dt)
     U = np.empty(g.shape, dtype=dt)
-    _adam_kernel(M0, V0, g, b1, c1, b2, c2, _scalar(eps, dt), M, V, U)
+    adam_moments_inplace(M0, V0, g, b1, c1, b2, c2, _scalar(eps, dt), M, V, U)
     return M, V, U
 
 
@@ -264,14 +251,18 @@ def hfac_direction(
 # ----------------------------------------------------------------------------- in-place kernels (engine)
 
 
-def _adam_moments_rows(M, V, g, b1, c1, b2, c2, eps, out):  # type: ignore[no-untyped-def]
-    """In place: ``M, V`` updated, ``out = M / (sqrt(V) + eps)`` (``out`` may alias ``g``)."""
+def _adam_moments_rows(M0, V0, g, b1, c1, b2, c2, eps, M, V, out):  # type: ignore[no-untyped-def]
+    """``M = b1 M0 + c1 G~``, ``V = b2 V0 + c2 G~^2``, ``out = M / (sqrt(V) + eps)`` in one pass.
+
+    Every entry is read before it is written, so ``M`` may alias ``M0``, ``V`` alias
+    ``V0`` (in place) and ``out`` alias ``g``.
+    """
     m, n = g.shape
     for i in numba.prange(m):
         for j in range(n):
             x = g[i, j]
-            mij = b1 * M[i, j] + c1 * x
-            vij = b2 * V[i, j] + c2 * (x * x)
+            mij = b1 * M0[i, j] + c1 * x
+            vij = b2 * V0[i, j] + c2 * (x * x)
             M[i, j] = mij
             V[i, j] = vij
             out[i, j] = mij / (math.sqrt(vij) + eps)

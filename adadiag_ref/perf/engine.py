@@ -139,7 +139,7 @@ class AdaDiagEngine:
             if gemm:
                 np.matmul(it["P"].T, it["G"], out=it["Gt"])
             if elementwise:
-                self.moments_kernel(it["M"], it["V"], it["Gt"], b1, c1, b2, c2, eps, it["Gt"])
+                self.moments_kernel(it["M"], it["V"], it["Gt"], b1, c1, b2, c2, eps, it["M"], it["V"], it["Gt"])
             if gemm:
                 np.matmul(it["P"], it["Gt"], out=it["D"])
             if elementwise:
