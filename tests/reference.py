@@ -24,16 +24,19 @@ def beta_hat(beta: float, t: int) -> float:
     return beta * (1.0 - beta ** (t - 1)) / (1.0 - beta**t)
 
 
-def _basis(G: np.ndarray, t: int, T: int | None, old: tuple, sides: int) -> tuple:
-    m, n = G.shape
-    if sides == 0:
-        return np.eye(m), np.eye(n)
-    if t == 1 or (T is not None and (t - 1) % T == 0):
+def _refresh_due(t: int, T: int | None) -> bool:
+    """DESIGN.md: the basis is refreshed at t = 1 and whenever (t - 1) mod T == 0."""
+    return t == 1 or (T is not None and (t - 1) % T == 0)
+
+
+def _rotated_gradient(G: np.ndarray, t: int, T: int | None, P: np.ndarray, Q: np.ndarray, sides: int) -> tuple:
+    """The algorithm boxes' refresh and rotation lines: returns (P_t, Q_t, G~_t = P^T G Q)."""
+    refreshed = sides > 0 and _refresh_due(t, T)
+    if refreshed:
         svd = canonical_svd(G)
         P = svd.P
-        Q = svd.Q if sides == 2 else np.eye(n)
-        return P, Q
-    return old
+        Q = svd.Q if sides == 2 else np.eye(G.shape[1])
+    return P, Q, _noise_floor(P.T @ G @ Q, G, refreshed, sides > 0)
 
 
 def _noise_floor(Gt: np.ndarray, G: np.ndarray, refreshed: bool, rotated: bool) -> np.ndarray:
@@ -71,9 +74,7 @@ def adam_family(W, grads, *, lr, betas, eps, wd, T, sides):
     P, Q = np.eye(m), np.eye(n)
     out = []
     for t, G in enumerate(grads, start=1):
-        refreshed = sides > 0 and (t == 1 or (T is not None and (t - 1) % T == 0))
-        P, Q = _basis(G, t, T, (P, Q), sides)
-        Gt = _noise_floor(P.T @ G @ Q, G, refreshed, sides > 0)
+        P, Q, Gt = _rotated_gradient(G, t, T, P, Q, sides)
         bh1, bh2 = beta_hat(b1, t), beta_hat(b2, t)
         U = np.zeros((m, n))
         for i in range(m):
@@ -96,9 +97,7 @@ def adafactor_family(W, grads, *, lr, betas, eps, wd, T, sides, momentum, d=1.0)
     P, Q = np.eye(m), np.eye(n)
     out = []
     for t, G in enumerate(grads, start=1):
-        refreshed = sides > 0 and (t == 1 or (T is not None and (t - 1) % T == 0))
-        P, Q = _basis(G, t, T, (P, Q), sides)
-        Gt = _noise_floor(P.T @ G @ Q, G, refreshed, sides > 0)
+        P, Q, Gt = _rotated_gradient(G, t, T, P, Q, sides)
         bh1, bh2 = beta_hat(b1, t), beta_hat(b2, t)
         for i in range(m):  # r_t = EMA[(G~^2 + eps) 1_n]
             r[i] = bh2 * r[i] + (1 - bh2) * sum(Gt[i, j] ** 2 + eps for j in range(n))
@@ -126,9 +125,7 @@ def hfac_family(W, grads, *, lr, betas, eps, wd, T, sides, d=1.0):
     P, Q = np.eye(m), np.eye(n)
     out = []
     for t, G in enumerate(grads, start=1):
-        refreshed = sides > 0 and (t == 1 or (T is not None and (t - 1) % T == 0))
-        P, Q = _basis(G, t, T, (P, Q), sides)
-        Gt = _noise_floor(P.T @ G @ Q, G, refreshed, sides > 0)
+        P, Q, Gt = _rotated_gradient(G, t, T, P, Q, sides)
         bh1, bh2 = beta_hat(b1, t), beta_hat(b2, t)
         row_mean = [sum(Gt[i, j] for j in range(n)) / n for i in range(m)]  # G~ 1_n / n
         col_mean = [sum(Gt[i, j] for i in range(m)) / m for j in range(n)]  # G~^T 1_m / m
