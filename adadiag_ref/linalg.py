@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._xp import Array, Namespace, namespace, to_numpy
+from ._xp import Array, Namespace, creation_device, namespace, to_numpy
 
 __all__ = [
     "REFRESH_METHODS",
@@ -89,15 +89,9 @@ def sign_canonical(B: Array, rtol: float, *, xp: Namespace | None = None) -> Arr
     colmax = xp.max(mag, axis=0)
     near = xp.astype(mag >= colmax[None, :] * (1.0 - rtol), xp.int32)
     first = xp.argmax(near, axis=0)
-    rows = xp.arange(B.shape[0], device=_device_of(B))
+    rows = xp.arange(B.shape[0], device=creation_device(B))
     picked = xp.sum(xp.where(rows[:, None] == first[None, :], B, xp.zeros_like(B)), axis=0)
     return xp.where(picked < 0, -xp.ones_like(picked), xp.ones_like(picked))
-
-
-def _device_of(x: Array) -> object:
-    from ._xp import creation_device
-
-    return creation_device(x)
 
 
 def _pivoted_gram_schmidt(
@@ -132,7 +126,7 @@ def _pivoted_gram_schmidt(
         chosen.append(v)
         residual = residual - v[:, None] * (v @ residual)[None, :]
     if not chosen:
-        return xp.zeros((X.shape[0], 0), dtype=X.dtype, device=_device_of(X))
+        return xp.zeros((X.shape[0], 0), dtype=X.dtype, device=creation_device(X))
     return xp.stack(chosen, axis=1)
 
 
@@ -144,7 +138,7 @@ def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | No
     """
     xp = namespace(B, xp=xp)
     r = B.shape[1]
-    eye = xp.eye(size, dtype=B.dtype, device=_device_of(B))
+    eye = xp.eye(size, dtype=B.dtype, device=creation_device(B))
     complement = eye - B @ xp.matrix_transpose(B) if r else eye
     C = _pivoted_gram_schmidt(complement, size - r, B if r else None, rtol, xp, fast)
     if C.shape[1] == 0:
@@ -211,7 +205,7 @@ def canonicalize_svd(
             Vc = xp.matrix_transpose(Vh[a:b, :])
             q_cols.append(Vc if coeff is None else Vc @ coeff)
 
-    device = _device_of(U)
+    device = creation_device(U)
     Pr = xp.concat(p_cols, axis=1) if p_cols else xp.zeros((m, 0), dtype=U.dtype, device=device)
     signs = sign_canonical(Pr, rtol, xp=xp) if rank else None
     P = Q = None
@@ -332,7 +326,7 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, force: bool, xp: N
         if np.any(near(sigma_host)) or np.any(near(sigma_host[:-1] - sigma_host[1:])):
             return None
     k = min(m, n)
-    order = xp.asarray(np.arange(m - 1, m - 1 - k, -1), device=_device_of(G))
+    order = xp.asarray(np.arange(m - 1, m - 1 - k, -1), device=creation_device(G))
     U = xp.astype(xp.take(vecs, order, axis=1), G.dtype)
-    S = xp.asarray(sigma_host[:k], dtype=G.dtype, device=_device_of(G))
+    S = xp.asarray(sigma_host[:k], dtype=G.dtype, device=creation_device(G))
     return canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, xp=xp, fast=True)
