@@ -10,6 +10,8 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
+from . import __version__
+
 # modules that contribute subcommands through add_parser(subparsers)
 _SUBCOMMAND_MODULES = ("adadiag_ref.ode.cli", "adadiag_ref.golden.cli", "adadiag_ref.perf.cli")
 
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adadiag-ref",
         description="Reference implementation of AdaDiag, AdaDiag++, AdafacDiag, HfacDiag and their baselines.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="run every optimizer on a small matrix problem, per installed backend")
     report.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
