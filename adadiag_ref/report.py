@@ -157,6 +157,11 @@ class ReportRow(NamedTuple):
     refresh_steps: tuple[int, ...] = ()
 
 
+def _ms(value: float, width: int, decimals: int) -> str:
+    """A time column; ``-`` where there was nothing to time (e.g. no later refresh step)."""
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:{width}.{decimals}f}"
+
+
 def _median_ms(times: Sequence[float]) -> float:
     return 1e3 * statistics.median(times) if times else math.nan
 
@@ -248,11 +253,10 @@ def run_report(
         f"problem: 0.5*||A W B - C||^2, W {problem.W0.shape[0]}x{problem.W0.shape[1]}, cond(A)=cond(B)=100, "
         f"float64, T={UPDATE_FREQ} (refreshes at t = 1, {1 + UPDATE_FREQ}, {1 + 2 * UPDATE_FREQ}, ...)"
     )
+    out("backends (import time): " + ", ".join(f"{b.name} {b.load_s:.2f} s" for b in loaded.values()))
     out(
-        "backends: "
-        + ", ".join(f"{b.name} (import {b.load_s:.2f} s)" for b in loaded.values())
-        + "; first = the first step (first SVD, lazy set-up); ms/step = median of the later non-refresh steps;"
-        " ms/refresh = median of the later refresh steps"
+        "times: 'first ms' = step 1 (the first SVD, lazy set-up, JIT compilation); 'ms/step' = median of the later "
+        "steps without a refresh; 'ms/refresh' = median of the later refresh steps"
     )
     for b in loaded.values():
         if b.note:
@@ -278,7 +282,7 @@ def run_report(
                     out(
                         f"{b.name:16} {name:14}"
                         + "".join(f" {v:11.4e}" for v in row.losses)
-                        + f" {row.first_ms:9.2f} {row.step_ms:8.3f} {row.refresh_ms:10.3f}"
+                        + f" {_ms(row.first_ms, 9, 2)} {_ms(row.step_ms, 8, 3)} {_ms(row.refresh_ms, 10, 3)}"
                     )
     return rows
 

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv with every extra that runs on a CPU machine.
 # torch is pinned first: an unpinned "torch" would pull the newest CUDA build (several GB).
+# pip's output goes to a log that is shown only when an install fails, so a working set-up prints one line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ "${FRESH_VENV:-0}" = "1" ]; then rm -rf .venv; fi
-if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+if [ ! -x .venv/bin/python ]; then
+    echo "setup-env: creating .venv (the first time downloads torch, jax and numba: a few minutes)" >&2
+    "$PY" -m venv .venv
+fi
 . .venv/bin/activate
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+quiet_pip() {
+    if ! python -m pip install --quiet --disable-pip-version-check "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup-env: pip install $* failed (output above)" >&2
+        exit 1
+    fi
+}
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test,torch,jax,numba,plot]"
+quiet_pip "torch==2.13.0"
+quiet_pip -e ".[test,torch,jax,numba,plot]"
+echo "setup-env: .venv ready ($(python -c 'import adadiag_ref; print("adadiag-ref", adadiag_ref.__version__)'))" >&2
