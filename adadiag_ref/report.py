@@ -17,13 +17,14 @@ Long phases show a progress bar (tqdm) on a terminal.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -203,6 +204,26 @@ def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints:
     )
 
 
+@contextlib.contextmanager
+def _single_torch_thread(backend: str) -> Iterator[None]:
+    """torch on one thread while it runs the report's 16 x 24 problem, restored afterwards.
+
+    At this size threads only add overhead, and torch's spinning OpenMP workers next to NumPy's BLAS threads
+    made a step 100x slower on a loaded 2-core machine (0.1 ms -> 30 ms).
+    """
+    if backend != "torch":
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def ode_plot_path(plot: str | Path) -> Path:
     """Where ``--plot report.png`` puts the ODE figure: ``report-ode.png`` next to it."""
     path = Path(plot)
@@ -261,6 +282,8 @@ def run_report(
     for b in loaded.values():
         if b.note:
             out(f"note: {b.note}")
+    if "torch" in loaded:
+        out("note: torch runs on one thread here (a 16 x 24 problem: threads only add overhead)")
     header = (
         f"{'backend':16} {'optimizer':14}"
         + "".join(f" {'L@' + str(c):>11}" for c in checkpoints)
@@ -275,7 +298,8 @@ def run_report(
         for b in loaded.values():
             for name in OPTIMIZERS:
                 bar.set_postfix_str(f"{b.name} {name}")
-                row = _run_one(name, problem, b.xp, steps, checkpoints)._replace(backend=b.name)
+                with _single_torch_thread(b.name):
+                    row = _run_one(name, problem, b.xp, steps, checkpoints)._replace(backend=b.name)
                 rows.append(row)
                 bar.update()
                 with tqdm.external_write_mode():
