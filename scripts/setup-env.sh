@@ -20,7 +20,15 @@ quiet_pip() {
         exit 1
     fi
 }
-python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-quiet_pip "torch==2.13.0"
-quiet_pip -e ".[test,torch,jax,numba,plot]"
+# skip pip when this pyproject.toml was already installed into this .venv (the editable install follows the sources)
+stamp=.venv/.adadiag-ref-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import adadiag_ref" 2>/dev/null; then
+    python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+    echo "setup-env: installing torch 2.13.0 (CPU build)" >&2
+    quiet_pip "torch==2.13.0"
+    echo "setup-env: installing adadiag-ref (editable) with the extras test, torch, jax, numba, plot" >&2
+    quiet_pip -e ".[test,torch,jax,numba,plot]"
+    echo "$want" >"$stamp"
+fi
 echo "setup-env: .venv ready ($(python -c 'import adadiag_ref; print("adadiag-ref", adadiag_ref.__version__)'))" >&2
