@@ -30,11 +30,14 @@ def _report(args: argparse.Namespace) -> int:
     )
 
     try:  # every option is checked before the run, not after it
-        check_options(args.steps, args.plot, ode=not args.no_ode)
+        check_options(args.steps, args.plot, ode=not args.no_ode, backends=args.backend)
     except ValueError as exc:
         print(f"adadiag-ref: error: {exc}", file=sys.stderr)
         return 2
     rows = run_report(steps=args.steps, backends=args.backend or None)
+    if not rows:  # e.g. cupy installed but no GPU
+        print("adadiag-ref: error: none of the requested backends could run here", file=sys.stderr)
+        return 2
     if args.plot:
         plot_curves(rows, args.plot)
         print(f"loss curves, every backend, refreshes marked: {args.plot}")

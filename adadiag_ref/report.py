@@ -230,14 +230,17 @@ def ode_plot_path(plot: str | Path) -> Path:
     return path.with_name(f"{path.stem}-ode{path.suffix}")
 
 
-def check_options(steps: int, plot: str | None = None, ode: bool = True) -> None:
+def check_options(steps: int, plot: str | None = None, ode: bool = True, backends: Sequence[str] | None = None) -> None:
     """Check the report's options before any work; raises ``ValueError`` with the reason.
 
     ``steps`` must be a positive integer; ``plot`` (and the ODE figure next to it)
-    needs matplotlib and an existing, writable folder.
+    needs matplotlib and an existing, writable folder; of the requested ``backends``
+    at least one must be installed.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {steps!r}")
+    if backends and not any(importlib.util.find_spec(b) is not None for b in backends):
+        raise ValueError(f"none of the requested backends is installed: {', '.join(backends)}")
     if plot is None:
         return
     if importlib.util.find_spec("matplotlib") is None:

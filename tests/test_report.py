@@ -44,6 +44,13 @@ def test_plot_without_matplotlib_fails_before_the_run(
     assert 'pip install "adadiag-ref[plot]"' in err
 
 
+def test_only_missing_backends_fail_before_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert "none of the requested backends" in _fails_up_front(["report", "--backend", "cupy"], capsys)
+
+
 def test_first_step_and_refresh_steps_are_timed_apart_from_the_others() -> None:
     rows = report.run_report(steps=25, backends=["numpy"], out=lambda _: None, progress=False)
     assert [r.optimizer for r in rows] == list(ar.OPTIMIZERS)
