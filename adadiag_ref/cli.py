@@ -8,19 +8,45 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
+
+from . import __version__
 
 # modules that contribute subcommands through add_parser(subparsers)
 _SUBCOMMAND_MODULES = ("adadiag_ref.ode.cli", "adadiag_ref.golden.cli", "adadiag_ref.perf.cli")
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import golden_summary, memory_summary, plot_curves, run_report
+    from .report import (
+        check_options,
+        golden_summary,
+        memory_summary,
+        ode_plot_path,
+        ode_summary,
+        plot_curves,
+        plot_ode,
+        run_report,
+    )
 
+    try:  # every option is checked before the run, not after it
+        check_options(args.steps, args.plot, ode=not args.no_ode, backends=args.backend)
+    except ValueError as exc:
+        print(f"adadiag-ref: error: {exc}", file=sys.stderr)
+        return 2
     rows = run_report(steps=args.steps, backends=args.backend or None)
+    if not rows:  # e.g. cupy installed but no GPU
+        print("adadiag-ref: error: none of the requested backends could run here", file=sys.stderr)
+        return 2
     if args.plot:
         plot_curves(rows, args.plot)
-        print(f"loss curves written to {args.plot}")
+        print(f"loss curves, every backend, refreshes marked: {args.plot}")
+    if not args.no_ode:
+        print()
+        ode_rows = ode_summary()
+        if args.plot:
+            plot_ode(ode_rows, ode_plot_path(args.plot))
+            print(f"Hamiltonian along every ODE: {ode_plot_path(args.plot)}")
     print()
     ok = golden_summary()
     print()
@@ -33,13 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adadiag-ref",
         description="Reference implementation of AdaDiag, AdaDiag++, AdafacDiag, HfacDiag and their baselines.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="run every optimizer on a small matrix problem, per installed backend")
     report.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
     report.add_argument(
-        "--backend", action="append", choices=["numpy", "torch", "jax", "cupy"], help="restrict to backend(s)"
+        "--backend",
+        action="append",
+        choices=["numpy", "torch", "jax", "array_api_strict", "cupy"],
+        help="restrict to backend(s) (repeatable; default: every installed one)",
     )
-    report.add_argument("--plot", metavar="PNG", help="also draw the loss curves (needs matplotlib)")
+    report.add_argument(
+        "--plot", metavar="PNG", help="draw the loss curves of every backend to PNG and the ODE's H(t) to PNG-ode.png"
+    )
+    report.add_argument("--no-ode", action="store_true", help="skip the ODE (Hamiltonian) section")
     report.set_defaults(func=_report)
     for module_name in _SUBCOMMAND_MODULES:
         try:

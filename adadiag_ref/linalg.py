@@ -7,7 +7,7 @@ of a full ``Q``.  LAPACK, cuSOLVER, torch and jax resolve these choices
 differently, and because AdaDiag carries its moments across basis refreshes
 without re-rotating them, the choice changes the optimizer's trajectory.
 
-:func:`canonical_svd` fixes every choice (DESIGN.md section 2, ``docs/spec.md``):
+:func:`canonical_svd` fixes every choice (``docs/spec.md``, section 4):
 
 * **Order** - singular values descending.
 * **Numerical rank** - ``r = #{i : sigma_i > max(m, n) * eps(dtype) * sigma_max}``.

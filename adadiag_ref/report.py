@@ -2,29 +2,68 @@
 
 1. Every optimizer on the ill-conditioned matrix least squares
    ``L(W) = 0.5 ||A W B - C||_F^2`` (m x n parameter, where rotations matter),
-   on every installed backend: the loss at a few checkpoints and the median wall
-   time of one eager ``step``.
-2. The shipped golden fixtures verified against the live core.
-3. The paper's memory table reproduced from the library's state layout.
+   on every installed backend (NumPy, PyTorch, JAX, ``array_api_strict``, CuPy
+   with a GPU): the loss at a few checkpoints, and the time of the backend's
+   import, of the first step (first refresh, lazy set-up) and of a later
+   step, apart from each other.
+2. The ODE form of every optimizer (``adadiag_ref.ode``): is the Hamiltonian
+   ``H`` non-increasing (``dH/dt <= 0``) along the trajectory, and by how much
+   did it rise on the worst step.
+3. The shipped golden fixtures verified against the live core.
+4. The paper's memory table reproduced from the library's state layout.
+
+Long phases show a progress bar (tqdm) on a terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
+import math
+import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from . import OPTIMIZERS, init, make_config, step
+from . import OPTIMIZERS, init, make_config, refresh_due, step
 from ._xp import to_numpy
 
-__all__ = ["LeastSquares", "ReportRow", "available_backends", "least_squares_problem", "run_report"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "LeastSquares",
+    "ODERow",
+    "ReportRow",
+    "available_backends",
+    "check_options",
+    "golden_summary",
+    "least_squares_problem",
+    "load_backends",
+    "memory_summary",
+    "ode_plot_path",
+    "ode_summary",
+    "plot_curves",
+    "plot_ode",
+    "run_report",
+]
 
 DEFAULT_LR = {"adam": 3e-2, "adafactor": 3e-2, "hfac": 1e-2}
+UPDATE_FREQ = 20
+"""Refresh period T of the report's runs: refreshes at t = 1, 21, 41, ..."""
+BACKENDS = ("numpy", "torch", "jax", "array_api_strict", "cupy")
+ODE_T_END = 10.0
+ODE_REFRESH_PERIOD = 5.0
+
+
+def _bar_disabled(progress: bool | None) -> bool | None:
+    """tqdm's ``disable``: ``None`` (the default here) shows the bar only when stderr is a terminal."""
+    return None if progress is None else not progress
 
 
 class LeastSquares(NamedTuple):
@@ -37,7 +76,7 @@ class LeastSquares(NamedTuple):
 
 
 def least_squares_problem(m: int = 16, n: int = 24, condition: float = 100.0, seed: int = 0) -> LeastSquares:
-    """A seeded instance with condition number ``condition`` in both A and B."""
+    """A seeded instance with condition number ``condition`` in both A and B (``C = A W* B``, so ``L* = 0``)."""
     rng = np.random.default_rng(seed)
 
     def conditioned(k: int) -> np.ndarray:
@@ -50,41 +89,86 @@ def least_squares_problem(m: int = 16, n: int = 24, condition: float = 100.0, se
     return LeastSquares(A, B, A @ W_star @ B, np.zeros((m, n)))
 
 
-def available_backends() -> dict[str, Any]:
-    """Array namespaces that import here (numpy always; torch, jax, cupy if present)."""
-    backends: dict[str, Any] = {"numpy": np}
-    try:
-        from array_api_compat import torch as xp_torch
+class Backend(NamedTuple):
+    """An array namespace that imported here, the seconds its import took, and a note for the report."""
 
-        importlib.import_module("torch")
-        backends["torch"] = xp_torch
-    except ImportError:
-        pass
+    name: str
+    xp: Any
+    load_s: float
+    note: str = ""
+
+
+def _load(name: str) -> Backend | None:
+    start = time.perf_counter()
+    note = ""
     try:
-        jax = importlib.import_module("jax")
-        jax.config.update("jax_enable_x64", True)
-        backends["jax"] = importlib.import_module("jax.numpy")
+        if name == "numpy":
+            xp: Any = np
+        elif name == "torch":
+            importlib.import_module("torch")
+            xp = importlib.import_module("array_api_compat.torch")
+        elif name == "jax":
+            jax = importlib.import_module("jax")
+            if not jax.config.read("jax_enable_x64"):
+                # JAX computes in float32 unless x64 is on; float64 is the golden mode, so switch it on and say so
+                jax.config.update("jax_enable_x64", True)
+                note = "jax_enable_x64 switched on for this run (JAX defaults to float32; float64 is the golden mode)"
+            xp = importlib.import_module("jax.numpy")
+        elif name == "array_api_strict":
+            xp = importlib.import_module("array_api_strict")
+        elif name == "cupy":
+            xp = importlib.import_module("cupy")
+            if xp.cuda.runtime.getDeviceCount() == 0:
+                return None
+        else:
+            raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
     except ImportError:
-        pass
-    try:
-        cupy = importlib.import_module("cupy")
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            backends["cupy"] = cupy
-    except Exception:
-        pass
-    return backends
+        return None
+    except Exception:  # cupy without a driver raises its own errors: no GPU, no backend
+        if name != "cupy":
+            raise
+        return None
+    return Backend(name, xp, time.perf_counter() - start, note)
+
+
+def load_backends(names: Sequence[str] | None = None) -> dict[str, Backend]:
+    """Import the requested backends (default: all of :data:`BACKENDS`) and time each import."""
+    loaded = (_load(name) for name in (BACKENDS if names is None else names))
+    return {b.name: b for b in loaded if b is not None}
+
+
+def available_backends() -> dict[str, Any]:
+    """Array namespaces that import here (numpy always; torch, jax, array_api_strict, cupy with a GPU if present)."""
+    return {name: b.xp for name, b in load_backends().items()}
 
 
 class ReportRow(NamedTuple):
+    """One optimizer on one backend: losses at the checkpoints, timings (ms) and the loss after every step."""
+
     backend: str
     optimizer: str
     losses: tuple[float, ...]
     step_ms: float
+    """Median over the steps after the first that do not refresh the basis."""
     curve: tuple[float, ...] = ()
+    first_ms: float = math.nan
+    """The first step: the first refresh (an SVD) and whatever the backend sets up lazily."""
+    refresh_ms: float = math.nan
+    """Median over the later refresh steps."""
+    refresh_steps: tuple[int, ...] = ()
+
+
+def _ms(value: float, width: int, decimals: int) -> str:
+    """A time column; ``-`` where there was nothing to time (e.g. no later refresh step)."""
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:{width}.{decimals}f}"
+
+
+def _median_ms(times: Sequence[float]) -> float:
+    return 1e3 * statistics.median(times) if times else math.nan
 
 
 def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints: Sequence[int]) -> ReportRow:
-    cfg = make_config(name, lr=DEFAULT_LR[make_config(name).family], update_freq=20)
+    cfg = make_config(name, lr=DEFAULT_LR[make_config(name).family], update_freq=UPDATE_FREQ)
     A, B, C = (xp.asarray(a) for a in (problem.A, problem.B, problem.C))
     W = xp.asarray(problem.W0)
 
@@ -94,18 +178,82 @@ def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints:
 
     state = init(W, cfg)
     losses: list[float] = []
-    times: list[float] = []
     curve: list[float] = []
+    first = 0.0
+    plain: list[float] = []
+    refresh: list[float] = []
+    refreshes: list[int] = []
     for t in range(1, steps + 1):
         loss, G = loss_and_grad(W)
         curve.append(loss)
         if t in checkpoints:
             losses.append(loss)
+        refreshing = refresh_due(t - 1, cfg)
         start = time.perf_counter()
         W, state = step(state, G, cfg, W)
         to_numpy(W[:1, :1])  # synchronise asynchronous backends before stopping the clock
-        times.append(time.perf_counter() - start)
-    return ReportRow("", name, tuple(losses), 1e3 * statistics.median(times), tuple(curve))
+        elapsed = time.perf_counter() - start
+        if refreshing:
+            refreshes.append(t)
+        if t == 1:
+            first = elapsed
+        else:
+            (refresh if refreshing else plain).append(elapsed)
+    return ReportRow(
+        "", name, tuple(losses), _median_ms(plain), tuple(curve), 1e3 * first, _median_ms(refresh), tuple(refreshes)
+    )
+
+
+@contextlib.contextmanager
+def _single_torch_thread(backend: str) -> Iterator[None]:
+    """torch on one thread while it runs the report's 16 x 24 problem, restored afterwards.
+
+    At this size threads only add overhead, and torch's spinning OpenMP workers next to NumPy's BLAS threads
+    made a step 100x slower on a loaded 2-core machine (0.1 ms -> 30 ms).
+    """
+    if backend != "torch":
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ode_plot_path(plot: str | Path) -> Path:
+    """Where ``--plot report.png`` puts the ODE figure: ``report-ode.png`` next to it."""
+    path = Path(plot)
+    return path.with_name(f"{path.stem}-ode{path.suffix}")
+
+
+def check_options(steps: int, plot: str | None = None, ode: bool = True, backends: Sequence[str] | None = None) -> None:
+    """Check the report's options before any work; raises ``ValueError`` with the reason.
+
+    ``steps`` must be a positive integer; ``plot`` (and the ODE figure next to it)
+    needs matplotlib and an existing, writable folder; of the requested ``backends``
+    at least one must be installed.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {steps!r}")
+    if backends and not any(importlib.util.find_spec(b) is not None for b in backends):
+        raise ValueError(f"none of the requested backends is installed: {', '.join(backends)}")
+    if plot is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
+    targets = [Path(plot), *([ode_plot_path(plot)] if ode else [])]
+    for target in targets:
+        folder = target.parent
+        if not folder.is_dir():
+            raise ValueError(f"--plot {plot}: folder {str(folder)!r} does not exist")
+        if target.is_dir():
+            raise ValueError(f"--plot {plot}: {str(target)!r} is a folder, not a file")
+        if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+            raise ValueError(f"--plot {plot}: {str(target)!r} is not writable")
 
 
 def run_report(
@@ -114,62 +262,194 @@ def run_report(
     out: Callable[[str], None] = print,
     progress: bool | None = None,
 ) -> list[ReportRow]:
-    """Run all optimizers on every backend and print the loss table."""
+    """Run all optimizers on every backend and print the loss and timing table.
+
+    ``progress``: a progress bar on stderr (``None``: only on a terminal).
+    """
+    check_options(steps)
     problem = least_squares_problem()
     checkpoints = sorted({1, steps // 10 or 1, steps // 2 or 1, steps})
-    available = available_backends()
-    chosen = list(available) if backends is None else [b for b in backends if b in available]
-    missing = [] if backends is None else [b for b in backends if b not in available]
+    loaded = load_backends(backends)
+    missing = [] if backends is None else [b for b in backends if b not in loaded]
     if missing:
         out(f"skipping backends that are not installed: {', '.join(missing)}")
-    show = sys.stderr.isatty() if progress is None else progress
-    rows: list[ReportRow] = []
-    total = len(chosen) * len(OPTIMIZERS)
-    out(f"problem: 0.5*||A W B - C||^2, W {problem.W0.shape[0]}x{problem.W0.shape[1]}, cond(A)=cond(B)=100, T=20")
-    header = f"{'backend':8} {'optimizer':14}" + "".join(f" {'L@' + str(c):>11}" for c in checkpoints) + "   ms/step"
+    out(
+        f"problem: 0.5*||A W B - C||^2, W {problem.W0.shape[0]}x{problem.W0.shape[1]}, cond(A)=cond(B)=100, "
+        f"float64, T={UPDATE_FREQ} (refreshes at t = 1, {1 + UPDATE_FREQ}, {1 + 2 * UPDATE_FREQ}, ...)"
+    )
+    out("backends (import time): " + ", ".join(f"{b.name} {b.load_s:.2f} s" for b in loaded.values()))
+    out(
+        "times: 'first ms' = step 1 (the first SVD, lazy set-up, JIT compilation); 'ms/step' = median of the later "
+        "steps without a refresh; 'ms/refresh' = median of the later refresh steps"
+    )
+    for b in loaded.values():
+        if b.note:
+            out(f"note: {b.note}")
+    if "torch" in loaded:
+        out("note: torch runs on one thread here (a 16 x 24 problem: threads only add overhead)")
+    header = (
+        f"{'backend':16} {'optimizer':14}"
+        + "".join(f" {'L@' + str(c):>11}" for c in checkpoints)
+        + f" {'first ms':>9} {'ms/step':>8} {'ms/refresh':>10}"
+    )
     out(header)
     out("-" * len(header))
-    for b in chosen:
-        for name in OPTIMIZERS:
-            if show:
-                print(f"\r[{len(rows) + 1}/{total}] {b} {name}      ", end="", file=sys.stderr, flush=True)
-            row = _run_one(name, problem, available[b], steps, checkpoints)._replace(backend=b)
-            rows.append(row)
-            if show:
-                print("\r" + " " * 40 + "\r", end="", file=sys.stderr, flush=True)
-            out(f"{b:8} {name:14}" + "".join(f" {v:11.4e}" for v in row.losses) + f"   {row.step_ms:7.3f}")
+    rows: list[ReportRow] = []
+    with tqdm(
+        total=len(loaded) * len(OPTIMIZERS), desc="optimizers x backends", unit="run", disable=_bar_disabled(progress)
+    ) as bar:
+        for b in loaded.values():
+            for name in OPTIMIZERS:
+                bar.set_postfix_str(f"{b.name} {name}")
+                with _single_torch_thread(b.name):
+                    row = _run_one(name, problem, b.xp, steps, checkpoints)._replace(backend=b.name)
+                rows.append(row)
+                bar.update()
+                with tqdm.external_write_mode():
+                    out(
+                        f"{b.name:16} {name:14}"
+                        + "".join(f" {v:11.4e}" for v in row.losses)
+                        + f" {_ms(row.first_ms, 9, 2)} {_ms(row.step_ms, 8, 3)} {_ms(row.refresh_ms, 10, 3)}"
+                    )
     return rows
 
 
-def plot_curves(rows: Sequence[ReportRow], path: str) -> None:
-    """Loss against step for every optimizer (first backend), log scale, written to ``path``."""
-    try:
-        import matplotlib
+def _pyplot() -> Any:
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise SystemExit("--plot needs matplotlib: pip install 'adadiag-ref[plot]'") from exc
-    backend = rows[0].backend
-    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+_BACKEND_STYLE = {"numpy": "-", "torch": "--", "jax": ":", "array_api_strict": "-.", "cupy": (0, (5, 1, 1, 1))}
+
+
+def plot_curves(rows: Sequence[ReportRow], path: str | Path) -> None:
+    """One figure for every backend: the loss curves (left) and each backend's deviation from NumPy (right).
+
+    Colour = optimizer, line style = backend; the refresh steps are dotted vertical lines.
+    """
+    plt = _pyplot()
+    fig, (ax, ax_dev) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    names = list(dict.fromkeys(r.optimizer for r in rows))
+    colour = {name: f"C{i}" for i, name in enumerate(names)}
+    reference = {r.optimizer: np.asarray(r.curve) for r in rows if r.backend == rows[0].backend}
     for row in rows:
-        if row.backend == backend:
-            style = "-" if "diag" in row.optimizer else "--"
-            ax.semilogy(range(1, len(row.curve) + 1), row.curve, style, label=row.optimizer)
+        curve = np.asarray(row.curve)
+        ts = np.arange(1, curve.size + 1)
+        label = row.optimizer if row.backend == rows[0].backend else None
+        ax.semilogy(ts, curve, ls=_BACKEND_STYLE.get(row.backend, "-"), color=colour[row.optimizer], label=label)
+        if row.backend != rows[0].backend:
+            dev = np.abs(curve - reference[row.optimizer]) / np.abs(reference[row.optimizer])
+            dev[dev == 0] = np.nan  # exact agreement: no point on a log axis
+            ax_dev.semilogy(ts, dev, ls=_BACKEND_STYLE.get(row.backend, "-"), color=colour[row.optimizer])
+    refreshes = max((r.refresh_steps for r in rows), key=len, default=())
+    for k, t in enumerate(refreshes):
+        for a in (ax, ax_dev):
+            a.axvline(t, color="0.5", lw=0.8, ls=":", label="basis refresh" if k == 0 and a is ax else None)
+    backends = list(dict.fromkeys(r.backend for r in rows))
+    for b in backends:  # legend entries for the line styles
+        ax.plot([], [], color="k", ls=_BACKEND_STYLE.get(b, "-"), label=f"backend: {b}")
     ax.set_xlabel("step t")
     ax.set_ylabel("L(W_t) = 0.5 ||A W B - C||^2")
-    ax.set_title(f"adadiag-ref report ({backend}): rotated (solid) vs baselines (dashed)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(ncol=2, fontsize=8)
-    fig.savefig(path, dpi=120)
+    ax.set_title("loss, every optimizer on every backend")
+    ax.legend(ncol=2, fontsize=7)
+    ax_dev.set_xlabel("step t")
+    ax_dev.set_ylabel(f"|L_backend - L_{rows[0].backend}| / L_{rows[0].backend}")
+    ax_dev.set_title(f"deviation from {rows[0].backend} (gaps: identical)")
+    for a in (ax, ax_dev):
+        a.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def golden_summary(out: Callable[[str], None] = print) -> bool:
-    """Verify the shipped golden fixtures against the live core; print one line (and any failure)."""
-    from .golden import verify
+class ODERow(NamedTuple):
+    """One optimizer's ODE check (:func:`adadiag_ref.ode.check`) on the ODE test problem."""
 
-    results = verify()
+    optimizer: str
+    result: Any  # adadiag_ref.ode.CheckResult
+
+
+def ode_summary(
+    out: Callable[[str], None] = print,
+    progress: bool | None = None,
+    t_end: float = ODE_T_END,
+    refresh_period: float = ODE_REFRESH_PERIOD,
+) -> list[ODERow]:
+    """Integrate every optimizer's ODE (DOPRI5) and report whether ``H`` is non-increasing.
+
+    ``max step increase`` is ``max_k H(t_{k+1}) - H(t_k)`` over the accepted steps (0: monotone);
+    ``max dH/dt`` is the largest closed-form rate at step ends and midpoints (``<= 0``: the claim holds
+    on this trajectory).  Rotated systems refresh their basis every ``refresh_period``.
+    """
+    from . import ode
+
+    problem = ode.make_problem("least_squares")
+    out(
+        f"ODE (Hamiltonian descent): {problem.description or problem.name}, dopri5 (rtol 1e-8), t in [0, {t_end:g}], "
+        f"basis refreshed every {refresh_period:g}; H must be non-increasing (dH/dt <= 0)"
+    )
+    header = (
+        f"{'optimizer':14} {'verdict':13} {'H(0)':>10} {'H(T)':>10} {'max step rise':>13} {'max dH/dt':>10} "
+        f"{'steps':>6} {'dH/dt<=0':>8}"
+    )
+    out(header)
+    out("-" * len(header))
+    rows: list[ODERow] = []
+    with tqdm(OPTIMIZERS, desc="ODE checks", unit="system", disable=_bar_disabled(progress)) as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            r = ode.check(ode.make_system(name), problem, "dopri5", t_end=t_end, refresh_period=refresh_period)
+            rows.append(ODERow(name, r))
+            with tqdm.external_write_mode():
+                out(
+                    f"{name:14} {r.verdict:13} {r.h0:10.4g} {r.h_end:10.4g} {r.max_h_increase:13.3g} "
+                    f"{r.max_dhdt:10.3g} {r.n_steps:6d} {'yes' if r.max_dhdt <= 0 else 'NO':>8}"
+                )
+    return rows
+
+
+def plot_ode(rows: Sequence[ODERow], path: str | Path) -> None:
+    """``H(t) - L*`` of every optimizer's ODE on one log axis, steps where ``H`` rose in red, refreshes dotted."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
+    rose = False
+    for i, row in enumerate(rows):
+        tr = row.result.trajectory
+        if tr is None:
+            continue
+        shifted = np.asarray(tr.H) - (row.result.optimal_value or 0.0)
+        shifted[shifted <= 0] = np.nan
+        ax.semilogy(tr.t, shifted, color=f"C{i}", label=f"{row.optimizer}: {row.result.verdict}")
+        up = np.nonzero(np.diff(tr.H) > 0)[0] + 1
+        if up.size:
+            ax.semilogy(tr.t[up], shifted[up], "o", ms=3, color="red", label=None if rose else "H rose on this step")
+            rose = True
+    refresh_times = [
+        t for row in rows if row.result.trajectory is not None for t in row.result.trajectory.refresh_times
+    ]
+    for k, t in enumerate(sorted(set(refresh_times))):
+        ax.axvline(t, color="0.5", lw=0.8, ls=":", label="basis refresh" if k == 0 else None)
+    ax.set_xlabel("ODE time t")
+    ax.set_ylabel("H(t) - L*")
+    ax.set_title("Hamiltonian along each optimizer's ODE (non-increasing = the paper's claim)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def golden_summary(out: Callable[[str], None] = print, progress: bool | None = None) -> bool:
+    """Verify the shipped golden fixtures against the live core; print one line (and any failure)."""
+    from .golden import load_cases
+    from .golden.verify import verify_case
+
+    cases = load_cases()
+    results = [
+        verify_case(c) for c in tqdm(cases, desc="golden fixtures", unit="case", disable=_bar_disabled(progress))
+    ]
     failed = [r for r in results if not r.passed]
     out(f"golden fixtures: {len(results) - len(failed)}/{len(results)} cases match the live core")
     for r in failed:

@@ -33,13 +33,19 @@ parameters whose leaves are the core's NamedTuple states (``AdamState``,
 
 from __future__ import annotations
 
+try:
+    import jax
+    import optax
+except ImportError as exc:  # name the extra instead of a bare "No module named 'jax'"
+    raise ImportError(
+        'adadiag_ref.adapters.optax needs JAX and optax: pip install "adadiag-ref[jax]"', name=exc.name
+    ) from exc
+
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig

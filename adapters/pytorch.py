@@ -29,11 +29,16 @@ float16 and bfloat16 ones.
 
 from __future__ import annotations
 
+try:
+    import torch
+except ImportError as exc:  # name the extra instead of a bare "No module named 'torch'"
+    raise ImportError(
+        'adadiag_ref.adapters.pytorch needs PyTorch: pip install "adadiag-ref[torch]"', name=exc.name
+    ) from exc
+
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import Any
-
-import torch
 
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig

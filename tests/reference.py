@@ -3,7 +3,7 @@
 Each function runs the whole algorithm on a list of gradients (of a wide or
 square matrix, m <= n) and returns the list of parameters W_2, W_3, ... .  They
 use plain Python loops over steps and entries, the paper's beta-hat EMAs, and
-the basis refresh at ``t == 1 or (t - 1) mod T == 0`` (DESIGN.md) with
+the basis refresh at ``t == 1 or (t - 1) mod T == 0`` (docs/spec.md, section 3) with
 ``canonical_svd`` (tested on its own in test_linalg.py).  They are deliberately
 slow and share no code with the library except ``canonical_svd``.
 """
@@ -25,7 +25,7 @@ def beta_hat(beta: float, t: int) -> float:
 
 
 def _refresh_due(t: int, T: int | None) -> bool:
-    """DESIGN.md: the basis is refreshed at t = 1 and whenever (t - 1) mod T == 0."""
+    """docs/spec.md, section 3: the basis is refreshed at t = 1 and whenever (t - 1) mod T == 0."""
     return t == 1 or (T is not None and (t - 1) % T == 0)
 
 

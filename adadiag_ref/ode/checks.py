@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ._arrays import Array, namespace_of, scalar
 from .controllers import ConstantStepSize, PIController
@@ -262,7 +263,7 @@ def check(
         max_steps=max_steps,
         progress=progress,
     )
-    result = _analyse(system, problem, term, solver, sol, t_end)
+    result = _analyse(system, problem, term, solver, sol, t_end, progress=progress)
     if order:
         t_ord = min(t_end, 1.0) if order_t_end is None else order_t_end
         dt0 = order_dt0 if order_dt0 is not None else t_ord / (10.0 if solver.order >= 4 else 40.0)
@@ -329,11 +330,25 @@ def _with_order(result: CheckResult, od: OrderResult) -> CheckResult:
     )
 
 
+def _tqdm_disable(progress: bool | None) -> bool | None:
+    """tqdm's ``disable`` for the library's ``progress`` flag (``None``: only when stderr is a terminal)."""
+    return None if progress is None else not progress
+
+
 def _analyse(
-    system: System, problem: Problem, term: SystemTerm, solver: Solver, sol: Solution, t_end: float
+    system: System,
+    problem: Problem,
+    term: SystemTerm,
+    solver: Solver,
+    sol: Solution,
+    t_end: float,
+    progress: bool | None = False,
 ) -> CheckResult:
     xp = namespace_of(sol.ys)
     n = len(sol.ts)
+    # about two evaluations of dH/dt per accepted step: as long as the integration itself, so it shows progress
+    # (``disable=None`` is tqdm's "only on a terminal", the integrator's ``progress=None``)
+    bar = tqdm(total=2 * n - 1, desc="checking H, dH/dt", unit="eval", leave=False, disable=_tqdm_disable(progress))
     ys = [sol.ys[i, :] for i in range(n)]
     states = [term.unpack(y) for y in ys]
     # H, L, ||grad L|| and dH/dt at every saved state, with the basis of the step that ended there;
@@ -342,6 +357,7 @@ def _analyse(
     for i in range(n):
         d = term.diagnostics(float(sol.ts[i]), ys[i], sol.bases[int(sol.segments[i])])
         H[i], L[i], gnorm[i], rate_end[i] = d
+        bar.update()
     check_evals = n
     rate_start = np.empty(max(n - 1, 0))
     rate_mid = np.empty(max(n - 1, 0))
@@ -356,6 +372,8 @@ def _analyse(
         t_mid = 0.5 * (float(sol.ts[k]) + float(sol.ts[k + 1]))
         rate_mid[k] = term.hamiltonian_rate(t_mid, interpolate(sol.dense[k], t_mid), basis)
         check_evals += 1
+        bar.update()
+    bar.close()
     hs = np.diff(sol.ts)
     integral = float(np.sum(hs / 6.0 * (rate_start + 4.0 * rate_mid + rate_end[1:]))) if n > 1 else 0.0
     drop = float(H[0] - H[-1])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from typing import Any
 
 from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, state_nbytes
@@ -11,6 +13,10 @@ __all__ = ["add_parser", "main", "run_bench", "run_memory"]
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    # the in-place engine (the roofline rows and the thread policy) is numba code: say so before any work
+    if importlib.util.find_spec("numba") is None:
+        print('adadiag-ref: error: bench needs numba: pip install "adadiag-ref[numba]"', file=sys.stderr)
+        return 2
     from .bench import run
 
     run(args.model, quick=args.quick, reps=args.reps, period=args.period, use_torch=not args.no_torch,

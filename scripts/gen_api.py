@@ -1,0 +1,93 @@
+"""Write docs/api.md, the API reference, from the docstrings of the public modules.
+
+    python scripts/gen_api.py           # rewrite docs/api.md
+    python scripts/gen_api.py --check   # exit 1 if docs/api.md is stale (tests/test_api_docs.py does this)
+
+Covered: every name in ``__all__`` of the modules below, in that order; the framework adapters are documented
+in docs/adapters.md.  The page depends only on the source (signatures and docstrings), not on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "docs" / "api.md"
+MODULES = ("adadiag_ref", "adadiag_ref.testing", "adadiag_ref.golden", "adadiag_ref.ode", "adadiag_ref.report")
+
+
+def _signature(obj: Any) -> str:
+    try:
+        text = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return ""
+    return re.sub(r"ForwardRef\('([^']*)'\)", r"'\1'", text)  # NamedTuple fields under postponed annotations
+
+
+def _entry(module_name: str, name: str, obj: Any) -> list[str]:
+    if inspect.isclass(obj):
+        kind = "class"
+        doc = inspect.getdoc(obj) or ""
+        head = f"{name}{_signature(obj)}"
+    elif callable(obj):
+        kind = "function"
+        doc = inspect.getdoc(obj) or ""
+        head = f"{name}{_signature(obj)}"
+    else:  # a constant: its type, and its value when short
+        kind = "constant"
+        doc = ""
+        text = repr(obj)
+        head = f"{name}: {type(obj).__name__}" + (f" = {text}" if len(text) <= 80 else "")
+    lines = [f"### `{module_name}.{name}` ({kind})", "", "```text", head, "```", ""]
+    if doc:
+        lines += [doc, ""]
+    return lines
+
+
+def render() -> str:
+    """The whole page, as a string."""
+    out = [
+        "# API reference",
+        "",
+        "Generated from the docstrings by `python scripts/gen_api.py` (do not edit by hand; "
+        "`tests/test_api_docs.py` fails when this page is stale). The equations are in [spec.md](spec.md); "
+        "the framework adapters in [adapters.md](adapters.md).",
+        "",
+    ]
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        out += [f"## `{module_name}`", ""]
+        summary = (inspect.getdoc(module) or "").split("\n\n")[0]
+        if summary:
+            out += [summary, ""]
+        for name in module.__all__:
+            if name.startswith("__"):
+                continue
+            out += _entry(module_name, name, getattr(module, name))
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/api.md differs from the docstrings")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.exists() else ""
+        if current != text:
+            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_api.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUTPUT.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
