@@ -29,6 +29,7 @@ float16 and bfloat16 ones.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -53,8 +54,6 @@ __all__ = [
 ]
 
 _STATE_TYPES: dict[str, type] = {"adam": ar.AdamState, "adafactor": ar.AdafactorState, "hfac": ar.HfacState}
-_NOT_CONFIG = frozenset({"params", "lr", "maximize", "param_names", "initial_lr"})
-"""Group entries that are not part of the frozen core config (lr is passed to ``update`` each step)."""
 
 
 def from_core_state(state: Any) -> dict[str, torch.Tensor]:
@@ -188,6 +187,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
+        if unknown := sorted(set(family_options) - self._config_fields):
+            ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -199,6 +200,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         }
         self._build_config(defaults)  # invalid hyperparameters raise here, before any state exists
         super().__init__(params, defaults)
+
+    @property
+    def _config_fields(self) -> frozenset[str]:
+        """Group entries that are core config fields (lr is passed to ``update`` at each step instead)."""
+        cls, _ = ar.OPTIMIZERS[self.core_name]
+        return frozenset({f.name for f in dataclasses.fields(cls) if f.init} - {"name", "sides", "lr"} | {"momentum"})
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "core_name": self.core_name, "split_refresh": self.split_refresh}
@@ -225,7 +232,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         Validates the group first (torch's messages, then the core config's).
         """
         validate_hyperparameters(group)
-        options = {k: _hashable(_number(v)) for k, v in group.items() if k not in _NOT_CONFIG}
+        # entries schedulers add (initial_lr, max_momentum, ...) are not config fields: ignored, as torch does
+        options = {k: _hashable(_number(v)) for k, v in group.items() if k in self._config_fields}
         key = tuple(sorted(options.items()))
         cfg = self._configs.get(key)
         if cfg is None:
