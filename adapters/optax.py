@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -198,10 +199,45 @@ def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[[np.ndarray], tu
     return callback
 
 
+def _libc() -> Any:
+    """The C library's ``fegetenv``/``fesetenv`` (glibc), or ``None`` where they cannot be loaded."""
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "fegetenv") and hasattr(libc, "fesetenv") else None
+    except OSError:  # pragma: no cover - no C library symbols in the process
+        return None
+
+
+_LIBC = _libc()
+_FE_DFL_ENV = ctypes.c_void_p(-1)  # glibc's FE_DFL_ENV: ((const fenv_t *) -1), the program's start-up environment
+_FENV_BYTES = 256  # room for any platform's fenv_t (x86-64: 32 bytes, aarch64: 8)
+
+
 @contextlib.contextmanager
 def _default_fp_environment() -> Iterator[None]:
-    """Placeholder: restores nothing (see the crash investigation)."""
-    yield
+    """Run the block with the C default floating-point environment, then restore the thread's own.
+
+    XLA's CPU threads compute with denormals flushed to zero (FTZ/DAZ set in
+    MXCSR on x86, FZ in FPCR on ARM), and ``jax.pure_callback`` runs Python on
+    such a thread.  LAPACK's SVD is not written for that mode: on a rank-deficient
+    float32 gradient (e.g. a first step's ``(softmax - onehot)^T X`` of rank
+    B < m) the trailing singular values pass through the denormal range,
+    ``DLASCL`` sees a scale that reads as zero, prints ``DLASCL parameter number
+    4 had an illegal value`` and the SVD does not converge.  The same matrix
+    decomposes on the Python thread.  Restoring the default environment (IEEE
+    gradual underflow) makes the callback compute exactly what the eager core
+    computes.  Without glibc's ``fesetenv`` this is a no-op.
+    """
+    if _LIBC is None:  # pragma: no cover - not glibc
+        yield
+        return
+    saved = ctypes.create_string_buffer(_FENV_BYTES)
+    _LIBC.fegetenv(saved)
+    _LIBC.fesetenv(_FE_DFL_ENV)
+    try:
+        yield
+    finally:
+        _LIBC.fesetenv(saved)
 
 
 def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> Any:
@@ -268,9 +304,12 @@ def _check_update_args(params: Any, needs_params: bool) -> None:
 
 
 def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
-    if opts.traced:
-        raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
-    return lambda params: CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
+    def init_fn(params: Any) -> CoreTransformState:
+        if opts.traced:  # the placeholders would decide the state's structure (momentum) unchecked
+            raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
+        return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
+
+    return init_fn
 
 
 def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
