@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -135,14 +134,18 @@ def _options(name: str, options: dict[str, Any]) -> _Options:
     return _Options(ar.make_config(name, **concrete), traced)
 
 
-@functools.cache
+_FIXED_MOMENTUM: dict[type, type] = {}
+
+
 def _fixed_momentum(cls: type) -> type:
     """``cls`` whose ``momentum`` is a stored bool: with a traced ``beta_1``, ``beta_1 > 0`` cannot decide it."""
+    if cls not in _FIXED_MOMENTUM:
 
-    def momentum(self: Any) -> bool:
-        return bool(self.__dict__["_momentum"])
+        def momentum(self: Any) -> bool:
+            return bool(self.__dict__["_momentum"])
 
-    return type(f"Traced{cls.__name__}", (cls,), {"momentum": property(momentum)})
+        _FIXED_MOMENTUM[cls] = type(f"Traced{cls.__name__}", (cls,), {"momentum": property(momentum)})
+    return _FIXED_MOMENTUM[cls]
 
 
 def _leaf_config(opts: _Options, state: Any) -> BaseConfig:

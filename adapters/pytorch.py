@@ -271,7 +271,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 grad = self._checked_grad(p, group)
-                flat = self.state.get(p)
+                flat: dict[str, torch.Tensor] = self.state.get(p) or {}
                 fresh = not flat
                 if fresh:
                     flat = from_core_state(ar.init(p, cfg))

@@ -321,3 +321,21 @@ def test_alias_is_scale_by_then_decay_then_learning_rate(name):
     direction, _ = scale_by.update(_device({"w": grads["w"][0]}), scale_by.init(params), params)
     g = grads["w"][0]
     assert np.sum(np.asarray(direction["w"]) * g) > 0  # U points along G (ascent direction), as optax.scale_by_adam
+
+
+def test_docs_python_blocks_run():
+    """Every ```python block of docs/adapters.md runs as written, top to bottom, in one namespace."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "adapters.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 4
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)  # the docs run in JAX's default mode
+    try:
+        namespace = {"__name__": "docs_adapters"}
+        for block in blocks:
+            exec(compile(block, "docs/adapters.md", "exec"), namespace)
+    finally:
+        jax.config.update("jax_enable_x64", prev)
