@@ -53,7 +53,11 @@ def creation_device(x: Array) -> Any:
     committed state beside uncommitted parameters would make ``jax.jit`` compile
     a second time once its outputs (committed) come back as inputs.
     """
-    if getattr(x, "committed", True) is False:
+    try:
+        committed = getattr(x, "committed", True)
+    except Exception:  # a jax tracer has no commitment: XLA places what it creates
+        committed = True
+    if committed is False:
         return None
     dev = array_device(x)
     device_set = getattr(dev, "device_set", None)
