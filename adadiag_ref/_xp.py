@@ -49,7 +49,16 @@ def creation_device(x: Array) -> Any:
     A JAX array sharded over several devices reports its sharding as its device;
     that sharding fits only arrays of its own rank, so new arrays (a 0-d counter,
     an ``m x m`` basis) are created with ``device=None`` and left to JAX's placement.
+    An uncommitted JAX array (made without a device) also gets ``device=None``:
+    committed state beside uncommitted parameters would make ``jax.jit`` compile
+    a second time once its outputs (committed) come back as inputs.
     """
+    try:
+        committed = getattr(x, "committed", True)
+    except Exception:  # a jax tracer has no commitment: XLA places what it creates
+        committed = True
+    if committed is False:
+        return None
     dev = array_device(x)
     device_set = getattr(dev, "device_set", None)
     if device_set is not None and len(device_set) > 1:

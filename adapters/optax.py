@@ -41,7 +41,11 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
         'adadiag_ref.adapters.optax needs JAX and optax: pip install "adadiag-ref[jax]"', name=exc.name
     ) from exc
 
-from collections.abc import Callable
+import contextlib
+import copy
+import ctypes
+import math
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -49,6 +53,9 @@ import numpy as np
 
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig
+from adadiag_ref.optim.core import prepare_step, unrotate
+from adadiag_ref.optim.families import FAMILIES
+from adadiag_ref.optim.layout import from_work
 
 __all__ = [
     "CoreTransformState",
@@ -76,17 +83,108 @@ ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
 
 class CoreTransformState(NamedTuple):
-    """``states``: pytree like the parameters, each leaf a core state (``count``, ``P``, ``Q``, moments)."""
+    """``states``: pytree like the parameters, each leaf a core state (``count``, ``P``, ``Q``, moments).
+
+    Its leaves are arrays only (a field the core leaves ``None`` is an empty
+    subtree), so the state checkpoints, donates and shards like optax's own.
+    """
 
     states: Any
 
 
-def refresh_due(count: jax.Array, cfg: BaseConfig) -> jax.Array:
-    """Traced :func:`adadiag_ref.refresh_due`: ``t == 1`` or ``(t - 1) mod T == 0`` with ``t = count + 1``."""
+_TRACEABLE = frozenset({"betas", "eps", "weight_decay", "update_freq", "clip_threshold", "decay_rate", "eps2"})
+"""Numeric config fields that may be traced arrays (``optax.inject_hyperparams``); the rest shape the state."""
+
+
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _python(value: Any) -> Any:
+    """A concrete 0-d array as a Python number (to validate it); other values unchanged."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic) and not _is_traced(value):
+        if np.ndim(value) != 0:
+            raise ValueError(f"hyperparameters must be scalars, got an array of shape {np.shape(value)}")
+        return value.item()
+    return value
+
+
+class _Options(NamedTuple):
+    """The validated static config and the traced hyperparameters that override its fields."""
+
+    cfg: BaseConfig
+    traced: dict[str, Any]
+
+
+def _options(name: str, options: dict[str, Any]) -> _Options:
+    """Validate the concrete options (``make_config``); keep traced ones aside.
+
+    A traced value is validated where ``optax.inject_hyperparams`` sees it
+    concretely: in ``init``.  Under ``jax.jit`` its config field holds a valid
+    placeholder (the default) and the traced value replaces it per leaf.
+    """
+    concrete, traced = {}, {}
+    for key, value in options.items():
+        if key == "betas":
+            betas = tuple(value)
+            if any(_is_traced(b) for b in betas):
+                traced[key] = betas
+                betas = tuple(0.5 if _is_traced(b) else _python(b) for b in betas)
+            concrete[key] = tuple(_python(b) for b in betas)
+        elif _is_traced(value):
+            if key not in _TRACEABLE:
+                raise TypeError(f"{key!r} shapes the optimizer state and cannot be traced; pass it in static_args")
+            traced[key] = value
+        else:
+            concrete[key] = _python(value)
+    return _Options(ar.make_config(name, **concrete), traced)
+
+
+_FIXED_MOMENTUM: dict[type, type] = {}
+
+
+def _fixed_momentum(cls: type) -> type:
+    """``cls`` whose ``momentum`` is a stored bool: with a traced ``beta_1``, ``beta_1 > 0`` cannot decide it."""
+    if cls not in _FIXED_MOMENTUM:
+
+        def momentum(self: Any) -> bool:
+            return bool(self.__dict__["_momentum"])
+
+        _FIXED_MOMENTUM[cls] = type(f"Traced{cls.__name__}", (cls,), {"momentum": property(momentum)})
+    return _FIXED_MOMENTUM[cls]
+
+
+def _leaf_config(opts: _Options, state: Any) -> BaseConfig:
+    """The config one leaf's update reads: the static one, traced fields cast to the state dtype.
+
+    Whether ``M`` exists (momentum) is read from the state, which ``init`` built
+    from the concrete values.
+    """
+    if not opts.traced:
+        return opts.cfg
+    dtype = (state.r if hasattr(state, "r") else state.V).dtype
+    cfg = copy.copy(opts.cfg)
+    object.__setattr__(cfg, "__class__", _fixed_momentum(type(opts.cfg)))
+    object.__setattr__(cfg, "_momentum", getattr(state, "M", None) is not None)
+    for key, value in opts.traced.items():
+        if key == "update_freq":  # read by refresh_due only, as the traced period
+            continue
+        cast = tuple(jnp.asarray(b, dtype) for b in value) if key == "betas" else jnp.asarray(value, dtype)
+        object.__setattr__(cfg, key, cast)
+    return cfg
+
+
+def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
+    """Traced :func:`adadiag_ref.refresh_due`: ``t == 1`` or ``(t - 1) mod T == 0`` with ``t = count + 1``.
+
+    ``cfg`` is a config (``T = cfg.update_freq``) or the period ``T`` itself: a
+    Python int, ``None`` (T = infinity) or a traced integer array.
+    """
+    period = cfg.update_freq if isinstance(cfg, BaseConfig) else cfg
     t = count + 1
     due = t == 1
-    if cfg.update_freq is not None:
-        due = due | ((t - 1) % cfg.update_freq == 0)
+    if period is not None:
+        due = due | ((t - 1) % period == 0)
     return due
 
 
@@ -95,18 +193,63 @@ def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[[np.ndarray], tu
 
     Only the gradient crosses to the host (the moments stay on the device); the
     host state is a fresh ``ar.init`` of the state dtype, whose bases are replaced.
+    The callback runs on an XLA thread whose floating-point environment is not
+    Python's; :func:`adadiag_ref.refresh_basis` is therefore run with the
+    default environment restored (:func:`_default_fp_environment`).
     """
 
     def callback(grad: np.ndarray) -> tuple[np.ndarray, ...]:
         grad = np.asarray(grad)
-        host_state = ar.init(np.zeros(grad.shape, dtype=dtype), cfg)
-        new = ar.refresh_basis(host_state, grad, cfg)
+        with _default_fp_environment():
+            host_state = ar.init(np.zeros(grad.shape, dtype=dtype), cfg)
+            new = ar.refresh_basis(host_state, grad, cfg)
         return tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
 
     return callback
 
 
-def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig) -> Any:
+def _libc() -> Any:
+    """The C library's ``fegetenv``/``fesetenv`` (glibc), or ``None`` where they cannot be loaded."""
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "fegetenv") and hasattr(libc, "fesetenv") else None
+    except OSError:  # pragma: no cover - no C library symbols in the process
+        return None
+
+
+_LIBC = _libc()
+_FE_DFL_ENV = ctypes.c_void_p(-1)  # glibc's FE_DFL_ENV: ((const fenv_t *) -1), the program's start-up environment
+_FENV_BYTES = 256  # room for any platform's fenv_t (x86-64: 32 bytes, aarch64: 8)
+
+
+@contextlib.contextmanager
+def _default_fp_environment() -> Iterator[None]:
+    """Run the block with the C default floating-point environment, then restore the thread's own.
+
+    XLA's CPU threads compute with denormals flushed to zero (FTZ/DAZ set in
+    MXCSR on x86, FZ in FPCR on ARM), and ``jax.pure_callback`` runs Python on
+    such a thread.  LAPACK's SVD is not written for that mode: on a rank-deficient
+    float32 gradient (e.g. a first step's ``(softmax - onehot)^T X`` of rank
+    B < m) the trailing singular values pass through the denormal range,
+    ``DLASCL`` sees a scale that reads as zero, prints ``DLASCL parameter number
+    4 had an illegal value`` and the SVD does not converge.  The same matrix
+    decomposes on the Python thread.  Restoring the default environment (IEEE
+    gradual underflow) makes the callback compute exactly what the eager core
+    computes.  Without glibc's ``fesetenv`` this is a no-op.
+    """
+    if _LIBC is None:  # pragma: no cover - not glibc
+        yield
+        return
+    saved = ctypes.create_string_buffer(_FENV_BYTES)
+    _LIBC.fegetenv(saved)
+    _LIBC.fesetenv(_FE_DFL_ENV)
+    try:
+        yield
+    finally:
+        _LIBC.fesetenv(saved)
+
+
+def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> Any:
     """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable)."""
     if state.P is None:  # no rotated side: nothing to refresh
         return state
@@ -118,21 +261,37 @@ def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig) -> Any:
         new = jax.pure_callback(callback, shapes, grad)
         return s._replace(P=new[0], Q=new[1] if s.Q is not None else None)
 
-    return jax.lax.cond(refresh_due(state.count, cfg), do_refresh, lambda s: s, state)
+    return jax.lax.cond(due, do_refresh, lambda s: s, state)
 
 
-def _leaf_update(grad: jax.Array, state: Any, param: jax.Array, cfg: BaseConfig, lr: Any) -> tuple[jax.Array, Any]:
-    """Refresh when due, then the core's ``update``; returns ``(delta, new_state)``."""
-    due = refresh_due(state.count, cfg)
-    state = _refresh(state, grad, cfg)
-    return ar.update(state, grad, cfg, param, lr=lr, refreshed=due if state.P is not None else False)
+class _Direction(NamedTuple):
+    """One leaf's preconditioned direction and what the fused update needs besides."""
+
+    u: jax.Array  # U = P U~ Q^T in the work frame, state dtype
+    state: Any  # new state (count + 1, moments)
+    step_in: Any  # core StepInput (layout, t, G, W, G~)
+
+
+def _leaf_direction(grad: jax.Array, state: Any, param: jax.Array, opts: _Options) -> _Direction:
+    """Refresh when due, then the core's direction ``U`` (``FAMILIES[...].direction``, unrotated)."""
+    cfg = _leaf_config(opts, state)
+    due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
+    state = _refresh(state, grad, cfg, due)
+    step_in = prepare_step(state, grad, cfg, param, due if state.P is not None else False, jnp)
+    u_rot, moments = FAMILIES[cfg.family].direction(state, step_in.g_rot, step_in.t, cfg, jnp)
+    u = unrotate(u_rot, state.P, state.Q, jnp, transposed=step_in.layout.transposed)
+    return _Direction(u, state._replace(count=state.count + 1, **moments), step_in)
+
+
+def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
+    return jnp.astype(from_work(x, step_in.layout, jnp), param.dtype)
 
 
 def _split(tree: Any, outputs: Any) -> tuple[Any, Any]:
-    """Unzip a pytree whose leaves were replaced by ``(delta, state)`` pairs."""
-    deltas = jax.tree.map(lambda _, pair: pair[0], tree, outputs)
+    """Unzip a pytree whose leaves were replaced by ``(update, state)`` pairs."""
+    updates = jax.tree.map(lambda _, pair: pair[0], tree, outputs)
     states = jax.tree.map(lambda _, pair: pair[1], tree, outputs)
-    return deltas, states
+    return updates, states
 
 
 def _init_leaf(param: jax.Array, cfg: BaseConfig) -> Any:
@@ -153,70 +312,112 @@ def _check_update_args(params: Any, needs_params: bool) -> None:
         raise ValueError("this transformation needs params (weight decay or Adafactor parameter scaling uses W)")
 
 
+def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
+    def init_fn(params: Any) -> CoreTransformState:
+        if opts.traced:  # the placeholders would decide the state's structure (momentum) unchecked
+            raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
+        return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
+
+    return init_fn
+
+
 def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
-    """``scale_by_<name>`` for any core name: the preconditioned direction ``U`` (no lr, no decay).
+    """``scale_by_<name>`` for any core name: the preconditioned direction ``U = P U~ Q^T`` (no lr, no decay).
 
     ``options`` are core config fields (``betas``, ``eps``, ``update_freq``,
-    ``max_basis_dim``, ``clip_threshold``, ...), given as Python numbers: the
-    config is static under ``jax.jit``.
+    ``max_basis_dim``, ``clip_threshold``, ...).  The numeric ones (betas, eps,
+    update_freq, clip_threshold, decay_rate, eps2) may be traced arrays, as
+    ``optax.inject_hyperparams`` passes them under ``jax.jit``; the others shape
+    the state and are static.
     """
-    cfg = ar.make_config(name, **{**options, "lr": 1.0, "weight_decay": 0.0})
-    needs_params = isinstance(cfg, AdafactorConfig) and (cfg.scale_parameter or cfg.relative_step)
-
-    def init_fn(params: Any) -> CoreTransformState:
-        return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, cfg), params))
+    options.pop("lr", None)
+    opts = _options(name, {**options, "weight_decay": 0.0})
+    needs_params = isinstance(opts.cfg, AdafactorConfig) and (opts.cfg.scale_parameter or opts.cfg.relative_step)
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
         _check_update_args(params, needs_params)
-        # Without weight decay or parameter scaling the core reads only W's shape and dtype.
+        # Without parameter scaling the direction reads only W's shape and dtype.
         weights = updates if params is None else params
-        outputs = jax.tree.map(lambda g, s, w: _leaf_update(g, s, w, cfg, 1.0), updates, state.states, weights)
-        deltas, states = _split(updates, outputs)
-        return jax.tree.map(jnp.negative, deltas), CoreTransformState(states=states)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+        def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
+            out = _leaf_direction(g, s, w, opts)
+            return _in_param_frame(out.u, out.step_in, w), out.state
+
+        outputs = jax.tree.map(leaf, updates, state.states, weights)
+        directions, states = _split(updates, outputs)
+        return directions, CoreTransformState(states=states)
+
+    return optax.GradientTransformation(_init_fn(opts), update_fn)
 
 
-def _fused_core(name: str, learning_rate: ScalarOrSchedule, **options: Any) -> optax.GradientTransformation:
-    """The core's whole update ``delta = -eta_t (U + lambda W)`` as one transformation (schedules allowed)."""
-    cfg = ar.make_config(name, **options)
+def _fused_core(
+    name: str, learning_rate: ScalarOrSchedule, weight_decay: Any, **options: Any
+) -> optax.GradientTransformation:
+    """The core's whole update ``delta = -eta_t (U + lambda W)`` as one transformation (schedules allowed).
 
-    def init_fn(params: Any) -> CoreTransformState:
-        return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, cfg), params))
+    For Adafactor's ``relative_step`` / ``scale_parameter``, where ``eta_t``
+    (``min(eta, 1/sqrt(t)) max(eps2, RMS(W_t))``) is not ``eta`` times a factor of ``U``.
+    """
+    opts = _options(name, options)
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
         _check_update_args(params, True)
         first = jax.tree.leaves(state.states, is_leaf=lambda x: hasattr(x, "_fields"))
         lr = learning_rate(first[0].count) if callable(learning_rate) and first else learning_rate
-        outputs = jax.tree.map(lambda g, s, w: _leaf_update(g, s, w, cfg, lr), updates, state.states, params)
+
+        def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
+            out = _leaf_direction(g, s, w, opts)
+            cfg = _leaf_config(opts, s)
+            eta = FAMILIES[cfg.family].step_size(cfg, out.step_in.t, out.step_in.w, lr, jnp)
+            direction = out.u + weight_decay * out.step_in.w if _maybe_nonzero(weight_decay) else out.u
+            return _in_param_frame(-eta * direction, out.step_in, w), out.state
+
+        outputs = jax.tree.map(leaf, updates, state.states, params)
         deltas, states = _split(updates, outputs)
         return deltas, CoreTransformState(states=states)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(_init_fn(opts), update_fn)
+
+
+def _maybe_nonzero(value: Any) -> bool:
+    return _is_traced(value) or bool(_python(value))
+
+
+def _check_weight_decay(weight_decay: Any) -> None:
+    """``weight_decay`` is a finite number >= 0 (checked when concrete; optax.add_decayed_weights checks nothing)."""
+    if callable(weight_decay) or _is_traced(weight_decay):
+        return
+    value = _python(weight_decay)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 
 def core_alias(
     name: str,
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float | None = None,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = None,
     weight_decay: Any = 0.0,
-    update_freq: int | None = 200,
+    update_freq: Any = 200,
     **family_options: Any,
 ) -> optax.GradientTransformation:
     """``<name>`` alias: ``chain(scale_by_<name>, add_decayed_weights, scale_by_learning_rate)``.
 
-    Equals the core's ``W_{t+1} = W_t - eta (P U~ Q^T + lambda W_t)``.  With
-    ``optax.inject_hyperparams`` inject ``learning_rate`` (and ``weight_decay``);
-    the other arguments shape the static config (list them in ``static_args``).
+    Equals the core's ``W_{t+1} = W_t - eta (P U~ Q^T + lambda W_t)``.  Every
+    numeric argument can be injected with ``optax.inject_hyperparams`` and is
+    traced under ``jax.jit`` (``update_freq`` included: the refresh predicate
+    takes a traced period); ``update_freq=None`` and the family options that
+    shape the state (``max_basis_dim``, ``momentum``, ``relative_step``, ...)
+    stay static.
     """
     # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.
     family_options = {**family_options.pop("family_options", {}), **family_options}
+    _check_weight_decay(weight_decay)
     options = {"betas": (b1, b2), "eps": eps, "update_freq": update_freq, **family_options}
-    cfg = ar.make_config(name, **options)
+    cfg = _options(name, {**options, "weight_decay": 0.0}).cfg
     if isinstance(cfg, AdafactorConfig) and (cfg.relative_step or cfg.scale_parameter):
-        return _fused_core(name, learning_rate, weight_decay=float(weight_decay), **options)
+        return _fused_core(name, learning_rate, weight_decay, **options)
     return optax.chain(
         scale_by_core(name, **options),
         optax.add_decayed_weights(weight_decay),

@@ -36,9 +36,10 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
         'adadiag_ref.adapters.pytorch needs PyTorch: pip install "adadiag-ref[torch]"', name=exc.name
     ) from exc
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
-from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig
@@ -58,8 +59,6 @@ __all__ = [
 ]
 
 _STATE_TYPES: dict[str, type] = {"adam": ar.AdamState, "adafactor": ar.AdafactorState, "hfac": ar.HfacState}
-_NOT_CONFIG = frozenset({"params", "lr", "maximize", "param_names", "initial_lr"})
-"""Group entries that are not part of the frozen core config (lr is passed to ``update`` each step)."""
 
 
 def from_core_state(state: Any) -> dict[str, torch.Tensor]:
@@ -91,15 +90,58 @@ def _hashable(value: Any) -> Any:
     return value
 
 
+def _number(value: Any) -> Any:
+    """A hyperparameter as a Python number (a 1-element tensor is read once, as torch does); others unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        return value.item()
+    return value
+
+
+def _finite_at_least(value: Any, low: float, high: float = math.inf, *, closed_high: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return low <= value <= high if closed_high else low <= value < high
+
+
+def validate_hyperparameters(group: Mapping[str, Any]) -> None:
+    """torch.optim's checks and messages (``Invalid learning rate: nan``, ...), stricter only in refusing nan/inf.
+
+    Raises ``ValueError`` for ``lr``, ``betas``, ``eps`` and ``weight_decay``; the
+    remaining core fields are checked by the core config.
+    """
+    lr = _number(group["lr"])
+    if not _finite_at_least(lr, 0.0):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    eps = _number(group["eps"])
+    if eps is not None and not _finite_at_least(eps, 0.0):
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    betas = group["betas"]
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
+    for index, beta in enumerate(betas):
+        if not _finite_at_least(_number(beta), 0.0, 1.0):
+            raise ValueError(f"Invalid beta parameter at index {index}: {_number(beta)}")
+    weight_decay = _number(group["weight_decay"])
+    if not _finite_at_least(weight_decay, 0.0):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+_CONFIG_CACHE_SIZE = 64
+"""Configs kept per optimizer: OneCycleLR changes ``betas`` at every step, so the cache must not grow without end."""
+
+
 class CoreOptimizer(torch.optim.Optimizer):
     """Any of the core's eight optimizers as a ``torch.optim.Optimizer``.
 
     Args:
         params: parameters or parameter groups (dicts), as for any torch optimizer;
             a group may override every keyword below.
-        lr: learning rate eta; read from ``param_groups`` at every step, so
-            ``torch.optim.lr_scheduler`` works.
-        betas: (beta_1, beta_2).  ``beta_1 = 0`` turns momentum off.
+        lr: learning rate eta (a float or a 1-element tensor); read from
+            ``param_groups`` at every step, so ``torch.optim.lr_scheduler`` works.
+        betas: (beta_1, beta_2).  ``beta_1 = 0`` turns momentum off.  OneCycleLR's
+            ``cycle_momentum`` drives ``beta_1``.
         eps: smoothing term; ``None`` takes the family default (1e-8 Adam family,
             1e-30 Adafactor/Hfac families).
         weight_decay: decoupled weight decay lambda (``W <- W - eta (U + lambda W)``).
@@ -116,10 +158,16 @@ class CoreOptimizer(torch.optim.Optimizer):
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
             ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``).
 
-    Errors: sparse or complex gradients and parameters raise ``RuntimeError``;
-    a non-finite gradient or a mismatched shape or dtype raises ``ValueError``.
-    Every parameter is validated before any is updated, so on an error no
-    parameter and no state has changed.
+    Errors: invalid hyperparameters raise ``ValueError`` with torch.optim's
+    messages (``Invalid learning rate: nan``), at construction, in
+    ``add_param_group`` and, for values edited in ``param_groups``, at the next
+    ``step()``; sparse or complex gradients and parameters raise
+    ``RuntimeError``; a non-finite gradient (named by parameter and step) or a
+    mismatched shape or dtype raises ``ValueError``.  Everything is validated
+    before anything is updated, so on an error no parameter and no state has
+    changed.  A ``step()`` without a basis refresh synchronises with the device
+    once (one fused finiteness test of all gradients); a refresh step also
+    copies the gradients it decomposes to the host.
     """
 
     core_name: str = ""
@@ -127,7 +175,7 @@ class CoreOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float | None = None,
         weight_decay: float = 0.0,
@@ -144,8 +192,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
-        if isinstance(lr, torch.Tensor):
-            lr = float(lr)
+        if unknown := sorted(set(family_options) - self._config_fields):
+            ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -157,8 +205,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         }
         self._build_config(defaults)  # invalid hyperparameters raise here, before any state exists
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            self._build_config(group)
+
+    @property
+    def _config_fields(self) -> frozenset[str]:
+        """Group entries that are core config fields (lr is passed to ``update`` at each step instead)."""
+        cls, _ = ar.OPTIMIZERS[self.core_name]
+        return frozenset({f.name for f in dataclasses.fields(cls) if f.init} - {"name", "sides", "lr"} | {"momentum"})
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "core_name": self.core_name, "split_refresh": self.split_refresh}
@@ -168,15 +220,31 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.split_refresh = bool(state.get("split_refresh", False))
         self._configs = {}
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated."""
+        super().add_param_group(param_group)
+        try:
+            self._build_config(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
     # ------------------------------------------------------------------ config
 
     def _build_config(self, group: Mapping[str, Any]) -> BaseConfig:
-        """The frozen core config of a group (cached on its hyperparameter values, lr excluded)."""
-        options = {k: _hashable(v) for k, v in group.items() if k not in _NOT_CONFIG}
+        """The frozen core config of a group (cached on its hyperparameter values, lr excluded).
+
+        Validates the group first (torch's messages, then the core config's).
+        """
+        validate_hyperparameters(group)
+        # entries schedulers add (initial_lr, max_momentum, ...) are not config fields: ignored, as torch does
+        options = {k: _hashable(_number(v)) for k, v in group.items() if k in self._config_fields}
         key = tuple(sorted(options.items()))
         cfg = self._configs.get(key)
         if cfg is None:
             cfg = ar.make_config(self.core_name, **options)
+            if len(self._configs) >= _CONFIG_CACHE_SIZE:
+                self._configs.clear()
             self._configs[key] = cfg
         return cfg
 
@@ -188,51 +256,93 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss."""
+        """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss.
+
+        Phase 1 validates everything (hyperparameters, gradient layout, shapes,
+        dtypes, one fused finiteness test); phase 2 computes the new bases of
+        the parameters due for a refresh (new tensors); only phase 3 writes, so a
+        failure in phase 1 or 2 leaves every parameter and state bit-identical.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = []
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
-            for p in group["params"]:
+            lr = _number(group["lr"])
+            names = group.get("param_names")
+            for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 grad = self._checked_grad(p, group)
-                flat = self.state.get(p)
-                state = to_core_state(flat, cfg) if flat else ar.init(p, cfg)
-                ar.check_inputs(state, grad, cfg, p)
-                work.append((p, grad, state, cfg, group["lr"]))
-        due = [ar.refresh_due(int(state.count), cfg) for _, _, state, cfg, _ in work]
-        bases = self._refresh([item for item, d in zip(work, due) if d])
-        for (p, grad, state, cfg, lr), refreshed in zip(work, due):
+                flat: dict[str, torch.Tensor] = self.state.get(p) or {}
+                fresh = not flat
+                if fresh:
+                    flat = from_core_state(ar.init(p, cfg))
+                    flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
+                where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where))
+        self._check_finite(work)
+        due = [ar.refresh_due(int(item.flat["step"]), item.cfg) for item in work]  # host counters: no device sync
+        bases = self._refresh([item for item, d in zip(work, due, strict=True) if d])
+        for item, refreshed in zip(work, due, strict=True):
+            state = to_core_state(item.flat, item.cfg)
             if refreshed:
-                state = bases.pop(0)
-            # same numbers as ``p += ar.update(...)[0]`` (bit for bit), without new moment tensors
-            state = ar.update_in_place(state, grad, cfg, p, lr=lr, refreshed=refreshed)
-            self.state[p] = from_core_state(state)
+                state = state._replace(**bases.pop(0))
+            # same numbers as ``p += ar.update(...)[0]`` (bit for bit), moments overwritten in place
+            new = ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
+            if item.fresh:
+                self.state[item.p] = item.flat
+            _write_back(item.flat, new)
         return loss
 
-    def _refresh(self, items: list[tuple[Any, ...]]) -> list[Any]:
-        """New bases (``refresh_basis``) for the parameters due, split over ranks when asked."""
+    def _check_finite(self, work: list[_Work]) -> None:
+        """Shapes and dtypes per parameter; finiteness of all gradients with one host synchronisation."""
+        for item in work:
+            if tuple(item.grad.shape) != tuple(item.p.shape):
+                raise ValueError(
+                    f"gradient of {item.where} has shape {tuple(item.grad.shape)}, the parameter "
+                    f"{tuple(item.p.shape)}; no parameter and no state was changed"
+                )
+            if item.grad.dtype != item.p.dtype:
+                raise ValueError(
+                    f"gradient of {item.where} has dtype {item.grad.dtype}, the parameter {item.p.dtype}; "
+                    "no parameter and no state was changed"
+                )
+        if not work:
+            return
+        device = work[0].grad.device
+        finite = torch.stack([torch.isfinite(item.grad).all().to(device) for item in work])
+        if bool(finite.all()):  # the one synchronisation of a step without refresh
+            return
+        bad = work[int(torch.nonzero(~finite)[0])]
+        raise ValueError(
+            f"gradient of {bad.where} contains NaN or Inf at step {int(bad.flat['step']) + 1}; "
+            "no parameter and no optimizer state was changed"
+        )
+
+    def _refresh(self, items: list[_Work]) -> list[dict[str, torch.Tensor]]:
+        """New bases ``{"P"[, "Q"]}`` (``refresh_basis``) of the parameters due, split over ranks when asked."""
         dist = torch.distributed
+        states = [to_core_state(item.flat, item.cfg) for item in items]
         if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return [ar.refresh_basis(state, grad, cfg) for _, grad, state, cfg, _ in items]
+            news = [ar.refresh_basis(s, item.grad, item.cfg) for s, item in zip(states, items, strict=True)]
+            return [_bases(s) for s in news]
         world, rank = dist.get_world_size(), dist.get_rank()
         out = []
-        for j, (_, grad, state, cfg, _) in enumerate(items):
+        for j, (state, item) in enumerate(zip(states, items, strict=True)):
             owner = j % world
             if owner == rank:
-                state = ar.refresh_basis(state, grad, cfg)
-            else:  # receive into fresh buffers: the old bases may be referenced by a saved state_dict
+                state = ar.refresh_basis(state, item.grad, item.cfg)
+            else:  # receive into fresh buffers: the old bases stay intact until every refresh succeeded
                 state = state._replace(
                     **{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None}
                 )
             for basis in (state.P, state.Q):
                 if basis is not None:
                     dist.broadcast(basis, src=owner)
-            out.append(state)
+            out.append(_bases(state))
         return out
 
     @staticmethod
@@ -253,22 +363,112 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict()`` output, keeping the state's own dtype.
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict`` (live references, as torch), plus each group's ``param_shapes``.
 
-        ``torch.optim.Optimizer.load_state_dict`` casts floating state to the
-        parameter's dtype, which would round a bfloat16 parameter's float32
-        moments to bfloat16; here tensors only move to the parameter's device.
+        The shapes let :meth:`load_state_dict` refuse the state of a (7, 9)
+        parameter for a (9, 7) one, whose work-frame state has the same shapes.
         """
+        saved = super().state_dict()
+        for packed, group in zip(saved["param_groups"], self.param_groups, strict=True):
+            packed["param_shapes"] = [list(p.shape) for p in group["params"]]
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` output; everything is checked before anything changes.
+
+        * ``"step"`` may be a tensor of any dtype or a Python number (older
+          checkpoints); it becomes an int32 0-d tensor on the host.
+        * Floating state is cast to this parameter's state dtype (the dtype
+          ``ar.init`` gives it: float32 for bfloat16 parameters, where torch's
+          loader would round to bfloat16) and moved to the parameter's device.
+        * Every field must have the shape this parameter's state has, and the
+          saved ``param_shapes`` (when present) must match the parameters.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
         saved_state = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for param_id, p in zip(saved_ids, params, strict=True):
-            if param_id in saved_state:
-                self.state[p] = {k: v.detach().clone().to(device=p.device) for k, v in saved_state[param_id].items()}
+        loaded: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for saved_group, group in zip(groups, self.param_groups, strict=True):
+            if len(saved_group["params"]) != len(group["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+            merged = {**group, **{k: v for k, v in saved_group.items() if k not in ("params", "param_shapes")}}
+            cfg = self._build_config(merged)
+            shapes = saved_group.get("param_shapes", [list(p.shape) for p in group["params"]])
+            for index, (param_id, p, shape) in enumerate(zip(saved_group["params"], group["params"], shapes)):
+                if list(shape) != list(p.shape):
+                    raise ValueError(
+                        f"the saved state of parameter {index} belongs to a parameter of shape {tuple(shape)}, "
+                        f"this parameter has shape {tuple(p.shape)}"
+                    )
+                if param_id in saved_state:
+                    loaded[p] = _checked_state(saved_state[param_id], p, cfg, index)
+        super().load_state_dict(
+            {
+                **state_dict,
+                "state": {},
+                "param_groups": [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups],
+            }
+        )
         for group in self.param_groups:
-            self._build_config(group)
+            for p in group["params"]:
+                if p in loaded:
+                    self.state[p] = loaded[p]
+
+
+class _Work(NamedTuple):
+    """One parameter's share of a ``step()``."""
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    flat: dict[str, torch.Tensor]  # the live state dict (a new one when ``fresh``)
+    fresh: bool
+    cfg: BaseConfig
+    lr: Any
+    where: str  # "parameter 'fc.weight'" or "parameter 2 of param_groups[0]", for error messages
+
+
+def _bases(state: Any) -> dict[str, torch.Tensor]:
+    return {f: getattr(state, f) for f in ("P", "Q") if getattr(state, f) is not None}
+
+
+def _write_back(flat: dict[str, torch.Tensor], new: Any) -> None:
+    """Copy the new state into the live tensors (state_dict() references stay current, as in torch.optim)."""
+    for key, value in from_core_state(new).items():
+        old = flat[key]
+        if old is not value:
+            old.copy_(value)
+
+
+def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, index: int) -> dict[str, torch.Tensor]:
+    """A saved per-parameter state converted to this parameter (dtype, device), or ``ValueError``."""
+    expected = from_core_state(ar.init(p.detach(), cfg))
+    if set(saved) != set(expected):
+        raise ValueError(
+            f"state keys {sorted(saved)} of parameter {index} do not belong to optimizer {cfg.name!r} for a "
+            f"parameter of shape {tuple(p.shape)} (expected {sorted(expected)}): was the state dict saved by "
+            "another optimizer or config?"
+        )
+    out = {}
+    for key, want in expected.items():
+        value = saved[key]
+        if key == "step":
+            number = value.item() if isinstance(value, torch.Tensor) else value
+            if not isinstance(number, int | float) or number < 0 or number != int(number):
+                raise ValueError(f"'step' of parameter {index} must be a whole number >= 0, got {number!r}")
+            out[key] = torch.tensor(int(number), dtype=torch.int32)
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"state field {key!r} of parameter {index} has shape {got}, expected {tuple(want.shape)} for a "
+                f"parameter of shape {tuple(p.shape)} under {cfg.name!r}"
+            )
+        out[key] = value.detach().to(device=p.device, dtype=want.dtype, copy=True)
+    return out
 
 
 class AdamW(CoreOptimizer):

@@ -244,3 +244,98 @@ def test_training_reduces_the_loss(name):
         params, state, loss = train_step(params, state)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ----------------------------------------------------------------------------- issue 16
+
+
+def _rank_deficient_gradient(seed, batch, m=256, n=784):
+    """A first step's gradient of ``softmax_cross_entropy(X W^T)`` at ``W = 0``: ``(1/m - onehot)^T X / B``, rank B.
+
+    Float32, as in the docs walkthrough that crashed; its trailing singular values pass through the denormal range
+    inside LAPACK's bidiagonal SVD.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, n)).astype(np.float32)
+    residual = np.full((batch, m), 1.0 / m, dtype=np.float32)
+    residual[np.arange(batch), rng.integers(0, m, batch)] -= 1.0
+    return (residual.T @ x / np.float32(batch)).astype(np.float32)
+
+
+def test_host_callbacks_run_on_threads_that_flush_denormals():
+    """The cause of the crash: ``pure_callback`` runs on an XLA thread with FTZ/DAZ; the refresh restores IEEE."""
+    seen = {}
+
+    def callback(x):
+        tiny = np.array([1e-40], dtype=np.float32)  # a float32 denormal
+        seen["xla thread"] = float((tiny * np.float32(1.0))[0])
+        with ao._default_fp_environment():
+            seen["restored"] = float((tiny * np.float32(1.0))[0])
+        seen["after"] = float((tiny * np.float32(1.0))[0])
+        return x
+
+    jax.jit(lambda x: jax.pure_callback(callback, jax.ShapeDtypeStruct(x.shape, x.dtype), x))(jnp.ones(2))
+    assert seen["xla thread"] == 0.0  # flushed: the premise (if XLA changes this, the fix is simply not needed)
+    assert seen["restored"] == pytest.approx(1e-40, rel=1e-3)  # gradual underflow inside the refresh
+    assert seen["after"] == 0.0  # the XLA thread gets its own mode back
+
+
+@pytest.mark.parametrize(("seed", "batch"), [(5, 1), (4, 8), (2, 19)])
+def test_refresh_of_a_rank_deficient_float32_gradient_does_not_crash(seed, batch):
+    """Before the fix: ``DLASCL parameter number 4 had an illegal value`` and ``SVD did not converge`` (jitted only;
+    the eager core decomposes the same matrix).  After: the jitted bases are the eager core's, bit for bit."""
+    g = _rank_deficient_gradient(seed, batch)
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        opt = ao.scale_by_adadiag(update_freq=200)
+        params = {"w": jnp.zeros(g.shape, jnp.float32)}
+        _, state = jax.jit(opt.update)({"w": jnp.asarray(g)}, opt.init(params), params)
+        cfg = ar.make_config("adadiag")
+        eager = ar.refresh_basis(ar.init(np.zeros(g.shape, np.float32), cfg), g, cfg)
+        np.testing.assert_array_equal(np.asarray(state.states["w"].P), eager.P)
+    finally:
+        jax.config.update("jax_enable_x64", prev)
+
+
+@pytest.mark.parametrize("weight_decay", [-0.1, float("nan"), float("inf")])
+def test_invalid_weight_decay_is_refused(weight_decay):
+    with pytest.raises(ValueError, match="weight_decay"):
+        ao.adadiag(0.01, weight_decay=weight_decay)
+    with pytest.raises(ValueError, match="weight_decay"):  # also when injected (checked concretely in init)
+        optax.inject_hyperparams(ao.adadiag)(learning_rate=0.01, weight_decay=weight_decay).init(
+            {"w": jnp.ones((2, 3))}
+        )
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_alias_is_scale_by_then_decay_then_learning_rate(name):
+    """Scaled the optax way: ``scale_by_<name>`` gives U (no sign flip, no lr), the alias is the documented chain."""
+    w0, grads = _stream(steps=4, shapes=MATRIX)
+    scale_by = getattr(ao, f"scale_by_{name}")(update_freq=FREQ)
+    chain = optax.chain(scale_by, optax.add_decayed_weights(0.1), optax.scale_by_learning_rate(0.01))
+    alias, _ = _run(ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=FREQ), w0, grads, steps=4)
+    composed, _ = _run(chain, w0, grads, steps=4)
+    np.testing.assert_array_equal(alias["w"], composed["w"])
+    params = _device(w0)
+    direction, _ = scale_by.update(_device({"w": grads["w"][0]}), scale_by.init(params), params)
+    g = grads["w"][0]
+    assert np.sum(np.asarray(direction["w"]) * g) > 0  # U points along G (ascent direction), as optax.scale_by_adam
+
+
+def test_docs_python_blocks_run():
+    """Every ```python block of docs/adapters.md runs as written, top to bottom, in one namespace."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "adapters.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 4
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)  # the docs run in JAX's default mode
+    try:
+        namespace = {"__name__": "docs_adapters"}
+        for block in blocks:
+            exec(compile(block, "docs/adapters.md", "exec"), namespace)
+    finally:
+        jax.config.update("jax_enable_x64", prev)

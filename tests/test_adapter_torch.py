@@ -223,7 +223,7 @@ def test_sparse_and_complex_gradients_are_rejected():
 
 def test_invalid_hyperparameters_raise_at_construction():
     p = torch.nn.Parameter(torch.ones(2, 2))
-    with pytest.raises(ValueError, match="beta1"):
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):  # torch.optim's message
         at.AdaDiag([p], betas=(1.0, 0.999))
     with pytest.raises(ValueError, match="unknown option"):
         at.AdaDiag([p], clip_threshold=1.0)
@@ -277,3 +277,103 @@ def test_training_reduces_the_loss(name):
     cnn_losses = _train(name, cnn, images, labels, torch.nn.functional.cross_entropy, 30, lr)
     assert mlp_losses[-1] < 0.5 * mlp_losses[0], mlp_losses
     assert cnn_losses[-1] < 0.7 * cnn_losses[0], cnn_losses
+
+
+# ----------------------------------------------------------------------------- issue 16: stricter than torch.optim
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0, None, "0.1"])
+def test_invalid_lr_is_refused_everywhere_and_changes_nothing(lr):
+    """torch.optim accepts lr=inf; here lr must be a finite number >= 0 at construction, in add_param_group and
+    when a group is edited before step() (then nothing moves)."""
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        at.AdaDiag([p], lr=lr)
+    opt = at.AdaDiag([p], lr=0.01)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "lr": lr})
+    assert len(opt.param_groups) == 1
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    before = copy.deepcopy((p.detach(), opt.state_dict()))
+    opt.param_groups[0]["lr"] = lr
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.step()
+    assert torch.equal(p.detach(), before[0])
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(v, after[k]) for k, v in before[1]["state"][0].items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_non_finite_gradient_names_the_parameter_and_changes_nothing(name):
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in SHAPES]
+    opt = CLASSES[name]([{"params": params[:1]}, {"params": params[1:]}], **HYPER)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[2].grad[0, 1, 1] = float("inf")  # the last parameter is bad: no other may move either
+    with pytest.raises(ValueError, match=r"parameter 1 of param_groups\[1\] contains NaN or Inf at step 3"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
+    after = opt.state_dict()["state"]
+    for i, state in before[1].items():
+        assert set(state) == set(after[i]) and all(torch.equal(v, after[i][k]) for k, v in state.items())
+
+
+def test_named_parameters_are_named_in_errors():
+    model = torch.nn.Linear(3, 2, dtype=torch.float64)
+    opt = at.AdaDiag(model.named_parameters())
+    model.weight.grad = torch.full_like(model.weight, float("nan"))
+    with pytest.raises(ValueError, match="parameter 'weight' contains NaN or Inf at step 1"):
+        opt.step()
+    assert not opt.state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_of_a_transposed_parameter_is_refused(name):
+    """(7, 9) and (9, 7) share the 7 x 9 work frame, so the state's shapes agree: the saved shapes tell them apart."""
+    a = torch.nn.Parameter(torch.randn(7, 9, dtype=torch.float64))
+    opt = CLASSES[name]([a], **HYPER)
+    a.grad = torch.randn_like(a)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    b = torch.nn.Parameter(torch.randn(9, 7, dtype=torch.float64))
+    opt_b = CLASSES[name]([b], **HYPER)
+    with pytest.raises(ValueError, match=r"shape \(7, 9\)"):
+        opt_b.load_state_dict(saved)
+    assert not opt_b.state and opt_b.param_groups[0]["params"][0] is b
+    wrong = torch.nn.Parameter(torch.randn(5, 9, dtype=torch.float64))  # a shape mismatch without param_shapes
+    del saved["param_groups"][0]["param_shapes"]
+    with pytest.raises(ValueError, match="has shape"):
+        CLASSES[name]([wrong], **HYPER).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_host_synchronisation_per_step(name, monkeypatch):
+    """A step without a refresh reads one device value on the host (the fused finiteness test).
+
+    Reads of the per-parameter ``"step"`` counters are not counted: they live on the host, as in torch.optim.
+    """
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in SHAPES]
+    opt = CLASSES[name](params, **{**HYPER, "update_freq": 100})
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # t = 1 refreshes
+    counters = {id(opt.state[p]["step"]) for p in params}
+    reads = []
+    for method in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, **kwargs):
+            if id(self) not in counters:
+                reads.append(tuple(self.shape))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    opt.step()
+    assert len(reads) <= 1, reads

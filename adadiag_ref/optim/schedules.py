@@ -14,7 +14,15 @@ __all__ = ["adafactor_beta2", "beta_hat", "clip_by_rms", "one_minus_power", "rms
 
 
 def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
-    """``1 - beta^t``, computed as ``-expm1(t log beta)`` to avoid cancellation near beta = 1."""
+    """``1 - beta^t``, computed as ``-expm1(t log beta)`` to avoid cancellation near beta = 1.
+
+    ``beta`` may be a 0-d array (a hyperparameter traced under ``jax.jit``); then
+    ``beta = 0`` is selected with ``where`` instead of a Python branch.
+    """
+    if not isinstance(beta, int | float):
+        positive = beta > 0
+        safe = xp.where(positive, beta, xp.ones_like(beta))  # log(0) never evaluated
+        return xp.where(positive, -xp.expm1(t * xp.log(safe)), one_minus_power(0.0, t, xp))
     if beta == 0.0:
         return xp.where(t > 0, xp.ones_like(t), xp.zeros_like(t))
     return -xp.expm1(t * math.log(beta))
@@ -28,7 +36,9 @@ def beta_hat(beta: float, t: Array, xp: Namespace, *, bias_correction: bool = Tr
     bias-corrected moment ``EMA_beta(X)_t / (1 - beta^t)`` exactly.  At t = 1 it
     is 0.  With ``bias_correction=False`` it is the constant ``beta``.
     """
-    if not bias_correction or beta == 0.0:
+    if not bias_correction:
+        return xp.full_like(t, beta)
+    if isinstance(beta, int | float) and beta == 0.0:  # an array beta = 0 gives 0 * 1 / 1 below
         return xp.full_like(t, beta)
     return beta * one_minus_power(beta, t - 1.0, xp) / one_minus_power(beta, t, xp)
 
