@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from ._cli import ErrorParser, parse_and_run
 
 # modules that contribute subcommands through add_parser(subparsers)
 _SUBCOMMAND_MODULES = ("adadiag_ref.ode.cli", "adadiag_ref.golden.cli", "adadiag_ref.perf.cli")
@@ -55,7 +56,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ErrorParser(
         prog="adadiag-ref",
         description="Reference implementation of AdaDiag, AdaDiag++, AdafacDiag, HfacDiag and their baselines.",
     )
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Run one subcommand.  Usage and input errors: one line ``adadiag-ref: error: ...`` on stderr, exit 2."""
+    return parse_and_run(build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -93,7 +93,8 @@ class BaseConfig:
         b1, b2 = self.betas
         _check(0.0 <= b1 < 1.0, f"beta1 must be in [0, 1), got {b1!r}")
         _check(0.0 <= b2 < 1.0, f"beta2 must be in [0, 1), got {b2!r}")
-        _check(_finite_number(self.eps) and self.eps >= 0, f"eps must be a finite number >= 0, got {self.eps!r}")
+        # eps > 0: with eps = 0 a zero second moment divides by zero (NaN, or ZeroDivisionError in numba)
+        _check(_finite_number(self.eps) and self.eps > 0, f"eps must be a finite number > 0, got {self.eps!r}")
         _check(
             _finite_number(self.weight_decay) and self.weight_decay >= 0,
             f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}",

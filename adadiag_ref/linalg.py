@@ -34,19 +34,28 @@ differently on every backend, so an exact comparison would flip the choice.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._xp import Array, Namespace, creation_device, namespace, to_numpy
 
 __all__ = [
+    "DECOMPOSITION_LADDER",
     "REFRESH_METHODS",
     "CanonicalSVD",
+    "DecompositionError",
+    "DecompositionWarning",
+    "NonFiniteInputError",
     "canonical_complement",
     "canonical_svd",
     "canonicalize_svd",
+    "decomposition_budget",
     "refresh_method",
+    "set_decomposition_budget",
     "set_refresh_method",
     "sign_canonical",
 ]
@@ -226,6 +235,7 @@ def canonical_svd(
     compute_p: bool = True,
     compute_q: bool = True,
     method: str = "svd",
+    label: str | None = None,
     xp: Namespace | None = None,
 ) -> CanonicalSVD:
     """Canonical full SVD ``G = P Sigma Q^T`` of an ``m x n`` matrix.
@@ -243,6 +253,12 @@ def canonical_svd(
     ``"auto"`` (the Gram route for float32 input when ``m <= n`` and no canonical
     decision is near its tolerance, else the SVD; float64 always takes the SVD).
     See :func:`_gram_route`.  ``Q`` requested: always the SVD.
+
+    Failures (``docs/reliability.md``): a matrix holding NaN or Inf raises
+    :class:`NonFiniteInputError` before any LAPACK call; a failing SVD walks
+    :data:`DECOMPOSITION_LADDER` and raises :class:`DecompositionError` when every
+    rung fails.  ``label`` (e.g. ``"gradient of 'fc.weight' at step 5"``) names
+    the matrix in those messages.
     """
     xp = namespace(G, xp=xp)
     if G.ndim != 2:
@@ -252,12 +268,141 @@ def canonical_svd(
         raise ValueError(f"canonical_svd needs a non-empty matrix, got shape {(m, n)}")
     if method not in REFRESH_METHODS:
         raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+    where = f"{label} (matrix shape {(m, n)})" if label else f"matrix of shape {(m, n)}"
+    if not bool(xp.all(xp.isfinite(G))):  # the guard: LAPACK never sees NaN or Inf (it may loop on them)
+        raise NonFiniteInputError(f"canonical_svd: the {where} contains NaN or Inf")
     if method != "svd" and not compute_q:
         fast = _gram_route(G, m, n, compute_p, force=method == "gram", xp=xp)
         if fast is not None:
             return fast
-    U, S, Vh = xp.linalg.svd(G, full_matrices=False)
+    U, S, Vh = _thin_svd(G, where, xp)
     return canonicalize_svd(U, S, Vh if compute_q else None, (m, n), compute_p=compute_p, compute_q=compute_q, xp=xp)
+
+
+# ----------------------------------------------------------------------------- failures and the retry ladder
+
+
+class NonFiniteInputError(ValueError):
+    """A decomposition was asked for a matrix holding NaN or Inf (refused before any LAPACK call)."""
+
+
+class DecompositionError(np.linalg.LinAlgError):
+    """Every rung of :data:`DECOMPOSITION_LADDER` failed (raised, returned NaN/Inf or ran out of time)."""
+
+
+class DecompositionWarning(RuntimeWarning):
+    """A decomposition fell back to the next rung of the ladder, or a basis was kept."""
+
+
+def _native_svd(G: Array, xp: Namespace) -> tuple[Array, Array, Array]:
+    """Rung 1, the reference: the backend's own thin SVD in the input dtype."""
+    return xp.linalg.svd(G, full_matrices=False)  # type: ignore[no-any-return]
+
+
+def _host_svd(driver: str) -> Callable[[Array, Namespace], tuple[Array, Array, Array]]:
+    """A rung computing the thin SVD on the host in float64 with scipy's LAPACK ``driver``, cast back."""
+
+    def rung(G: Array, xp: Namespace) -> tuple[Array, Array, Array]:
+        import scipy.linalg
+
+        host = to_numpy(G).astype(np.float64)
+        U, S, Vh = scipy.linalg.svd(host, full_matrices=False, lapack_driver=driver, check_finite=False)
+        device = creation_device(G)
+        return tuple(xp.asarray(a, dtype=G.dtype, device=device) for a in (U, S, Vh))  # type: ignore[return-value]
+
+    rung.__name__ = f"float64-{driver}"
+    return rung
+
+
+DECOMPOSITION_LADDER: list[tuple[str, Callable[[Array, Namespace], tuple[Array, Array, Array]]]] = [
+    ("native", _native_svd),
+    ("float64-gesdd", _host_svd("gesdd")),
+    ("float64-gesvd", _host_svd("gesvd")),
+]
+"""The thin-SVD attempts, in order (``docs/reliability.md``).
+
+1. ``native``: the backend's SVD in the input dtype (the reference; the only
+   rung that runs when nothing fails, so results are those of the plain call);
+2. ``float64-gesdd``: scipy's divide-and-conquer driver on a float64 host copy;
+3. ``float64-gesvd``: scipy's QR-iteration driver (slower, converges where
+   ``gesdd`` does not).
+
+A rung fails when it raises, returns NaN/Inf, or exceeds
+:func:`decomposition_budget`; each fallback warns (:class:`DecompositionWarning`)
+naming the matrix and the rung.  When all fail, :class:`DecompositionError`.
+:func:`~adadiag_ref.refresh_basis` adds the last rung: keep the previous basis.
+"""
+
+_BUDGET_S: float | None = None
+_env_budget = os.environ.get("ADADIAG_REF_SVD_BUDGET", "").strip()
+if _env_budget:  # pragma: no cover - configured from the environment
+    _BUDGET_S = float(_env_budget)
+
+
+def decomposition_budget() -> float | None:
+    """Seconds one rung may take before the next is tried (``None``: no limit, the default)."""
+    return _BUDGET_S
+
+
+def set_decomposition_budget(seconds: float | None) -> float | None:
+    """Set the per-rung time budget (``None`` turns it off); returns the previous one.
+
+    With a budget each rung runs in a daemon worker thread and the caller waits
+    at most ``seconds``; a rung over budget is abandoned (its thread finishes in
+    the background, its result is discarded) and the next rung runs.
+    """
+    global _BUDGET_S
+    if seconds is not None and not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
+        raise ValueError(
+            f"the decomposition budget must be a positive finite number of seconds or None, got {seconds!r}"
+        )
+    previous, _BUDGET_S = _BUDGET_S, None if seconds is None else float(seconds)
+    return previous
+
+
+def _call_with_budget(fn: Callable[[], Any], budget: float | None) -> Any:
+    """``fn()``, or ``TimeoutError`` when it has not returned within ``budget`` seconds."""
+    if budget is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name="adadiag-ref-svd", daemon=True)
+    worker.start()
+    worker.join(budget)
+    if worker.is_alive():
+        raise TimeoutError(f"no result within the budget of {budget:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _thin_svd(G: Array, where: str, xp: Namespace) -> tuple[Array, Array, Array]:
+    """``U, S, Vh`` from the first rung of :data:`DECOMPOSITION_LADDER` that succeeds."""
+    failures: list[str] = []
+    for index, (name, rung) in enumerate(DECOMPOSITION_LADDER):
+        try:
+            U, S, Vh = _call_with_budget(lambda rung=rung: rung(G, xp), _BUDGET_S)  # type: ignore[misc]
+            if not all(bool(xp.all(xp.isfinite(a))) for a in (U, S, Vh)):
+                raise np.linalg.LinAlgError("the result contains NaN or Inf")
+        except (np.linalg.LinAlgError, TimeoutError, RuntimeError, ValueError, MemoryError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            failures.append(f"{name} ({reason})")
+            if index + 1 < len(DECOMPOSITION_LADDER):
+                warnings.warn(
+                    f"SVD of the {where} failed with {name} ({reason}); "
+                    f"retrying with {DECOMPOSITION_LADDER[index + 1][0]}",
+                    DecompositionWarning,
+                    stacklevel=3,
+                )
+            continue
+        return U, S, Vh
+    raise DecompositionError(f"SVD of the {where} failed on every rung: " + "; ".join(failures))
 
 
 # ----------------------------------------------------------------------------- fast one-sided refresh
@@ -317,7 +462,12 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, force: bool, xp: N
             return None
     G64 = xp.astype(G, xp.float64)
     gram = G64 @ xp.matrix_transpose(G64)
-    lam, vecs = xp.linalg.eigh(gram)
+    try:
+        lam, vecs = xp.linalg.eigh(gram)
+    except np.linalg.LinAlgError:
+        return None  # the SVD ladder decides
+    if not (bool(xp.all(xp.isfinite(lam))) and bool(xp.all(xp.isfinite(vecs)))):
+        return None
     lam_host = to_numpy(lam)[::-1].copy()
     sigma_host = np.sqrt(np.clip(lam_host, 0.0, None))
     if not force and sigma_host.size and sigma_host[0] > 0:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
+from .._cli import INPUT_ERRORS, ErrorParser, fail, parse_and_run
 from ..config import OPTIMIZERS, make_config
 from .format import config_to_dict, default_data_dir
 from .generator import generate, run_core
@@ -40,12 +40,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every case matches, 1 when one does not, 2 when the set is missing, empty or unreadable."""
     directory = Path(args.dir) if args.dir else default_data_dir()
+    if not directory.is_dir():
+        return fail(f"golden verify: no fixture directory {directory}")
     try:
         results = verify(directory)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (*INPUT_ERRORS,) as exc:
+        return fail(f"golden verify: cannot read the fixture set in {directory}: {exc}")
+    if not results:
+        return fail(f"golden verify: the fixture set in {directory} holds no cases")
     failed = [r for r in results if not r.passed]
     for result in results:
         if args.verbose or not result.passed:
@@ -69,26 +73,28 @@ def _parse_config(text: str | None) -> dict[str, Any]:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    """Exit 0 on success, 2 (one line on stderr) for a bad config, a missing or corrupt input or bad values."""
     try:
         cfg = make_config(args.optimizer, **_parse_config(args.config))
-    except (ValueError, TypeError, json.JSONDecodeError) as exc:
-        print(f"error: bad config: {exc}", file=sys.stderr)
-        return 2
-    with np.load(args.input, allow_pickle=False) as data:
-        missing = [k for k in ("w0", "grads") if k not in data.files]
-        if missing:
-            print(f"error: {args.input} lacks {', '.join(missing)} (it needs w0 and grads)", file=sys.stderr)
-            return 2
-        w0 = np.asarray(data["w0"])
-        grads = np.asarray(data["grads"])
-    if grads.shape[1:] != w0.shape:
-        print(f"error: grads have shape {grads.shape}, expected (K, *{w0.shape})", file=sys.stderr)
-        return 2
+    except (*INPUT_ERRORS,) as exc:
+        return fail(f"replay: bad config: {exc}")
+    try:
+        with np.load(args.input, allow_pickle=False) as data:
+            missing = [k for k in ("w0", "grads") if k not in data.files]
+            if missing:
+                return fail(f"replay: {args.input} lacks {', '.join(missing)} (it needs w0 and grads)")
+            w0 = np.asarray(data["w0"])
+            grads = np.asarray(data["grads"])
+    except (*INPUT_ERRORS,) as exc:
+        return fail(f"replay: cannot read {args.input}: {type(exc).__name__}: {exc}")
+    if w0.dtype not in (np.float32, np.float64) or w0.size == 0:
+        return fail(f"replay: w0 must be a non-empty float32 or float64 array, got {w0.dtype} of shape {w0.shape}")
+    if grads.ndim < 1 or grads.shape[1:] != w0.shape or grads.dtype.kind not in "fiu":
+        return fail(f"replay: grads have shape {grads.shape} ({grads.dtype}), expected real (K, *{w0.shape})")
     try:
         params, _ = run_core(cfg, w0, grads.astype(w0.dtype))
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(f"replay: {exc}")
     np.savez(
         args.output,
         params=params,
@@ -122,11 +128,10 @@ def add_parser(subparsers: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (used by the tests): ``main(["golden", "verify"])``."""
-    parser = argparse.ArgumentParser(prog="adadiag-ref")
+    parser = ErrorParser(prog="adadiag-ref")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_parser(subparsers)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return parse_and_run(parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from .._cli import ErrorParser, fail, finite_nonnegative, finite_positive, parse_and_run, positive_int
 from .checks import CheckResult, check
 from .problems import PROBLEMS, make_problem
 from .solvers import SOLVERS
@@ -31,14 +32,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", required=True, choices=[*SYSTEMS, *ALIASES], help="which optimizer's ODE")
     parser.add_argument("--problem", default="least_squares", choices=list(PROBLEMS), help="test problem")
     parser.add_argument("--integrator", default="dopri5", choices=_INTEGRATOR_CHOICES, help="time integrator")
-    parser.add_argument("--t-end", type=float, default=10.0, help="final ODE time T (default 10)")
+    parser.add_argument("--t-end", type=finite_positive, default=10.0, help="final ODE time T (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--plot", metavar="PATH", help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)")
     group = parser.add_argument_group("integration")
-    group.add_argument("--dt", type=float, help="fixed step (euler, semi_implicit_euler, rk4); default T/2000 or T/200")
-    group.add_argument("--rtol", type=float, default=1e-8, help="dopri5 relative tolerance (1e-8)")
-    group.add_argument("--atol", type=float, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
-    group.add_argument("--max-steps", type=int, default=1_000_000, help="give up after this many steps")
+    group.add_argument("--dt", type=finite_positive, help="fixed step (Euler types, rk4); default T/2000 or T/200")
+    group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5 relative tolerance (1e-8)")
+    group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
+    group.add_argument("--max-steps", type=positive_int, default=1_000_000, help="give up after this many steps")
     group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
     bar = group.add_mutually_exclusive_group()
     bar.add_argument(
@@ -48,23 +49,23 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--no-progress", dest="progress", action="store_false", help="never show it (default: on a terminal)"
     )
     sysg = parser.add_argument_group("system")
-    sysg.add_argument("--a", type=float, default=1.0, help="first-moment rate a (1 - beta1 = a * lr)")
-    sysg.add_argument("--b", type=float, default=1.0, help="second-moment rate b (1 - beta2 = b * lr)")
-    sysg.add_argument("--eps", type=float, help="smoothing term (default: the paper's, 1e-8 or 1e-30)")
-    sysg.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay lambda")
-    sysg.add_argument("--clip-threshold", type=float, help="clipping threshold d (Adafactor update form, Hfac)")
+    sysg.add_argument("--a", type=finite_nonnegative, default=1.0, help="first-moment rate a (1 - beta1 = a * lr)")
+    sysg.add_argument("--b", type=finite_nonnegative, default=1.0, help="second-moment rate b (1 - beta2 = b * lr)")
+    sysg.add_argument("--eps", type=finite_nonnegative, help="smoothing term (default: the paper's, 1e-8 or 1e-30)")
+    sysg.add_argument("--weight-decay", type=finite_nonnegative, default=0.0, help="decoupled weight decay lambda")
+    sysg.add_argument("--clip-threshold", type=finite_positive, help="clipping threshold d (Adafactor, Hfac)")
     sysg.add_argument("--momentum-form", choices=["gradient", "update", "none"], help="Adafactor family: which ODE")
     sysg.add_argument("--normalization", choices=["paper", "algorithm"], help="Hfac family: sqrt(r) or sqrt(r/n)")
-    sysg.add_argument("--momentum-scale", type=float, help="Hfac family: factor c of phi and psi")
-    sysg.add_argument("--refresh-every", type=float, help="refresh the basis every T time units (default: fixed)")
+    sysg.add_argument("--momentum-scale", type=finite_nonnegative, help="Hfac family: factor c of phi and psi")
+    sysg.add_argument("--refresh-every", type=finite_positive, help="refresh the basis every T time units")
     sysg.add_argument("--moments", choices=["gradient", "zero"], default="gradient", help="initial moments")
-    sysg.add_argument("--floor", type=float, default=1e-4, help="relative floor of the initial second moments")
+    sysg.add_argument("--floor", type=finite_nonnegative, default=1e-4, help="relative floor of initial second moments")
     sysg.add_argument("--seed", type=int, default=0, help="problem data seed")
 
 
 def build_parser(prog: str = "adadiag-ref ode") -> argparse.ArgumentParser:
     """A standalone parser for the ``ode`` subcommand."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = ErrorParser(prog=prog, description=__doc__.split("\n")[0] if __doc__ else None)
     _configure(parser)
     parser.set_defaults(func=run)
     return parser
@@ -144,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
         system = make_system(args.optimizer, **_system_options(args))
         problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))
     except ValueError as exc:
-        print(f"adadiag-ref ode: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(f"ode: {exc}")
     result = check(
         system,
         problem,
@@ -168,8 +168,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_path = plot_check(result, args.plot)
         except RuntimeError as exc:
-            print(f"adadiag-ref ode: error: {exc}", file=sys.stderr)
-            return 2
+            return fail(f"ode: {exc}")
     total = time.perf_counter() - start
     if args.json:
         payload = result.to_dict()
@@ -188,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m adadiag_ref.ode.cli ARGS``: parse ``argv`` and :func:`run`."""
-    args = build_parser().parse_args(argv)
-    return run(args)
+    return parse_and_run(build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,16 +14,18 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
-from ..linalg import canonical_svd, refresh_method
+from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, refresh_method
 from ..state import State
 from .families import FAMILIES, Family
 from .layout import Layout, from_work, layout_for, to_work
 
 __all__ = [
+    "NonFiniteGradientWarning",
     "check_inputs",
     "init",
     "refresh_basis",
@@ -118,18 +120,71 @@ def _work_dtype(state: State, xp: Namespace) -> Any:
     return state.r.dtype if hasattr(state, "r") else state.V.dtype  # type: ignore[union-attr]
 
 
-def refresh_basis(state: State, grad: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
+class NonFiniteGradientWarning(RuntimeWarning):
+    """An unvalidated refresh met a gradient with NaN or Inf and kept the previous basis."""
+
+
+def _where(name: str | None, state: State, shape: tuple[int, ...]) -> str:
+    """``"parameter 'fc.weight' (shape (7, 9)) at step 5"`` for error and warning messages."""
+    try:
+        t: Any = int(state.count) + 1
+    except Exception:  # a traced counter (jax.jit): no concrete step
+        t = "?"
+    who = f"parameter {name!r}" if name else "parameter"
+    return f"{who} (shape {shape}) at step {t}"
+
+
+def refresh_basis(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    *,
+    name: str | None = None,
+    on_nonfinite: str = "keep",
+    on_failure: str = "keep",
+    xp: Namespace | None = None,
+) -> State:
     """``P_t, _, Q_t^T = canonical_svd(G_t)``: new bases, moments untouched.
 
     Only the sides the layout rotates are decomposed (a one-sided optimizer never
     forms ``Q``).  Same shapes and dtypes in and out.
+
+    Failure policy (``docs/reliability.md``); ``name`` labels the parameter in messages:
+
+    * ``G_t`` holds NaN or Inf: no decomposition runs.  ``on_nonfinite="keep"``
+      (default; safe inside a host callback under ``jax.jit``) returns ``state``
+      unchanged (the previous bases ``P_{t-1}, Q_{t-1}``) with a
+      :class:`NonFiniteGradientWarning`; ``"raise"`` raises ``ValueError``.
+    * the SVD fails on every rung of :data:`~adadiag_ref.linalg.DECOMPOSITION_LADDER`:
+      ``on_failure="keep"`` (default) keeps the previous bases with a
+      :class:`~adadiag_ref.linalg.DecompositionWarning`; ``"raise"`` raises
+      :class:`~adadiag_ref.linalg.DecompositionError`.
+
+    A kept basis is returned as the very same objects (``new.P is state.P``).
     """
+    if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
+        raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
     xp = namespace(grad, xp=xp)
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
     g = to_work(xp.astype(grad, _work_dtype(state, xp), copy=False), layout, xp)
-    svd = canonical_svd(g, compute_p=True, compute_q=layout.rotate_right, method=refresh_method(), xp=xp)
+    label = f"gradient of {_where(name, state, layout.shape)}"
+    try:
+        svd = canonical_svd(
+            g, compute_p=True, compute_q=layout.rotate_right, method=refresh_method(), label=label, xp=xp
+        )
+    except NonFiniteInputError:
+        message = f"the {label} contains NaN or Inf"
+        if on_nonfinite == "raise":
+            raise ValueError(f"{message}; the optimizer state was left unchanged") from None
+        warnings.warn(f"{message}: kept the previous basis", NonFiniteGradientWarning, stacklevel=2)
+        return state
+    except DecompositionError as exc:
+        if on_failure == "raise":
+            raise
+        warnings.warn(f"{exc}; kept the previous basis", DecompositionWarning, stacklevel=2)
+        return state
     return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
 
 
@@ -251,11 +306,20 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
             )
 
 
-def check_inputs(state: State, grad: Array, cfg: BaseConfig, param: Array, *, xp: Namespace | None = None) -> None:
+def check_inputs(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    name: str | None = None,
+    xp: Namespace | None = None,
+) -> None:
     """Eager validation of one step's input; raises ``ValueError`` and touches nothing.
 
     Checks shapes against the parameter and the state, that parameter and
-    gradient share one real floating dtype, and that the gradient is finite.
+    gradient share one real floating dtype, and that the gradient is finite
+    (the message names the parameter, ``name`` when given, and the step).
     """
     xp = namespace(grad, param, xp=xp)
     _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
@@ -263,7 +327,11 @@ def check_inputs(state: State, grad: Array, cfg: BaseConfig, param: Array, *, xp
     if pname != gname:
         raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
     if not bool(xp.all(xp.isfinite(grad))):
-        raise ValueError("gradient contains NaN or Inf; the optimizer state was left unchanged")
+        bad = int(xp.sum(xp.astype(~xp.isfinite(grad), xp.int32)))
+        raise ValueError(
+            f"non-finite gradient: {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'} in the gradient of "
+            f"{_where(name, state, tuple(param.shape))}; the optimizer state was left unchanged"
+        )
 
 
 def step(
@@ -274,18 +342,26 @@ def step(
     *,
     lr: Any = None,
     check: bool = True,
+    name: str | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
     """Eager driver: validate, refresh the basis when due, update.
 
-    Returns ``(new_param, new_state)``.  On invalid input it raises
-    ``ValueError`` before computing anything, so the caller's state is intact.
+    Returns ``(new_param, new_state)``.  ``check=True``: invalid input (shapes,
+    dtypes, a NaN or Inf in ``G``) raises ``ValueError`` before anything is
+    computed, naming the cause, the parameter (``name``) and the step.
+    ``check=False``: a non-finite ``G`` keeps the previous basis (with a
+    :class:`NonFiniteGradientWarning`) and the values propagate into the moments
+    and the parameter as in Adam.  A failed decomposition keeps the previous
+    basis with a warning (:func:`refresh_basis`).  The inputs are never modified.
     """
     xp = namespace(grad, param, xp=xp)
     if check:
-        check_inputs(state, grad, cfg, param, xp=xp)
+        check_inputs(state, grad, cfg, param, name=name, xp=xp)
     refreshed = refresh_due(int(state.count), cfg)
     if refreshed:
-        state = refresh_basis(state, grad, cfg, xp=xp)
+        new = refresh_basis(state, grad, cfg, name=name, xp=xp)
+        refreshed = new.P is not state.P  # a kept basis was not computed from this G: no noise floor
+        state = new
     delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
     return param + delta, state

@@ -55,14 +55,22 @@ def supports_in_place(x: Array) -> bool:
     return bool(is_numpy_namespace(xp) or is_cupy_namespace(xp) or is_torch_namespace(xp))
 
 
-def _ema_in_place(beta_t: Array, old: Array, new: Array, scratch_ok: bool) -> None:
-    """``old <- beta_t * old + (1 - beta_t) * new``; ``new`` is overwritten when ``scratch_ok``."""
-    old *= beta_t
-    if scratch_ok:
-        new *= 1.0 - beta_t
-        old += new
-    else:
-        old += (1.0 - beta_t) * new
+def _check_writable(arrays: dict[str, Array | None]) -> None:
+    """Refuse read-only buffers before anything is written (the call must be all or nothing)."""
+    for label, a in arrays.items():
+        if a is None:
+            continue
+        flags = getattr(a, "flags", None)
+        if flags is not None and not flags.writeable:
+            raise ValueError(f"update_in_place needs writable arrays; the {label} is read-only (nothing was changed)")
+        if getattr(a, "requires_grad", False) and getattr(a, "is_leaf", False):
+            import torch
+
+            if torch.is_grad_enabled():
+                raise ValueError(
+                    f"update_in_place: the {label} is a leaf tensor that requires grad; "
+                    "call it under torch.no_grad() (nothing was changed)"
+                )
 
 
 def update_in_place(
@@ -79,16 +87,23 @@ def update_in_place(
 
     Returns the new state: the same moment arrays (now updated), the same bases
     and ``count + 1``.  ``grad`` is never modified.  Like ``update`` it never
-    refreshes the basis and does not validate finiteness (see ``check_inputs``).
+    refreshes the basis and does not validate finiteness (see ``check_inputs``):
+    NaN or Inf in ``G`` propagate into the moments and ``W`` as in Adam.
+
+    All or nothing: every new value is computed into scratch buffers first and
+    written to ``W``, ``M`` and ``V`` only at the end, after a check that they
+    are writable; a call that raises leaves the parameter and the state bit-identical.
     """
     xp = namespace(grad, param, xp=xp)
     native = _native(xp)
+    fields = {f"state field {k!r}": v for k, v in zip(state._fields[1:], state[1:])}
+    _check_writable({"parameter": param, **fields})
     if not isinstance(state, AdamState):
         delta, new = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+        param += delta
         for old, fresh in zip(state[1:], new[1:]):
             if old is not None and old is not fresh:
                 old[...] = fresh
-        param += delta
         return state._replace(count=new.count)
 
     layout, t, g, w, g_rot = prepare_step(state, grad, cfg, param, refreshed, xp)
@@ -97,16 +112,29 @@ def update_in_place(
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
     M, V = state.M, state.V
-    buf = g_rot * g_rot  # G~^2, later the scratch for sqrt(V) and U~
-    _ema_in_place(b2_t, V, buf, scratch_ok=True)
-    _ema_in_place(b1_t, M, g_rot, scratch_ok=owned)
-    native.sqrt(V, out=buf)
+    # the functional EMA is b * old + (1 - b) * new; IEEE addition and multiplication commute exactly
+    new_V = native.multiply(V, b2_t)
+    buf = g_rot * g_rot  # G~^2, later the scratch for b1 * M, sqrt(V) and U~
+    buf *= 1.0 - b2_t
+    new_V += buf
+    if owned:
+        new_M = g_rot
+        new_M *= 1.0 - b1_t
+    else:
+        new_M = native.multiply(g_rot, 1.0 - b1_t)
+    native.multiply(M, b1_t, out=buf)
+    new_M += buf
+    native.sqrt(new_V, out=buf)
     buf += cfg.eps
-    native.divide(M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
+    native.divide(new_M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
     direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
     if cfg.weight_decay:
         direction += cfg.weight_decay * w
     eta = cfg.lr if lr is None else lr
     direction *= -eta
-    param += xp.astype(from_work(direction, layout, xp), param.dtype, copy=False)
+    delta = xp.astype(from_work(direction, layout, xp), param.dtype, copy=False)
+    # commit: nothing below can fail on writable buffers of matching shape and dtype
+    param += delta
+    M[...] = new_M
+    V[...] = new_V
     return state._replace(count=state.count + 1)

@@ -1,0 +1,192 @@
+"""CLI misuse (issue 10, item 5): one line ``adadiag-ref: error: ...`` on stderr and exit 2, never a traceback.
+
+``replay``, ``ode`` and ``golden verify`` are run in-process through the main
+entry point; a hang would show as a test that never ends, so the ODE cases that
+used to run forever are refused before any integration starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adadiag_ref.cli import main
+from adadiag_ref.golden.format import default_data_dir
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors exit through SystemExit
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adadiag-ref: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def _good_input(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    np.savez(path, w0=rng.standard_normal((3, 4)), grads=rng.standard_normal((5, 3, 4)))
+    return path
+
+
+def test_replay_works_on_good_input(tmp_path: Path, capsys) -> None:
+    src = _good_input(tmp_path / "in.npz")
+    code, out, _ = _run(
+        ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")], capsys
+    )
+    assert code == 0 and "wrote 5 steps" in out
+    with np.load(tmp_path / "o.npz") as data:
+        assert data["params"].shape == (5, 3, 4)
+
+
+def test_replay_with_a_missing_input_file(tmp_path: Path, capsys) -> None:
+    argv = ["replay", "--optimizer", "adadiag", "--input", str(tmp_path / "nope.npz"), "--output", str(tmp_path / "o")]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, "nope.npz")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_replay_with_a_corrupt_input_file(tmp_path: Path, capsys, damage: str) -> None:
+    src = _good_input(tmp_path / "in.npz")
+    blob = src.read_bytes()
+    src.write_bytes({"truncated": blob[: len(blob) // 2], "garbage": b"not a zip at all" * 10, "empty": b""}[damage])
+    argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, "in.npz")
+    assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize(
+    ("arrays", "fragment"),
+    [
+        ({"w0": np.ones((3, 4))}, "lacks grads"),
+        ({"w0": np.ones((3, 4)), "grads": np.ones((5, 4, 3))}, "grads have shape"),
+        ({"w0": np.ones((3, 4), dtype=np.int64), "grads": np.ones((5, 3, 4))}, "float32 or float64"),
+        ({"w0": np.ones((3, 4)), "grads": np.full((2, 3, 4), np.nan)}, "non-finite gradient"),
+        ({"w0": np.ones((3, 4)), "grads": np.ones(())}, "grads have shape"),
+    ],
+)
+def test_replay_with_bad_arrays(tmp_path: Path, capsys, arrays: dict, fragment: str) -> None:
+    src = tmp_path / "in.npz"
+    np.savez(src, **arrays)
+    argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.parametrize(
+    "config",
+    ['{"eps": 0}', '{"lr": -1}', "[1, 2]", "{not json", '{"update_freq": 0}', '{"frobnicate": 1}', "@/no/such.json"],
+)
+def test_replay_with_a_bad_config(tmp_path: Path, capsys, config: str) -> None:
+    src = _good_input(tmp_path / "in.npz")
+    argv = [
+        "replay",
+        "--optimizer",
+        "adadiag",
+        "--config",
+        config,
+        "--input",
+        str(src),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err)
+
+
+def test_replay_to_an_unwritable_output(tmp_path: Path, capsys) -> None:
+    src = _good_input(tmp_path / "in.npz")
+    argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "no" / "dir" / "o.npz")]
+    code, _, err = _run(argv, capsys)
+    _assert_one_line_error(code, err)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--t-end", "-1"],
+        ["--t-end", "0"],
+        ["--t-end", "inf"],
+        ["--t-end", "nan"],
+        ["--t-end", "abc"],
+        ["--integrator", "rk4", "--dt", "0"],
+        ["--integrator", "rk4", "--dt", "-0.1"],
+        ["--integrator", "rk4", "--dt", "inf"],
+        ["--rtol", "-1"],
+        ["--rtol", "0"],
+        ["--atol", "nan"],
+        ["--max-steps", "0"],
+        ["--max-steps", "-5"],
+        ["--refresh-every", "0"],
+        ["--eps", "-1"],
+        ["--weight-decay", "inf"],
+        ["--optimizer", "nope"],
+    ],
+)
+def test_ode_refuses_bad_numbers_up_front(capsys, extra: list[str]) -> None:
+    argv = ["ode", "--optimizer", "adam", "--problem", "least_squares", "--no-progress", *extra]
+    if "--optimizer" in extra:
+        argv = ["ode", "--problem", "least_squares", "--no-progress", *extra]
+    code, out, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, extra[-2] if extra[-2].startswith("--") else extra[0])
+    assert out == ""
+
+
+def test_max_steps_bounds_the_integration(capsys) -> None:
+    argv = ["ode", "--optimizer", "adam", "--problem", "least_squares", "--t-end", "1e6", "--max-steps", "50"]
+    code, out, _ = _run([*argv, "--integrator", "dopri5", "--no-progress", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1 and result["status"] == "max_steps" and result["n_steps"] <= 50
+
+
+def test_golden_verify_fails_on_an_empty_fixture_set(tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _run(["golden", "verify", str(empty)], capsys)
+    _assert_one_line_error(code, err)
+    manifest = json.loads((default_data_dir() / "manifest.json").read_text())
+    (empty / "manifest.json").write_text(json.dumps({**manifest, "cases": []}))
+    code, _, err = _run(["golden", "verify", str(empty)], capsys)
+    _assert_one_line_error(code, err, "no cases")
+    code, _, err = _run(["golden", "verify", str(tmp_path / "missing")], capsys)
+    _assert_one_line_error(code, err, "missing")
+
+
+def _copy_of_shipped_set(tmp_path: Path) -> Path:
+    target = tmp_path / "set"
+    shutil.copytree(default_data_dir(), target)
+    return target
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
+def test_golden_verify_fails_on_an_unreadable_fixture_set(tmp_path: Path, capsys, damage: str) -> None:
+    target = _copy_of_shipped_set(tmp_path)
+    victim = sorted(target.glob("*.npz"))[0]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:200])
+    elif damage == "delete":
+        victim.unlink()
+    else:
+        (target / "manifest.json").write_text("{ truncated")
+    code, _, err = _run(["golden", "verify", str(target)], capsys)
+    _assert_one_line_error(code, err)
+
+
+def test_usage_errors_are_one_line_too(capsys) -> None:
+    for argv in (["frobnicate"], ["replay"], ["golden"], ["ode", "--optimizer", "adam", "--t-end"]):
+        code, _, err = _run(argv, capsys)
+        _assert_one_line_error(code, err)
