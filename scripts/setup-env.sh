@@ -9,4 +9,4 @@ if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test,torch,jax,numba,plot]"
+python -m pip install --quiet -e ".[test,torch,jax,numba,plot,reproduce]"
