@@ -165,6 +165,9 @@ def test_quick_run_writes_the_documented_json(tmp_path):
         assert losses[-1] < losses[0] - 0.5  # learns: from ~log(97) = 4.6 nats down
         assert max(losses[len(losses) // 2 :]) < min(losses[: len(losses) // 4])  # decreasing overall
     assert result["machine"]["num_threads"] == 1 and len(result["corpus"]["sha256"]) == 64
+    for name in DEFAULT_OPTIMIZERS:  # the selected lr is the sweep's best on the first seed
+        sweep = {r["lr"]: r["final_val_loss"] for r in result["runs"] if r["optimizer"] == name and r["seed"] == 0}
+        assert set(sweep) == set(grid) and result["selected_lr"][name] == min(sweep, key=sweep.__getitem__)
     for name in DEFAULT_OPTIMIZERS:  # every optimizer has both seeds at its selected lr
         seeds = sorted(
             r["seed"] for r in result["runs"] if r["optimizer"] == name and r["lr"] == result["selected_lr"][name]

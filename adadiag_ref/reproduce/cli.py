@@ -8,11 +8,12 @@ import math
 import os
 import platform
 import sys
+import time
 from typing import Any
 
-DEFAULT_LR_GRID = (1e-2, 3e-3, 1e-3)
+DEFAULT_LR_GRID = {"charlm": (1e-2, 3e-3, 1e-3), "digits": (3e-2, 1e-2, 3e-3)}
 QUICK_LR_GRID = (1e-2, 3e-3)
-DEFAULT_STEPS = {"charlm": 600, "digits": 300}
+DEFAULT_STEPS = {"charlm": 500, "digits": 300}
 QUICK_STEPS = 30
 
 
@@ -64,7 +65,7 @@ def add_parser(sub: Any) -> None:
         "--lr-grid",
         type=_lrs,
         help="comma list of peak learning rates swept on the first seed, the "
-        f"same for every optimizer (default {','.join(map(str, DEFAULT_LR_GRID))})",
+        f"same for every optimizer (default {DEFAULT_LR_GRID})",
     )
     p.add_argument("--quick", action="store_true", help=f"tiny model, {QUICK_STEPS} steps: a CI smoke run")
     p.add_argument("--update-freq", type=int, help="basis refresh period T (default max(1, steps // 50))")
@@ -123,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     optimizers = _names(args.optimizers) if isinstance(args.optimizers, str) else args.optimizers
     seeds = _ints(args.seeds) if isinstance(args.seeds, str) else args.seeds
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS[args.task])
-    grid = args.lr_grid or (QUICK_LR_GRID if args.quick else DEFAULT_LR_GRID)
+    grid = args.lr_grid or (QUICK_LR_GRID if args.quick else DEFAULT_LR_GRID[args.task])
     model = None
     if args.task == "charlm":
         from .data import VOCAB
@@ -133,7 +134,9 @@ def _run(args: argparse.Namespace) -> int:
     batch = args.batch or (16 if args.task == "charlm" else 64)
     cfg = RunConfig(task=args.task, steps=steps, batch=batch, update_freq=args.update_freq, model=model,
                     eval_windows=16 if args.quick else 64)  # fmt: skip
+    start = time.perf_counter()
     result = compare(cfg, optimizers, seeds, grid, jobs=args.jobs)
+    result["wall_s"] = time.perf_counter() - start
     result["machine"] = _machine()
     result["quick"] = bool(args.quick)
     result["command"] = "adadiag-ref " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("adadiag-ref") else None

@@ -7,6 +7,7 @@ see the same initial weights and the same minibatches, so the curves of one seed
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import sys
@@ -49,7 +50,7 @@ class RunConfig:
     task: str
     steps: int
     batch: int
-    eval_points: int = 20  # evaluations after step 0 (evenly spaced, the last at the final step)
+    eval_points: int = 25  # evaluations after step 0 (evenly spaced, the last at the final step)
     update_freq: int | None = None  # basis refresh period T; None: about 50 refreshes per run (the paper's 60M)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -224,22 +225,28 @@ def _worker_run(name: str, lr: float, seed: int) -> dict[str, Any]:
 
 
 def _run_all(
-    specs: Sequence[tuple[str, float, int]], cfg: RunConfig, task: Task, jobs: int, bar: tqdm
+    specs: Sequence[tuple[str, float, int]], cfg: RunConfig, task: Task, pool: ProcessPoolExecutor | None, bar: tqdm
 ) -> list[dict[str, Any]]:
-    """The runs ``(optimizer, lr, seed)``, in order; ``jobs > 1`` runs them in that many spawned processes."""
-    if jobs == 1:
+    """The runs ``(optimizer, lr, seed)``, in order: here, or in ``pool``'s worker processes."""
+    if pool is None:
         out = []
         for name, lr, seed in specs:
             out.append(train_run(task, cfg, name, lr, seed, progress=not bar.disable))
             bar.update()
         return out
-    context = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
-    with ProcessPoolExecutor(jobs, context, _init_worker, (cfg, torch.get_num_threads())) as pool:
-        futures = [pool.submit(_worker_run, *spec) for spec in specs]
-        for future in as_completed(futures):
-            bar.update()
-            bar.set_postfix_str(f"{future.result()['optimizer']} done")
-        return [future.result() for future in futures]
+    futures = [pool.submit(_worker_run, *spec) for spec in specs]
+    for future in as_completed(futures):
+        bar.update()
+        bar.set_postfix_str(f"{future.result()['optimizer']} done")
+    return [future.result() for future in futures]
+
+
+def _pool(cfg: RunConfig, jobs: int) -> ProcessPoolExecutor | contextlib.nullcontext[None]:
+    """``jobs`` spawned worker processes (fork would copy torch's thread pools), or nothing for ``jobs == 1``."""
+    if jobs == 1:
+        return contextlib.nullcontext()
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(jobs, context, _init_worker, (cfg, torch.get_num_threads()))
 
 
 def compare(
@@ -264,10 +271,11 @@ def compare(
     names = list(dict.fromkeys([BASELINE, *optimizers]))  # the baseline is always run: it defines the speed-up
     task = build_task(cfg)  # also its info; workers build their own copy
     total = len(names) * (len(lr_grid) + len(seeds) - 1)
-    with tqdm(total=total, desc=f"{cfg.task}: runs", file=sys.stderr, disable=not progress) as bar:
-        sweep = _run_all([(name, lr, seeds[0]) for name in names for lr in lr_grid], cfg, task, jobs, bar)
+    bar = tqdm(total=total, desc=f"{cfg.task}: runs", file=sys.stderr, disable=not progress)
+    with bar, _pool(cfg, jobs) as pool:
+        sweep = _run_all([(name, lr, seeds[0]) for name in names for lr in lr_grid], cfg, task, pool, bar)
         selected = {name: min((r for r in sweep if r["optimizer"] == name), key=_score)["lr"] for name in names}
-        rest = _run_all([(name, selected[name], seed) for name in names for seed in seeds[1:]], cfg, task, jobs, bar)
+        rest = _run_all([(name, selected[name], seed) for name in names for seed in seeds[1:]], cfg, task, pool, bar)
     runs = sorted(sweep + rest, key=lambda r: (names.index(r["optimizer"]), seeds.index(r["seed"]), -r["lr"]))
     chosen = {(r["optimizer"], r["seed"]): r for r in runs if r["lr"] == selected[r["optimizer"]]}
     per_seed: dict[str, list[float | None]] = {}
