@@ -173,3 +173,13 @@ def test_quick_run_writes_the_documented_json(tmp_path):
             r["seed"] for r in result["runs"] if r["optimizer"] == name and r["lr"] == result["selected_lr"][name]
         )
         assert seeds == [0, 1]
+
+
+@pytest.mark.slow
+def test_parallel_runs_give_the_same_numbers():
+    from adadiag_ref.reproduce.train import compare
+
+    one = compare(QUICK, ["adadiag"], [0, 1], [1e-2, 3e-3], progress=False, jobs=1)
+    two = compare(QUICK, ["adadiag"], [0, 1], [1e-2, 3e-3], progress=False, jobs=2)
+    assert [r["val_loss"] for r in one["runs"]] == [r["val_loss"] for r in two["runs"]]
+    assert one["speedup"] == two["speedup"] and one["selected_lr"] == two["selected_lr"]
