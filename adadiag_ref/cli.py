@@ -15,7 +15,12 @@ from . import __version__
 from ._cli import ErrorParser, parse_and_run
 
 # modules that contribute subcommands through add_parser(subparsers)
-_SUBCOMMAND_MODULES = ("adadiag_ref.ode.cli", "adadiag_ref.golden.cli", "adadiag_ref.perf.cli")
+_SUBCOMMAND_MODULES = (
+    "adadiag_ref.ode.cli",
+    "adadiag_ref.golden.cli",
+    "adadiag_ref.perf.cli",
+    "adadiag_ref.reproduce.cli",
+)
 
 
 def _report(args: argparse.Namespace) -> int:
