@@ -12,9 +12,10 @@ import math
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["INPUT_ERRORS", "ErrorParser", "fail", "finite_positive", "positive_int", "run_parsed"]
+__all__ = ["INPUT_ERRORS", "ErrorParser", "check_output_file", "fail", "finite_positive", "positive_int", "run_parsed"]
 
 PROG = "adadiag-ref"
 
@@ -93,3 +94,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file whose folder is missing or which names a folder (``ValueError``)."""
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: folder {str(folder)!r} does not exist")
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, not a file")

@@ -52,6 +52,7 @@ def test_python_blocks_run_as_written(path: Path, tmp_path: Path, monkeypatch: p
     if not blocks:
         pytest.skip(f"{path.name} has no python blocks")
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
+    (tmp_path / "docs").symlink_to(ROOT / "docs")  # and read the committed results as from the repository root
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace: dict[str, object] = {"__name__": "__docs__"}
     rel = path.relative_to(ROOT)

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,20 @@ def test_parallel_runs_give_the_same_numbers():
     two = compare(QUICK, ["adadiag"], [0, 1], [1e-2, 3e-3], progress=False, jobs=2)
     assert [r["val_loss"] for r in one["runs"]] == [r["val_loss"] for r in two["runs"]]
     assert one["speedup"] == two["speedup"] and one["selected_lr"] == two["selected_lr"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_outputs_into_a_missing_folder_fail_before_the_run(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adadiag_ref.cli import main
+    from adadiag_ref.reproduce import train
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the comparison ran before its outputs were checked")
+
+    monkeypatch.setattr(train, "compare", no_run)
+    target = tmp_path / "missing" / ("r.json" if flag == "--json" else "r.png")
+    assert main(["reproduce", "--task", "digits", "--quick", flag, str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("adadiag-ref: error:") and "does not exist" in err[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import platform
 import sys
 import time
 from typing import Any
+
+from .._cli import check_output_file
 
 DEFAULT_LR_GRID = {"charlm": (1e-2, 3e-3, 1e-3), "digits": (3e-2, 1e-2, 3e-3)}
 QUICK_LR_GRID = (1e-2, 3e-3)
@@ -106,7 +109,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if args.threads < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 2):
-        raise SystemExit("reproduce: --threads and --jobs must be >= 1 and --steps >= 2")
+        raise ValueError("reproduce: --threads and --jobs must be >= 1 and --steps >= 2")
+    # outputs are checked before a run of minutes, not after it
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
+        check_output_file(args.plot, "--plot")
     previous = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
