@@ -14,7 +14,6 @@ Tolerances:
 from __future__ import annotations
 
 import functools
-import io
 import math
 
 import numpy as np
@@ -268,24 +267,14 @@ def test_basis_schedule_every():
         ode.BasisSchedule.every(0.0, 0.0, 1.0)
 
 
-def test_progress_bar_only_when_forced_or_tty():
-    stream = io.StringIO()
-    bar = ode.progress.ProgressBar(0.0, 2.0, enabled=True, stream=stream)
-    bar.update(1.0, 10, 0.1, force=True)
-    bar.close(2.0, 20, 0.1)
-    text = stream.getvalue()
-    assert "50.0%" in text and "100.0%" in text and text.endswith("\n")
-    quiet = io.StringIO()
-    bar = ode.progress.ProgressBar(0.0, 2.0, enabled=None, stream=quiet)  # StringIO is not a TTY
-    bar.update(1.0, 10, 0.1, force=True)
-    bar.close(2.0, 20, 0.1)
-    assert quiet.getvalue() == ""
-
-
-def test_integrate_progress_writes_to_stderr(capsys):
+def test_progress_bar_only_when_forced_or_tty(capsys):
     term = ode.ODETerm(lambda t, y, args: -y)
-    ode.integrate(term, ode.Euler(), 0.0, 1.0, np.array([1.0]), dt0=0.01, progress=True)
-    assert "100.0%" in capsys.readouterr().err
+    for progress in (None, False):  # None: only on a terminal, and pytest's stderr is not one
+        ode.integrate(term, ode.Euler(), 0.0, 2.0, np.array([1.0]), dt0=0.01, progress=progress)
+        assert capsys.readouterr().err == ""
+    ode.integrate(term, ode.Euler(), 0.0, 2.0, np.array([1.0]), dt0=0.01, progress=True)
+    err = capsys.readouterr().err
+    assert "100.0%" in err and "t=2/2" in err and "steps=200" in err and err.endswith("\n")
 
 
 def test_array_api_strict_integration_matches_numpy():

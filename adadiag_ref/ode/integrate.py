@@ -23,15 +23,18 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ._arrays import Array, namespace_of
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
-from .progress import ProgressBar
 from .solvers import DenseStep, ExplicitRK, Solver, interpolate
 
 __all__ = ["BasisSchedule", "SaveAt", "Solution", "integrate"]
 
 Controller = ConstantStepSize | PIController
+
+_BAR_FORMAT = "{desc}: {percentage:5.1f}%|{bar}| t={n:.4g}/{total:.4g} [{elapsed}{postfix}]"
+"""Fraction of ``[t0, t1]`` done (one decimal), the time reached, elapsed seconds, then steps and ``h``."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,10 @@ def integrate(
         if dt is None or not dt > 0:
             raise ValueError("a constant step size needs dt0 > 0 (or ConstantStepSize(dt))")
         dt0 = dt
-    bar = ProgressBar(t0, t1, enabled=progress)
+    # tqdm's disable=None is "only when stderr is a terminal", the meaning of progress=None here
+    bar = tqdm(
+        total=t1 - t0, desc=solver.name, bar_format=_BAR_FORMAT, disable=None if progress is None else not progress
+    )
 
     t, y = float(t0), y0
     h = dt0
@@ -258,13 +264,14 @@ def integrate(
                 segs.append(piece)
             if controller.adaptive:
                 h = decision.h_next
-            bar.update(t, n_steps, h_try)
+            bar.set_postfix_str(f"steps={n_steps} h={h_try:.3g}", refresh=False)
+            bar.update((t - t0) - bar.n)  # tqdm throttles the redraws itself
             if not bool(xp.all(xp.isfinite(y))):
                 status = "nonfinite"
                 break
         if status != "success":
             break
-    bar.close(t, n_steps, hs[-1] if hs else (h or 0.0))
+    bar.close()
 
     if saveat.ts is not None:
         ts, ys, segs = [], [], []
