@@ -63,9 +63,9 @@ def test_closed_form_rate_matches_finite_differences(name, options, seed):
     state = random_state(system, W, seed=seed, spread=1.5)
     basis = _basis(system, W, seed)
     G = problem.grad(W)
-    closed = float(S.hamiltonian_rate(system, state, G, S.rotate(G, basis, np)))
+    closed = float(S.hamiltonian_rate(system, state, G, S.rotate(G, *basis, np)))
     numeric = directional_derivative(system, problem, state, basis)
-    f = S.vector_field(system, state, S.rotate(G, basis, np), basis)
+    f = S.vector_field(system, state, S.rotate(G, *basis, np), basis)
     scale = abs(closed) + math.sqrt(sum(float(np.sum(x * x)) for x in f if x is not None))
     assert closed == pytest.approx(numeric, rel=1e-7, abs=1e-7 * scale)
 
@@ -86,9 +86,9 @@ def test_closed_form_rate_property(name, a, b, seed, spread):
     state = random_state(system, W, seed=seed, spread=spread)
     basis = _basis(system, W, seed)
     G = problem.grad(W)
-    closed = float(S.hamiltonian_rate(system, state, G, S.rotate(G, basis, np)))
+    closed = float(S.hamiltonian_rate(system, state, G, S.rotate(G, *basis, np)))
     numeric = directional_derivative(system, problem, state, basis)
-    f = S.vector_field(system, state, S.rotate(G, basis, np), basis)
+    f = S.vector_field(system, state, S.rotate(G, *basis, np), basis)
     scale = abs(closed) + math.sqrt(sum(float(np.sum(x * x)) for x in f if x is not None))
     assert closed == pytest.approx(numeric, rel=1e-6, abs=1e-6 * scale)
 
@@ -99,8 +99,8 @@ def test_hamiltonian_is_basis_free_and_rotation_is_adjoint():
     G, X = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
     P, Q = rng.standard_normal((3, 3)), rng.standard_normal((5, 5))  # not even orthogonal
     basis = ode.Basis(P, Q)
-    lhs = np.sum(G * S.unrotate(X, basis, np))
-    rhs = np.sum(S.rotate(G, basis, np) * X)
+    lhs = np.sum(G * S.unrotate(X, *basis, np))
+    rhs = np.sum(S.rotate(G, *basis, np) * X)
     assert lhs == pytest.approx(rhs, rel=1e-13)
 
 

@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..optim.families.common import clip_factor, factored
+from ..optim.families.hfac import normalization_constants
 from ._arrays import Array, Namespace, inner, namespace_of, scalar
 from .problems import Problem, custom_problem
 from .systems import (
@@ -39,9 +41,6 @@ from .systems import (
     MomentumODEState,
     ODEState,
     System,
-    _factored,
-    _hfac_constants,
-    clip_factor,
     hamiltonian,
     hamiltonian_rate,
     identity_basis,
@@ -178,7 +177,7 @@ def sufficient_condition(
     if system.family == "adam":
         return ok and q <= 1.0
     if isinstance(state, AdafactorODEState):
-        rho, sigma, R, S = _factored(state, G_rot, system.eps, xp)
+        rho, sigma, R, S = factored(state, G_rot, system.eps, xp)
         if system.momentum_form == "gradient":
             return ok and q * (1.0 + scalar(xp.sum(rho) / R)) <= 1.0 + tiny
         if system.momentum_form == "update":
@@ -193,8 +192,8 @@ def sufficient_condition(
         return ok
     if isinstance(state, HfacODEState):
         m, n = G_rot.shape
-        kr, ks = _hfac_constants(system, m, n)
-        _, _, R, S = _factored(state, G_rot, system.eps, xp)
+        kr, ks = normalization_constants(system, m, n)
+        _, _, R, S = factored(state, G_rot, system.eps, xp)
         gamma = scalar(clip_factor(G_rot / S, system.clip_threshold, xp))
         lhs = 0.5 * system.momentum_scale * (xp.sqrt(kr * state.s)[None, :] + xp.sqrt(ks * state.r)[:, None])
         return ok and q <= 1.0 and scalar(xp.max(lhs)) <= gamma * math.sqrt(scalar(R)) * (1.0 + tiny)
@@ -233,7 +232,7 @@ def directional_derivative(
     """
     xp = namespace_of(state.W)
     G = problem.grad(state.W)
-    f = vector_field(system, state, rotate(G, basis, xp), basis, xp=xp)
+    f = vector_field(system, state, rotate(G, *basis, xp), basis, xp=xp)
     y_norm = math.sqrt(sum(scalar(xp.sum(x * x)) for x in state if x is not None))
     f_norm = math.sqrt(sum(scalar(xp.sum(x * x)) for x in f if x is not None))
     if f_norm == 0:
@@ -260,7 +259,7 @@ def evaluate_at(system: System, problem: Problem, state: ODEState, basis: Basis 
     xp = namespace_of(state.W)
     basis = identity_basis() if basis is None else basis
     G = problem.grad(state.W)
-    G_rot = rotate(G, basis, xp)
+    G_rot = rotate(G, *basis, xp)
     closed = scalar(hamiltonian_rate(system, state, G, G_rot, xp=xp))
     return ClaimEvaluation(
         closed, directional_derivative(system, problem, state, basis), sufficient_condition(system, state, G, G_rot)

@@ -155,7 +155,7 @@ class SystemTerm:
     def gradients(self, t: float, y: Array, args: Basis) -> Gradients:
         """``G = grad L(W)`` and ``G~ = P^T G Q`` at ``y`` (one gradient evaluation)."""
         G = self.problem.grad(self.unpack(y).W)
-        return Gradients(G, rotate(G, args, self.xp))
+        return Gradients(G, rotate(G, *args, self.xp))
 
     def field_given_gradients(
         self, t: float, y: Array, grads: Gradients, args: Basis, fields: tuple[str, ...] | None = None
@@ -194,7 +194,7 @@ class SystemTerm:
         """Flat ``y0`` (see :func:`~.systems.initial_state`) for ``W0`` (default ``problem.W0``)."""
         W0 = self.problem.W0 if W0 is None else W0
         basis = identity_basis() if basis is None else basis
-        G0 = rotate(self.problem.grad(W0), basis, self.xp)
+        G0 = rotate(self.problem.grad(W0), *basis, self.xp)
         return self.pack(initial_state(self.system, W0, G0, moments=moments, floor=floor, xp=self.xp))
 
     # -- diagnostics -------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class SystemTerm:
         state = self.unpack(y)
         loss = self.problem.loss(state.W)
         G = self.problem.grad(state.W)
-        G_rot = rotate(G, args, xp)
+        G_rot = rotate(G, *args, xp)
         return Diagnostics(
             H=scalar(hamiltonian(self.system, state, loss, xp=xp)),
             L=scalar(loss),
