@@ -12,10 +12,13 @@ is the same code with the identity basis.
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from ...config import AdafactorConfig, AdamConfig, HfacConfig
 from . import adafactor, adam, hfac, momentum
 from .adafactor import AdafactorODEState, AdafactorState
 from .adam import AdamODEState, AdamState
-from .common import Constants, Family, Flow, FlowField
+from .common import Constants, Family, Flow, FlowField, paper_defaults
 from .hfac import HfacODEState, HfacState
 from .momentum import MomentumODEState
 
@@ -40,11 +43,27 @@ __all__ = [
 FAMILIES: dict[str, Family] = {"adam": adam.FAMILY, "adafactor": adafactor.FAMILY, "hfac": hfac.FAMILY}
 """Discrete forms, by ``cfg.family``."""
 
+
+def _flow(module: ModuleType, state_type: type, default_eps: float, max_sides: int) -> Flow:
+    """A family module's continuous-time functions (the same names in every module) as a :class:`Flow`."""
+    return Flow(
+        state_type,
+        default_eps,
+        max_sides,
+        module.fields,
+        module.update_order,
+        module.vector_field,
+        module.hamiltonian,
+        module.hamiltonian_rate,
+        module.initial_moments,
+    )
+
+
 FLOWS: dict[str, Flow] = {
-    "momentum": momentum.FLOW,
-    "adam": adam.FLOW,
-    "adafactor": adafactor.FLOW,
-    "hfac": hfac.FLOW,
+    "momentum": _flow(momentum, MomentumODEState, 0.0, 0),
+    "adam": _flow(adam, AdamODEState, *paper_defaults(AdamConfig)),
+    "adafactor": _flow(adafactor, AdafactorODEState, *paper_defaults(AdafactorConfig)),
+    "hfac": _flow(hfac, HfacODEState, *paper_defaults(HfacConfig)),
 }
 """Continuous-time forms, by family (momentum SGD has no discrete form here)."""
 

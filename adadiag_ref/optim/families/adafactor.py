@@ -22,25 +22,10 @@ from ... import _kernels
 from ..._xp import Array, Namespace
 from ...config import AdafactorConfig, BaseConfig
 from ..schedules import adafactor_beta2, beta_hat, clip_by_rms, rms
-from .common import (
-    Constants,
-    Family,
-    Flow,
-    FlowField,
-    Moments,
-    clip_factor,
-    clipped_normalised,
-    ema,
-    factored,
-    factored_scale,
-    factored_second_moment,
-    factored_sums,
-    initial_factored,
-    normalise,
-    paper_defaults,
-)
+from . import common
+from .common import Constants, Family, FlowField, Moments
 
-__all__ = ["FAMILY", "FLOW", "AdafactorODEState", "AdafactorState"]
+__all__ = ["FAMILY", "AdafactorODEState", "AdafactorState"]
 
 
 class AdafactorState(NamedTuple):
@@ -88,11 +73,11 @@ def direction(state: AdafactorState, g: Array, t: Array, cfg: BaseConfig, xp: Na
         beta2_t = _beta2(cfg, t, xp)
         U, M, r, s = _kernels.adafactor_direction(state.r, state.s, M0, g, cfg.eps, beta2_t, b1_t, cfg.clip_threshold)
         return U, {"M": M, "r": r, "s": s}
-    r, s = factored_second_moment(state.r, state.s, g, cfg.eps, _beta2(cfg, t, xp), xp)
-    U = clip_by_rms(normalise(g, r, s, xp), cfg.clip_threshold, xp)
+    r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, _beta2(cfg, t, xp), xp)
+    U = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None
     if cfg.momentum:
-        M = ema(beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction), state.M, U)
+        M = common.ema(beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction), state.M, U)
         U = M
     return U, {"M": M, "r": r, "s": s}
 
@@ -134,15 +119,15 @@ def vector_field(c: Constants, state: AdafactorODEState, G_rot: Array, xp: Names
     r, s, M = state.r, state.s, state.M
 
     def clipped_u() -> Array:
-        return clipped_normalised(G_rot, r, s, c.clip_threshold, xp)
+        return common.clipped_normalised(G_rot, r, s, c.clip_threshold, xp)
 
-    rho, sigma = factored_sums(G_rot, c.eps, xp)
+    rho, sigma = common.factored_sums(G_rot, c.eps, xp)
     moments = {"r": lambda: c.b * (rho - r), "s": lambda: c.b * (sigma - s)}
     if c.momentum_form == "none":
         return FlowField(clipped_u, moments)
     assert M is not None
     if c.momentum_form == "gradient":
-        return FlowField(lambda: M / factored_scale(r, s, xp), {**moments, "M": lambda: c.a * (G_rot - M)})
+        return FlowField(lambda: M / common.factored_scale(r, s, xp), {**moments, "M": lambda: c.a * (G_rot - M)})
     return FlowField(lambda: M, {**moments, "M": lambda: c.a * (clipped_u() - M)})
 
 
@@ -151,7 +136,7 @@ def hamiltonian(c: Constants, state: AdafactorODEState, loss: Array, xp: Namespa
     if c.momentum_form == "none":
         return loss + xp.zeros((), dtype=state.W.dtype)
     assert state.M is not None
-    S = factored_scale(state.r, state.s, xp)
+    S = common.factored_scale(state.r, state.s, xp)
     kinetic = state.M * state.M / S if c.momentum_form == "gradient" else S * state.M * state.M
     return loss + xp.sum(kinetic) / (2 * c.a)
 
@@ -168,9 +153,9 @@ def hamiltonian_rate(c: Constants, state: AdafactorODEState, G_rot: Array, xp: N
     * no momentum: ``-gamma sum G~^2 / S``.
     """
     q = c.b / (4 * c.a)
-    rho, sigma, R, S = factored(state, G_rot, c.eps, xp)
+    rho, sigma, R, S = common.factored(state, G_rot, c.eps, xp)
     U = G_rot / S
-    gamma = clip_factor(U, c.clip_threshold, xp)
+    gamma = common.clip_factor(U, c.clip_threshold, xp)
     if c.momentum_form == "none":
         return -gamma * xp.sum(G_rot * G_rot / S)
     assert state.M is not None
@@ -187,7 +172,7 @@ def hamiltonian_rate(c: Constants, state: AdafactorODEState, G_rot: Array, xp: N
 
 def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Namespace) -> Moments:
     """``r0 = rho0 + n f``, ``s0 = sigma0 + m f``; ``M0 = G~0`` (gradient form) or ``gamma U0`` (update form)."""
-    r0, s0 = initial_factored(G0_rot, c.eps, zero, f, xp)
+    r0, s0 = common.initial_factored(G0_rot, c.eps, zero, f, xp)
     if c.momentum_form == "none":
         M0 = None
     elif zero:
@@ -195,18 +180,8 @@ def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Names
     elif c.momentum_form == "gradient":
         M0 = G0_rot
     else:
-        M0 = clipped_normalised(G0_rot, r0, s0, c.clip_threshold, xp)
+        M0 = common.clipped_normalised(G0_rot, r0, s0, c.clip_threshold, xp)
     return {"M": M0, "r": r0, "s": s0}
 
 
 FAMILY = Family(AdafactorState, ("M", "r", "s"), init_moments, direction, step_size)
-FLOW = Flow(
-    AdafactorODEState,
-    *paper_defaults(AdafactorConfig),
-    fields,
-    update_order,
-    vector_field,
-    hamiltonian,
-    hamiltonian_rate,
-    initial_moments,
-)

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 from ... import _kernels
 from ..._xp import Array, Namespace
-from ...config import AdamConfig, BaseConfig
+from ...config import BaseConfig
 from ..schedules import beta_hat
-from .common import Constants, Family, Flow, FlowField, Moments, constant_step_size, ema, paper_defaults
+from .common import Constants, Family, FlowField, Moments, constant_step_size, ema
 
-__all__ = ["FAMILY", "FLOW", "AdamODEState", "AdamState"]
+__all__ = ["FAMILY", "AdamODEState", "AdamState"]
 
 
 class AdamState(NamedTuple):
@@ -118,13 +118,3 @@ def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Names
 
 
 FAMILY = Family(AdamState, ("M", "V"), init_moments, direction, constant_step_size)
-FLOW = Flow(
-    AdamODEState,
-    *paper_defaults(AdamConfig),
-    fields,
-    update_order,
-    vector_field,
-    hamiltonian,
-    hamiltonian_rate,
-    initial_moments,
-)

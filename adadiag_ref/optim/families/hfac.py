@@ -32,25 +32,10 @@ from ... import _kernels
 from ..._xp import Array, Namespace
 from ...config import BaseConfig, HfacConfig
 from ..schedules import beta_hat, clip_by_rms
-from .common import (
-    Constants,
-    Family,
-    Flow,
-    FlowField,
-    Moments,
-    clip_factor,
-    clipped_normalised,
-    constant_step_size,
-    ema,
-    factored,
-    factored_second_moment,
-    factored_sums,
-    initial_factored,
-    normalise,
-    paper_defaults,
-)
+from . import common
+from .common import Constants, Family, FlowField, Moments
 
-__all__ = ["FAMILY", "FLOW", "HfacODEState", "HfacState", "normalization_constants"]
+__all__ = ["FAMILY", "HfacODEState", "HfacState", "normalization_constants"]
 
 
 class HfacState(NamedTuple):
@@ -100,12 +85,12 @@ def direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: Namespa
         return U, {"u": u, "v": v, "r": r, "s": s}
     row_mean = xp.mean(g, axis=1)
     col_mean = xp.mean(g, axis=0)
-    u = ema(b1_t, state.u, row_mean)
-    v = ema(b1_t, state.v, col_mean)
-    r, s = factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
+    u = common.ema(b1_t, state.u, row_mean)
+    v = common.ema(b1_t, state.v, col_mean)
+    r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
     phi = b1_t * (u - row_mean) / xp.sqrt(r / n)
     psi = b1_t * (v - col_mean) / xp.sqrt(s / m)
-    U = 0.5 * (phi[:, None] + psi[None, :]) + clip_by_rms(normalise(g, r, s, xp), cfg.clip_threshold, xp)
+    U = 0.5 * (phi[:, None] + psi[None, :]) + clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     return U, {"u": u, "v": v, "r": r, "s": s}
 
 
@@ -133,14 +118,14 @@ def vector_field(c: Constants, state: HfacODEState, G_rot: Array, xp: Namespace)
     """``U~ = gamma U + (c/2)(phi 1_n^T + 1_m psi^T)`` and the moments' rates (module docstring)."""
     m, n = G_rot.shape
     kr, ks = normalization_constants(c, m, n)
-    rho, sigma = factored_sums(G_rot, c.eps, xp)
+    rho, sigma = common.factored_sums(G_rot, c.eps, xp)
     g_r, g_c = xp.mean(G_rot, axis=1), xp.mean(G_rot, axis=0)
     u, v, r, s = state.u, state.v, state.r, state.s
 
     def direction() -> Array:
         phi = (u - g_r) / xp.sqrt(r / kr)
         psi = (v - g_c) / xp.sqrt(s / ks)
-        return clipped_normalised(G_rot, r, s, c.clip_threshold, xp) + (0.5 * c.momentum_scale) * (
+        return common.clipped_normalised(G_rot, r, s, c.clip_threshold, xp) + (0.5 * c.momentum_scale) * (
             phi[:, None] + psi[None, :]
         )
 
@@ -178,9 +163,9 @@ def hamiltonian_rate(c: Constants, state: HfacODEState, G_rot: Array, xp: Namesp
     m, n = G_rot.shape
     kr, ks = normalization_constants(c, m, n)
     q = c.b / (4 * c.a)
-    rho, sigma, _, S = factored(state, G_rot, c.eps, xp)
+    rho, sigma, _, S = common.factored(state, G_rot, c.eps, xp)
     U = G_rot / S
-    gamma = clip_factor(U, c.clip_threshold, xp)
+    gamma = common.clip_factor(U, c.clip_threshold, xp)
     g_r, g_c = xp.mean(G_rot, axis=1), xp.mean(G_rot, axis=0)
     cu = 0.5 * c.momentum_scale * n * math.sqrt(kr)
     cv = 0.5 * c.momentum_scale * m * math.sqrt(ks)
@@ -194,20 +179,10 @@ def hamiltonian_rate(c: Constants, state: HfacODEState, G_rot: Array, xp: Namesp
 def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Namespace) -> Moments:
     """``u0 = g_r``, ``v0 = g_c``, ``r0 = rho0 + n f``, ``s0 = sigma0 + m f``; or zero first moments."""
     m, n = G0_rot.shape
-    r0, s0 = initial_factored(G0_rot, c.eps, zero, f, xp)
+    r0, s0 = common.initial_factored(G0_rot, c.eps, zero, f, xp)
     if zero:
         return {"u": xp.zeros((m,), dtype=G0_rot.dtype), "v": xp.zeros((n,), dtype=G0_rot.dtype), "r": r0, "s": s0}
     return {"u": xp.mean(G0_rot, axis=1), "v": xp.mean(G0_rot, axis=0), "r": r0, "s": s0}
 
 
-FAMILY = Family(HfacState, ("u", "v", "r", "s"), init_moments, direction, constant_step_size)
-FLOW = Flow(
-    HfacODEState,
-    *paper_defaults(HfacConfig),
-    fields,
-    update_order,
-    vector_field,
-    hamiltonian,
-    hamiltonian_rate,
-    initial_moments,
-)
+FAMILY = Family(HfacState, ("u", "v", "r", "s"), init_moments, direction, common.constant_step_size)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..._xp import Array, Namespace
-from .common import Constants, Flow, FlowField, Moments
+from .common import Constants, FlowField, Moments
 
-__all__ = ["FLOW", "MomentumODEState"]
+__all__ = ["MomentumODEState"]
 
 
 class MomentumODEState(NamedTuple):
@@ -51,8 +51,3 @@ def hamiltonian_rate(c: Constants, state: MomentumODEState, G: Array, xp: Namesp
 def initial_moments(c: Constants, G0: Array, zero: bool, f: Array, xp: Namespace) -> Moments:
     """``M0 = G0`` (or zero)."""
     return {"M": xp.zeros_like(G0) if zero else G0}
-
-
-FLOW = Flow(
-    MomentumODEState, 0.0, 0, fields, update_order, vector_field, hamiltonian, hamiltonian_rate, initial_moments
-)
