@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._arrays import Array, namespace_of, to_host
+from .._xp import Array, namespace, to_numpy
 from .controllers import ConstantStepSize
 from .integrate import BasisSchedule, SaveAt, _pieces, integrate
 from .solvers import Solver
@@ -48,8 +48,8 @@ def reference_solution(
     """
     from scipy.integrate import solve_ivp  # here: scipy.integrate costs ~0.2 s to import, most runs never need it
 
-    xp = namespace_of(y0)
-    y = to_host(y0)
+    xp = namespace(y0)
+    y = np.asarray(to_numpy(y0), dtype=np.float64)  # solve_ivp works in float64 on the host
     evals = 0
     for a, b, refresh in _pieces(float(t0), float(t1), basis_schedule):
         if refresh:
@@ -57,7 +57,7 @@ def reference_solution(
         piece_args = args
 
         def fun(t: float, yh: np.ndarray, piece_args: Any = piece_args) -> np.ndarray:
-            return to_host(term.vector_field(t, xp.asarray(yh), piece_args))
+            return np.asarray(to_numpy(term.vector_field(t, xp.asarray(yh), piece_args)), dtype=np.float64)
 
         out = solve_ivp(fun, (a, b), y, method=method, rtol=rtol, atol=atol)
         if not out.success:
@@ -114,7 +114,7 @@ def observed_order(
             basis_schedule=basis_schedule,
         )
         dts.append(dt)
-        errors.append(float(np.max(np.abs(to_host(sol.y_final) - reference))))
+        errors.append(float(np.max(np.abs(to_numpy(sol.y_final) - reference))))
     d, e = np.log(np.asarray(dts)), np.log(np.maximum(np.asarray(errors), 1e-300))
     slope = float(np.polyfit(d, e, 1)[0]) if all(math.isfinite(x) for x in e) else math.nan
     return OrderResult(np.asarray(dts), np.asarray(errors), slope, method)

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .._xp import Array, Namespace, namespace
 from ..linalg import canonical_svd
 from ..optim.families import (
     FLOWS,
@@ -54,7 +55,6 @@ from ..optim.families import (
     ODEState,
 )
 from ..optim.rotation import Basis, parameter_velocity, rotate, unrotate
-from ._arrays import Array, Namespace, inner, namespace_of
 
 __all__ = [
     "ALIASES",
@@ -269,7 +269,7 @@ def compute_basis(system: System, G: Array, *, xp: Namespace | None = None) -> B
     """
     if system.sides == 0:
         return identity_basis()
-    xp = namespace_of(G, xp=xp)
+    xp = namespace(G, xp=xp)
     m, n = G.shape
     if m > n:
         raise ValueError(
@@ -303,7 +303,7 @@ def vector_field(
     :mod:`~adadiag_ref.optim.families.adafactor`, :mod:`~adadiag_ref.optim.families.hfac`,
     :mod:`~adadiag_ref.optim.families.momentum`).
     """
-    xp = namespace_of(G_rot, xp=xp)
+    xp = namespace(G_rot, xp=xp)
     want = set(state._fields if fields is None else fields)
     field = _flow(system).vector_field(system, state, G_rot, xp)
     derivatives = {
@@ -325,7 +325,7 @@ def vector_field(
 
 def hamiltonian(system: System, state: ODEState, loss: Array, *, xp: Namespace | None = None) -> Array:
     r"""``H(y)`` given ``loss = L(W)``; it never depends on the bases (the family's ``hamiltonian``)."""
-    xp = namespace_of(state.W, xp=xp)
+    xp = namespace(state.W, xp=xp)
     return _flow(system).hamiltonian(system, state, loss, xp)
 
 
@@ -335,11 +335,11 @@ def hamiltonian_rate(system: System, state: ODEState, G: Array, G_rot: Array, *,
     ``G`` is ``grad L(W)`` and ``G_rot = P^T G Q``: the family's ``hamiltonian_rate`` plus
     ``-lambda <G, W>`` for weight decay.
     """
-    xp = namespace_of(G, xp=xp)
+    xp = namespace(G, xp=xp)
     rate = _flow(system).hamiltonian_rate(system, state, G_rot, xp)
     if not system.weight_decay:
         return rate + xp.zeros((), dtype=G.dtype)
-    return rate + -system.weight_decay * inner(G, state.W, xp)
+    return rate + -system.weight_decay * xp.sum(G * state.W)
 
 
 # ----------------------------------------------------------------------------- initial conditions
@@ -368,7 +368,7 @@ def initial_state(
     It is well posed for the Adam family only with ``eps > 0`` and is stiff for
     small ``eps``; the factored families are undefined there (``V^ = 0/0``).
     """
-    xp = namespace_of(W0, G0_rot, xp=xp)
+    xp = namespace(W0, G0_rot, xp=xp)
     if moments not in ("gradient", "zero"):
         raise ValueError(f"moments must be 'gradient' or 'zero', got {moments!r}")
     mean_sq = xp.mean(G0_rot * G0_rot)
