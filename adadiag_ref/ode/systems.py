@@ -28,7 +28,7 @@ system              family     sides  state
 ==================  =========  =====  ===============================================
 
 The Hamiltonians do not depend on ``P`` or ``Q``, so ``H`` is continuous across a
-basis refresh (moments are carried over unrotated).  Each ``dH/dt`` below is
+basis refresh (moments are carried over unrotated).  Each ``dH/dt`` is
 derived in ``docs/ode.md`` and checked against ``grad H . f`` by the tests.
 
 The equations live with the discrete updates, one module per family in
@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .._xp import Array, Namespace, namespace
+from ..config import OPTIMIZERS
 from ..linalg import canonical_svd
 from ..optim.families import (
     FLOWS,
@@ -86,16 +87,9 @@ __all__ = [
 
 SYSTEMS: dict[str, tuple[str, int]] = {
     "momentum_sgd": ("momentum", 0),
-    "adam": ("adam", 0),
-    "adadiag": ("adam", 1),
-    "adadiag_pp": ("adam", 2),
-    "adafactor": ("adafactor", 0),
-    "adafacdiag": ("adafactor", 1),
-    "adafacdiag_pp": ("adafactor", 2),
-    "hfac": ("hfac", 0),
-    "hfacdiag": ("hfac", 1),
+    **{"adam" if name == "adamw" else name: (cls.family, sides) for name, (cls, sides) in OPTIMIZERS.items()},
 }
-"""System name -> (family, number of rotated sides)."""
+"""System name -> (family, number of rotated sides): momentum SGD and the eight optimizers of the core."""
 
 ALIASES: dict[str, str] = {"sgd": "momentum_sgd", "momentum": "momentum_sgd", "sgdm": "momentum_sgd", "adamw": "adam"}
 """Accepted alternative names (the core's ``adamw`` is the ODE ``adam``: weight decay is a field here)."""
