@@ -18,7 +18,7 @@ from ...config import AdafactorConfig, AdamConfig, HfacConfig
 from . import adafactor, adam, hfac, momentum
 from .adafactor import AdafactorODEState, AdafactorState
 from .adam import AdamODEState, AdamState
-from .common import Constants, Family, Flow, FlowField, paper_defaults
+from .common import Constants, Family, Flow, FlowField, Moments, paper_defaults
 from .hfac import HfacODEState, HfacState
 from .momentum import MomentumODEState
 
@@ -35,6 +35,7 @@ __all__ = [
     "FlowField",
     "HfacODEState",
     "HfacState",
+    "Moments",
     "MomentumODEState",
     "ODEState",
     "State",

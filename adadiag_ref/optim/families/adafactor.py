@@ -25,7 +25,7 @@ from ..schedules import adafactor_beta2, beta_hat, clip_by_rms, rms
 from . import common
 from .common import Constants, Family, FlowField, Moments
 
-__all__ = ["FAMILY", "AdafactorODEState", "AdafactorState"]
+__all__ = ["FAMILY", "AdafactorODEState", "AdafactorState", "second_moment_decay"]
 
 
 class AdafactorState(NamedTuple):
@@ -58,7 +58,8 @@ def init_moments(m: int, n: int, dtype: Any, device: Any, cfg: BaseConfig, xp: N
     return {"M": M, "r": xp.zeros((m,), dtype=dtype, device=device), "s": xp.zeros((n,), dtype=dtype, device=device)}
 
 
-def _beta2(cfg: AdafactorConfig, t: Array, xp: Namespace) -> Array:
+def second_moment_decay(cfg: AdafactorConfig, t: Array, xp: Namespace) -> Array:
+    """``beta2_t``: Adafactor's ``1 - t^(-c)`` (``beta2_schedule="adafactor"``) or the bias-corrected ``beta_hat``."""
     if cfg.beta2_schedule == "adafactor":
         return adafactor_beta2(t, cfg.decay_rate, xp)
     return beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
@@ -70,10 +71,10 @@ def direction(state: AdafactorState, g: Array, t: Array, cfg: BaseConfig, xp: Na
     if _kernels.usable(xp, g, state.M, state.r, state.s):  # numba fast path (NumPy only), same math fused
         b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction) if cfg.momentum else None
         M0 = state.M if cfg.momentum else None
-        beta2_t = _beta2(cfg, t, xp)
+        beta2_t = second_moment_decay(cfg, t, xp)
         U, M, r, s = _kernels.adafactor_direction(state.r, state.s, M0, g, cfg.eps, beta2_t, b1_t, cfg.clip_threshold)
         return U, {"M": M, "r": r, "s": s}
-    r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, _beta2(cfg, t, xp), xp)
+    r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, second_moment_decay(cfg, t, xp), xp)
     U = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None
     if cfg.momentum:
