@@ -82,3 +82,15 @@ def test_jitted_refresh_whose_decomposition_fails_keeps_the_previous_basis(name:
         _, new_state = update({"w": g}, state, params)
         jax.block_until_ready(new_state)
     assert [b.tobytes() for b in _bases(new_state)] == [b.tobytes() for b in before]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adafacdiag_pp", "hfacdiag"])
+def test_the_state_of_a_transposed_parameter_is_refused_under_jit(name: str) -> None:
+    """(7, 9) and (9, 7) share the 7 x 9 work frame: equal field shapes, yet another parameter."""
+    tx = getattr(ao, name)(learning_rate=1e-2)
+    state = tx.init({"w": jnp.zeros((7, 9))})
+    before = [np.asarray(x).tobytes() for x in jax.tree.leaves(state)]
+    params = {"w": jnp.ones((9, 7))}
+    with pytest.raises(ValueError, match=r"created for a parameter of shape \(7, 9\), not \(9, 7\)"):
+        jax.jit(tx.update)(params, state, params)
+    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(state)] == before

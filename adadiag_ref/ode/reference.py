@@ -67,7 +67,7 @@ def reference_solution(
             controller=PIController(rtol=1e-12, atol=1e-12),
             saveat=SaveAt(steps=False),
             basis_schedule=basis_schedule,
-            **({} if max_steps is None else {"max_steps": max_steps}),
+            max_steps=1_000_000 if max_steps is None else max_steps,
         )
         if sol.status != "success":
             raise StepLimitError(f"the reference dopri5 stopped early ({sol.status})") from None
