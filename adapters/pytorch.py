@@ -17,12 +17,14 @@ State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
 counter ``count`` under the key ``"step"`` (an int32 0-d tensor)::
 
-    AdamW / AdaDiag / AdaDiagPP            step, [P], [Q], M, V
-    Adafactor / AdafacDiag / AdafacDiagPP  step, [P], [Q], [M], r, s
-    Hfac / HfacDiag                        step, [P], [Q], u, v, r, s
+    AdamW / AdaDiag / AdaDiagPP            step, [P], [Q], M, V, param_shape
+    Adafactor / AdafacDiag / AdafacDiagPP  step, [P], [Q], [M], r, s, param_shape
+    Hfac / HfacDiag                        step, [P], [Q], u, v, r, s, param_shape
 
 A field the core leaves as ``None`` (no basis on that side, no momentum) is
-absent.  All arrays are in the parameter's work frame (``ar.layout_for``) and
+absent; ``param_shape`` is the zero-size record of the parameter's shape
+(``(0, *p.shape)``, :mod:`adadiag_ref.state`), absent in states saved before it existed.
+All arrays are in the parameter's work frame (``ar.layout_for``) and
 in the state dtype: float64 for float64 parameters, float32 for float32,
 float16 and bfloat16 ones.
 """

@@ -102,14 +102,15 @@ SLOW_REFRESH_SIDE = 2048
 """Longest rotated side ``init`` accepts without a :class:`SlowRefreshWarning`.
 
 From the measured refresh time per side (``benchmarks/refresh_size.py``, table in
-``docs/reliability.md``): one refresh of an ``n``-wide side costs ``t ~ c n^3``,
-under a minute up to ``n = 2048`` on the reference 2-core machine and several
-minutes from ``n = 4096`` on; the default ``max_basis_dim = 8192`` is the side
-whose refresh stays within the documented 30-minute bound in float32.
+``docs/reliability.md``): one refresh of an ``n``-wide side costs ``t = c n^3``;
+2048 is the largest power of two whose refresh stays under one minute in both
+float32 and float64 on the reference 2-core machine.  The default
+``max_basis_dim = 8192`` is the largest power of two whose float32 refresh stays
+under 30 minutes there (about 15; SOAP's 10,000 would take about 27).
 """
 
-REFRESH_SECONDS_PER_N3 = {"float32": 2.7e-9, "float64": 5.3e-9}
-"""Fitted ``c`` of ``t = c n^3`` (seconds, one refresh, reference machine; ``docs/reliability.md``)."""
+REFRESH_SECONDS_PER_N3 = {"float32": 1.6e-9, "float64": 5.6e-9}
+"""Fitted ``c`` of ``t = c n^3`` (seconds per refresh, reference machine; ``docs/reliability.md``)."""
 
 
 class SlowRefreshWarning(UserWarning):
