@@ -286,6 +286,44 @@ def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-unt
         W[k] = w - lr * (mk / (math.sqrt(vk) + eps) + wd * w)
 
 
+def _adam_moments_flat(M0, V0, g, b1, c1, b2, c2, eps, M, V, U):  # type: ignore[no-untyped-def]
+    """``_adam_moments_rows`` on flat (1-D) views: ``M``, ``V`` and ``U = M / (sqrt(V) + eps)`` in one pass.
+
+    ``U`` may alias ``g`` (every entry is read before it is written)."""
+    for k in numba.prange(g.shape[0]):
+        x = g[k]
+        mk = b1 * M0[k] + c1 * x
+        vk = b2 * V0[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        U[k] = mk / (math.sqrt(vk) + eps)
+
+
+def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
+    """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
+    ``D = (-eta) (U + lambda W)`` (``U + lambda W`` only when ``decay``; the reference adds nothing when
+    lambda = 0, so neither does this, and a signed zero stays what the reference makes of it)."""
+    for k in numba.prange(g.shape[0]):
+        x = g[k]
+        mk = b1 * M0[k] + c1 * x
+        vk = b2 * V0[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        u = mk / (math.sqrt(vk) + eps)
+        if decay:
+            u = u + wd * w[k]
+        D[k] = neg_lr * u
+
+
+def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """In place on a fresh unrotated direction ``D = P U~ Q^T``: ``D <- (-eta) (D + lambda W)``."""
+    for k in numba.prange(D.shape[0]):
+        d = D[k]
+        if decay:
+            d = d + wd * w[k]
+        D[k] = neg_lr * d
+
+
 def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     if numba is None:  # pragma: no cover
         return fn, fn
@@ -298,6 +336,9 @@ def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
 adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
 adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam_moments_rows)
 apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
+adam_moments_flat, adam_moments_flat_parallel = _serial_and_parallel(_adam_moments_flat)
+adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
+scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

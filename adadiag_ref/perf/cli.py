@@ -60,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
     b.add_argument("--no-refresh", action="store_true", help="skip the basis-refresh timing")
     b.add_argument("--no-functional", action="store_true", help="skip the functional ar.update timings")
     b.add_argument("--steady", action="store_true",
-                   help="only the steady-state (non-refresh) ratios and their targets (adadiag_ref.perf.steady)")  # fmt: skip
+                   help="only the steady-state (non-refresh) ratios and their targets (perf/steady.py)")  # fmt: skip
     b.add_argument("--rule", default="paper", choices=["paper", "all"],
                    help="paper: rotate only the transformer blocks' matrices (embedding/head unrotated)")  # fmt: skip
     b.set_defaults(func=run_bench)
