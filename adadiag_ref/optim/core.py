@@ -364,6 +364,27 @@ def step(
     basis with a warning (:func:`refresh_basis`).  The inputs are never modified.
     """
     xp = namespace(grad, param, xp=xp)
+    delta, state = step_delta(state, grad, cfg, param, lr=lr, check=check, name=name, xp=xp)
+    return param + delta, state
+
+
+def step_delta(
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    lr: Any = None,
+    check: bool = True,
+    name: str | None = None,
+    xp: Namespace | None = None,
+) -> tuple[Array, State]:
+    """:func:`step` returning ``(delta, new_state)`` instead of ``(param + delta, new_state)``.
+
+    For drivers that place ``W_{t+1} = W_t + delta`` themselves (``replay`` adds
+    it straight into its preallocated trajectory).
+    """
+    xp = namespace(grad, param, xp=xp)
     if check:
         check_inputs(state, grad, cfg, param, name=name, xp=xp)
     refreshed = refresh_due(int(state.count), cfg)
@@ -371,5 +392,4 @@ def step(
         new = refresh_basis(state, grad, cfg, name=name, xp=xp)
         refreshed = new.P is not state.P  # a kept basis was not computed from this G: no noise floor
         state = new
-    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
-    return param + delta, state
+    return update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
