@@ -105,8 +105,8 @@ def adam_update(
         kernel(_flat(M0), _flat(V0), _flat(g_rot), _flat(w), b1, c1, b2, c2, eps, neg_lr, wd, decay,
                _flat(M), _flat(V), _flat(D))  # fmt: skip
     else:
-        moments = _kernels.adam_moments_flat_parallel if parallel else _kernels.adam_moments_flat
-        moments(_flat(M0), _flat(V0), _flat(g_rot), b1, c1, b2, c2, eps, _flat(M), _flat(V), _flat(g_rot))
+        moments = _kernels.adam_moments_over_flat_parallel if parallel else _kernels.adam_moments_over_flat
+        moments(_flat(M0), _flat(V0), _flat(g_rot), b1, c1, b2, c2, eps, _flat(M), _flat(V))
         D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
         if type(D) is np.ndarray and D.dtype == dt and _alike(D, w):
             scale = _kernels.scale_direction_flat_parallel if parallel else _kernels.scale_direction_flat
