@@ -29,6 +29,7 @@ moments and ``delta``) on every call, and those bytes are part of the ratio.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -99,60 +100,55 @@ def run(
     rotated = [s for s in specs if is_rotated(s, rule)]
     work = [ws for _, ws in bench._work_specs(rotated)]
     m, n = REPLAY_SHAPE
-    bw = bench.measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
-    rates = bench.measure_gemm([*work, (m, n)], reps)
-    peak = max(rates.values())
     out(f"adadiag-ref bench --steady: {'quick (tiny shapes)' if quick else model}, rule {rule!r}, float32")
     out(f"machine: {bench.machine_description()}; OpenBLAS threads {threads if threads is not None else '?'}")
-    out(f"roofline: in-place triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s")
-
-    res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak}
     size = sum(math.prod(s.shape) for s in specs)
-    adamw_bound = 7 * 4 * size / bw
     eng = AdaDiagEngine(specs, rule=rule)
-    gemm_bound = eng.flops() / peak
-    elem_bound = eng.bytes_moved() / bw
-    adadiag_bound = gemm_bound + elem_bound
-    times = bench.interleaved_medians(
-        {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)},
-        reps,
-        warmup=2,
-        pause=0.0 if quick else 0.05,
-    )
+    steps = 4 if quick else 30
+    # every round measures the roofline and then each row once: a ratio per round, the median over rounds (on a
+    # shared machine the load drifts within minutes, and a roofline measured once would not match later rows)
+    rounds: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
+    for r in range(reps):
+        bw = bench.measure_bandwidth((1 << 22) if quick else (1 << 25), 3)
+        peak = max(bench.measure_gemm([*work, (m, n)], 3).values())
+        gemm_bound = eng.flops() / peak
+        elem_bound = eng.bytes_moved() / bw
+        step_bound = 4.0 * m * m * n / peak + 10 * 4 * m * n / bw
+        row = bench.interleaved_medians(
+            {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
+        )
+        row["adamw_functional"] = bench.bench_functional("adamw", specs, 1)
+        row["adadiag_functional"] = bench.bench_functional("adadiag", specs, 1, rule)
+        row["replay"], refresh_time = bench_replay(steps, 1)
+        bounds = {
+            "adamw_functional": 7 * 4 * size / bw,
+            "adadiag_functional": gemm_bound + elem_bound,
+            "replay": refresh_time + steps * step_bound,
+            "engine_elementwise": elem_bound,
+            "engine_step": gemm_bound + elem_bound,
+        }
+        for key, t in row.items():
+            times.setdefault(key, []).append(t)
+            rounds.setdefault(key, []).append(t / bounds[key])
+        out(f"  round {r + 1}/{reps}: triad {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.1f} GFLOP/s, "
+            f"AdaDiag bound {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
     eng.items.clear()
     eng.vectors.clear()
-    functional_reps = max(3, reps // 2)
-    times["adamw_functional"] = bench.bench_functional("adamw", specs, functional_reps)
-    times["adadiag_functional"] = bench.bench_functional("adadiag", specs, functional_reps, rule)
-    steps = 4 if quick else 30
-    replay_time, refresh_time = bench_replay(steps, functional_reps)
-    step_bound = 4.0 * m * m * n / peak + 10 * 4 * m * n / bw
-    replay_bound = refresh_time + steps * step_bound
-    times["replay"] = replay_time
-    bounds = {
-        "adamw_functional": adamw_bound,
-        "adadiag_functional": adadiag_bound,
-        "replay": replay_bound,
-        "engine_elementwise": elem_bound,
-        "engine_step": adadiag_bound,
-    }
+    med = {key: statistics.median(v) for key, v in times.items()}
+    ratios = {key: statistics.median(v) for key, v in rounds.items()}
     if use_torch:
-        times["torch_direct"] = bench.bench_torch_adadiag(specs, reps, rule)
-        times["torch_adapter"] = bench.bench_torch_adapter(specs, max(3, reps // 2), rule)["adapter"]
-        bounds["torch_adapter"] = times["torch_direct"]
-    res.update(times=times, bounds=bounds, refresh=refresh_time)
+        direct = bench.bench_torch_adadiag(specs, reps, rule)
+        adapter = bench.bench_torch_adapter(specs, max(3, reps), rule)["adapter"]
+        med["torch_adapter"] = adapter
+        ratios["torch_adapter"] = adapter / direct
+    res: dict[str, Any] = {"times": med, "ratios": ratios, "rounds": rounds}
 
     out("")
-    out(f"{'steady-state ratio (median)':48s} {'median ms':>10s} {'bound ms':>9s} {'ratio':>6s} {'target':>7s}")
-    ratios = {}
+    out(f"{'steady-state ratio (median over rounds)':48s} {'median ms':>10s} {'ratio':>6s} {'target':>7s}")
     for key, label, target in TARGETS:
-        if key not in times:
+        if key not in ratios:
             continue
-        ratio = times[key] / bounds[key]
-        ratios[key] = ratio
-        mark = "ok" if ratio <= target else "over"
-        out(f"{label:48s} {times[key] * 1e3:10.1f} {bounds[key] * 1e3:9.1f} {ratio:6.2f} {target:6.2f}  {mark}")
-    out(f"  AdaDiag bound = {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise; replay bound = "
-        f"{refresh_time * 1e3:.1f} ms refresh + {steps} x {step_bound * 1e3:.2f} ms")  # fmt: skip
-    res["ratios"] = ratios
+        mark = "ok" if ratios[key] <= target else "over"
+        out(f"{label:48s} {med[key] * 1e3:10.1f} {ratios[key]:6.2f} {target:6.2f}  {mark}")
     return res
