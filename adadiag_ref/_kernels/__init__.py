@@ -87,6 +87,13 @@ def usable(xp: Any, *arrays: Any) -> bool:
     return dtype is not None
 
 
+def pool_does_not_spin() -> bool:
+    """Whether numba's thread pool is the ``workqueue`` layer (idle threads sleep, so they never compete with
+    OpenBLAS's): the condition for the functional route's parallel kernels."""
+    config: Any = numba.config if numba is not None else None
+    return config is not None and str(config.THREADING_LAYER) == "workqueue"
+
+
 def _jit(fn: Any) -> Any:
     if numba is None:  # pragma: no cover
         return fn

@@ -19,8 +19,10 @@ changes:
 
 Nothing passed in is modified: every output lives in memory allocated here.
 Arrays of at least :data:`PARALLEL_MIN_SIZE` entries are processed by numba's
-thread pool between the BLAS calls (elementwise work, so the result does not
-depend on the thread count).
+thread pool between the BLAS calls when numba's threading layer is
+``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``; ``adadiag-ref bench`` sets
+it), whose idle threads do not spin next to OpenBLAS's; otherwise serially.
+Elementwise work, so the result does not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def adam_update(
     c1, c2 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt), _scalar(1.0 - np.asarray(b2_t, dtype=dt), dt)
     eps, neg_lr, wd = _scalar(cfg.eps, dt), _scalar(-lr, dt), _scalar(cfg.weight_decay, dt)
     decay = bool(cfg.weight_decay)
-    parallel = g_rot.size >= PARALLEL_MIN_SIZE
+    parallel = g_rot.size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
     M = np.empty_like(g_rot, order="K")
     V = np.empty_like(g_rot, order="K")
     if not rotated:
