@@ -13,7 +13,7 @@ the fitted exponents, printed and plotted beside the theoretical ones:
 elementwise work ``O(mn) = O(s^2)``, the rotation GEMMs ``O(m^2 n + m n^2) =
 O(s^3)``, and linear growth in the parameter count.
 
-Run: ``python benchmarks/steady_scaling.py [--max-side 4096] [--reps 5]``; writes
+Run: ``python benchmarks/steady_scaling.py [--max-side 4096] [--reps 5] [--threads 1]``; writes
 ``docs/steady-scaling.png`` and ``docs/steady-scaling.json``.
 """
 
@@ -128,8 +128,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-count", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=DOCS / "steady-scaling")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="BLAS and numba threads (default: all cores); 1 on a busy shared machine")  # fmt: skip
     args = parser.parse_args(argv)
-    blas_threads(_setup_threads())
+    ncpu = _setup_threads()
+    threads = args.threads or ncpu
+    blas_threads(threads)
+    import numba
+
+    numba.set_num_threads(threads)
     sizes = [s for s in (256, 512, 1024, 2048, 4096) if s <= args.max_side]
     counts = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.max_count]
     res = measure(sizes, counts, args.reps)
@@ -161,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     ax2.set_xlabel("number of 512 x 1376 matrices")
     ax2.set_title("AdaDiag step vs parameter count")
     ax2.legend(fontsize=8)
-    fig.suptitle(f"float32, {machine_description()}", fontsize=8)
+    fig.suptitle(f"float32, {threads} thread(s), {machine_description()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=110)
-    payload = {"machine": machine_description(), "results": res, "side_exponents": exponents,
+    payload = {"machine": machine_description(), "threads": threads, "results": res, "side_exponents": exponents,
                "count_exponents": count_exponents, "theory": theory}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print(f"wrote {args.out.with_suffix('.png')} and {args.out.with_suffix('.json')}")
