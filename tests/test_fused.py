@@ -58,7 +58,7 @@ def _step_inputs(name: str, shape: tuple[int, ...], dtype: type = np.float64) ->
 def test_fused_route_is_taken_and_leaves_inputs_untouched(name: str, shape: tuple[int, ...]) -> None:
     state, grad, cfg, w = _step_inputs(name, shape)
     step_in = core.prepare_step(state, grad, cfg, w, False, np)
-    taken = fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr, w,
+    taken = fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr,
                               core.unrotate, np)  # fmt: skip
     assert taken is not None  # otherwise the bit-identity test above compares the generic code with itself
     before = [np.copy(a) for a in (grad, w, *state[1:]) if a is not None]
@@ -98,5 +98,5 @@ def test_array_lr_takes_the_generic_code() -> None:
     state, grad, cfg, w = _step_inputs("adadiag", (6, 9))
     step_in = core.prepare_step(state, grad, cfg, w, False, np)
     lr = np.asarray(1e-2)
-    assert fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, lr, w,
+    assert fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, lr,
                              core.unrotate, np) is None  # fmt: skip

@@ -261,11 +261,10 @@ def update(
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
     layout, t, w = step_in.layout, step_in.t, step_in.w
     # NumPy + numba: the same arithmetic in fewer passes and temporaries (bit-identical, optim/fused.py)
-    fused = fused_adam_update(
-        state, layout, t, step_in.g_rot, w, cfg, cfg.lr if lr is None else lr, param, unrotate, xp
-    )
+    fused = fused_adam_update(state, layout, t, step_in.g_rot, w, cfg, cfg.lr if lr is None else lr, unrotate, xp)
     if fused is not None:
-        delta, moments = fused
+        work_delta, moments = fused
+        delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
         return delta, state._replace(count=state.count + 1, **moments)
     u_rot, moments = family.direction(state, step_in.g_rot, t, cfg, xp)
     eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)

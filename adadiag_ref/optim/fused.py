@@ -36,7 +36,6 @@ from .. import _kernels
 from .._xp import Array, Namespace
 from ..config import BaseConfig
 from ..state import State
-from .layout import from_work
 from .schedules import beta_hat
 
 __all__ = ["PARALLEL_MIN_SIZE", "adam_update"]
@@ -70,11 +69,13 @@ def adam_update(
     w: Array,
     cfg: BaseConfig,
     lr: Any,
-    param: Array,
     unrotate: Callable[..., Array],
     xp: Namespace,
 ) -> tuple[Array, dict[str, Array]] | None:
     """``(delta, {"M": M_t, "V": V_t})`` of ``update``'s Adam family, or ``None`` when the route does not apply.
+
+    ``delta = -eta_t (P U~ Q^T + lambda W_t)`` is returned in the work frame and the state dtype (the caller
+    applies ``from_work`` and the parameter's dtype, as for the generic code).
 
     ``g_rot`` is ``G~`` as ``prepare_step`` made it (with its noise floor): a new
     array whenever a basis exists, which this call then reuses for ``U~``.
@@ -117,5 +118,4 @@ def adam_update(
             if decay:
                 D = D + cfg.weight_decay * w
             D = -lr * D
-    delta = xp.astype(from_work(D, layout, xp), param.dtype, copy=False)
-    return delta, {"M": M, "V": V}
+    return D, {"M": M, "V": V}
