@@ -5,9 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+from array_api_compat import is_numpy_namespace
+
 from ._xp import Array, namespace
 from .config import make_config
 from .optim import init, step
+from .optim.core import step_delta
 
 __all__ = ["replay"]
 
@@ -60,6 +64,13 @@ def replay(
     n_steps = int(grads.shape[0]) if hasattr(grads, "shape") else len(grads)
     state = init(w0, cfg, xp=xp)
     w = w0
+    if is_numpy_namespace(xp):  # W_{t+1} = W_t + delta written straight into the result: no copy, no stack
+        out = np.empty((n_steps, *w0.shape), dtype=w0.dtype)
+        for k in range(n_steps):
+            g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]
+            delta, state = step_delta(state, g, cfg, w, xp=xp)
+            w = np.add(w, delta, out=out[k, ...])
+        return out
     trajectory = []
     for k in range(n_steps):
         g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]

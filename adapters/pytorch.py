@@ -290,14 +290,19 @@ class CoreOptimizer(torch.optim.Optimizer):
         due = [ar.refresh_due(int(item.flat["step"]), item.cfg) for item in work]  # host counters: no device sync
         bases = self._refresh([item for item, d in zip(work, due, strict=True) if d])
         for item, refreshed in zip(work, due, strict=True):
+            # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
+            # moments in place, so only the counter and new bases need writing back, into the same tensor objects
             state = to_core_state(item.flat, item.cfg)
-            if refreshed:
-                state = state._replace(**bases.pop(0))
-            # same numbers as ``p += ar.update(...)[0]`` (bit for bit), moments overwritten in place
-            new = ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
+            new_bases = bases.pop(0) if refreshed else {}
+            if new_bases:
+                state = state._replace(**new_bases)
+            # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
+            ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
             if item.fresh:
                 self.state[item.p] = item.flat
-            _write_back(item.flat, new)
+            for key, basis in new_bases.items():
+                item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
+            item.flat["step"] += 1
         return loss
 
     def _check_finite(self, work: list[_Work]) -> None:
@@ -438,14 +443,6 @@ class _Work(NamedTuple):
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:
     return {f: getattr(state, f) for f in ("P", "Q") if getattr(state, f) is not None}
-
-
-def _write_back(flat: dict[str, torch.Tensor], new: Any) -> None:
-    """Copy the new state into the live tensors (state_dict() references stay current, as in torch.optim)."""
-    for key, value in from_core_state(new).items():
-        old = flat[key]
-        if old is not value:
-            old.copy_(value)
 
 
 def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, index: int) -> dict[str, torch.Tensor]:

@@ -87,10 +87,17 @@ def usable(xp: Any, *arrays: Any) -> bool:
     return dtype is not None
 
 
+def pool_does_not_spin() -> bool:
+    """Whether numba's thread pool is the ``workqueue`` layer (idle threads sleep, so they never compete with
+    OpenBLAS's): the condition for the functional route's parallel kernels."""
+    config: Any = numba.config if numba is not None else None
+    return config is not None and str(config.THREADING_LAYER) == "workqueue"
+
+
 def _jit(fn: Any) -> Any:
     if numba is None:  # pragma: no cover
         return fn
-    return numba.njit(cache=True, nogil=True, parallel=False, fastmath=False)(fn)
+    return numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn)
 
 
 # ----------------------------------------------------------------------------- functional kernels
@@ -286,18 +293,74 @@ def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-unt
         W[k] = w - lr * (mk / (math.sqrt(vk) + eps) + wd * w)
 
 
+def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ignore[no-untyped-def]
+    """Flat views: ``M = b1 M0 + c1 G~``, ``V = b2 V0 + c2 G~^2`` into new arrays, and ``U = M / (sqrt(V) + eps)``
+    over ``G~`` itself (``GU`` is read, then overwritten).
+
+    One argument for ``G~`` and ``U``, not two aliased ones: with two pointers to the same memory LLVM's runtime
+    overlap check fails and the loop runs unvectorised (several times slower)."""
+    for k in numba.prange(GU.shape[0]):
+        x = GU[k]
+        mk = b1 * M0[k] + c1 * x
+        vk = b2 * V0[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        GU[k] = mk / (math.sqrt(vk) + eps)
+
+
+def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
+    """In place on flat views (the engine): ``M <- b1 M + c1 G~``, ``V <- b2 V + c2 G~^2``,
+    ``GU <- M / (sqrt(V) + eps)``; each array is one argument (no aliased pointers, see above)."""
+    for k in numba.prange(GU.shape[0]):
+        x = GU[k]
+        mk = b1 * M[k] + c1 * x
+        vk = b2 * V[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        GU[k] = mk / (math.sqrt(vk) + eps)
+
+
+def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
+    """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
+    ``D = (-eta) (U + lambda W)`` (``U + lambda W`` only when ``decay``; the reference adds nothing when
+    lambda = 0, so neither does this, and a signed zero stays what the reference makes of it)."""
+    for k in numba.prange(g.shape[0]):
+        x = g[k]
+        mk = b1 * M0[k] + c1 * x
+        vk = b2 * V0[k] + c2 * (x * x)
+        M[k] = mk
+        V[k] = vk
+        u = mk / (math.sqrt(vk) + eps)
+        if decay:
+            u = u + wd * w[k]
+        D[k] = neg_lr * u
+
+
+def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """In place on a fresh unrotated direction ``D = P U~ Q^T``: ``D <- (-eta) (D + lambda W)``."""
+    for k in numba.prange(D.shape[0]):
+        d = D[k]
+        if decay:
+            d = d + wd * w[k]
+        D[k] = neg_lr * d
+
+
 def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     if numba is None:  # pragma: no cover
         return fn, fn
     return (
-        numba.njit(cache=True, nogil=True, parallel=False, fastmath=False)(fn),
-        numba.njit(cache=True, nogil=True, parallel=True, fastmath=False)(fn),
+        numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn),
+        numba.njit(cache=True, nogil=True, parallel=True, fastmath=False, error_model="numpy")(fn),
     )
 
 
 adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
 adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam_moments_rows)
 apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
+adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_adam_moments_over_flat)
+adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
+adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
+scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

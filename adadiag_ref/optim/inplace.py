@@ -93,6 +93,10 @@ def update_in_place(
     All or nothing: every new value is computed into scratch buffers first and
     written to ``W``, ``M`` and ``V`` only at the end, after a check that they
     are writable; a call that raises leaves the parameter and the state bit-identical.
+    On PyTorch the Adam family's ``M`` and ``V`` take over their scratch tensors'
+    storage (``Tensor.set_``) instead of copying it: the same tensor objects, the
+    same values, one pass over memory less each (views taken of them earlier keep
+    the old values).
     """
     xp = namespace(grad, param, xp=xp)
     native = _native(xp)
@@ -135,6 +139,10 @@ def update_in_place(
     delta = xp.astype(from_work(direction, layout, xp), param.dtype, copy=False)
     # commit: nothing below can fail on writable buffers of matching shape and dtype
     param += delta
-    M[...] = new_M
-    V[...] = new_V
+    if is_torch_namespace(xp):  # the tensors M and V adopt the scratch storage: O(1), no copy pass, same objects
+        M.set_(new_M)
+        V.set_(new_V)
+    else:
+        M[...] = new_M
+        V[...] = new_V
     return state._replace(count=state.count + 1)

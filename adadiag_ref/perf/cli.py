@@ -17,6 +17,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("numba") is None:
         print('adadiag-ref: error: bench needs numba: pip install "adadiag-ref[numba]"', file=sys.stderr)
         return 2
+    if args.steady:
+        from .steady import run as run_steady
+
+        run_steady(args.model, quick=args.quick, reps=args.reps, use_torch=not args.no_torch, rule=args.rule)
+        return 0
     from .bench import run
 
     run(args.model, quick=args.quick, reps=args.reps, period=args.period, use_torch=not args.no_torch,
@@ -54,6 +59,8 @@ def add_parser(subparsers: Any) -> None:
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     b.add_argument("--no-refresh", action="store_true", help="skip the basis-refresh timing")
     b.add_argument("--no-functional", action="store_true", help="skip the functional ar.update timings")
+    b.add_argument("--steady", action="store_true",
+                   help="only the steady-state (non-refresh) ratios and their targets (perf/steady.py)")  # fmt: skip
     b.add_argument("--rule", default="paper", choices=["paper", "all"],
                    help="paper: rotate only the transformer blocks' matrices (embedding/head unrotated)")  # fmt: skip
     b.set_defaults(func=run_bench)

@@ -120,11 +120,12 @@ class AdaDiagEngine:
                     "D": np.empty((m, n), np.float32),
                 }
             )
+            self.items[-1].update({f"{k}_flat": self.items[-1][k].reshape(-1) for k in ("M", "V", "Gt", "W", "D")})
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
 
     def set_parallel_elementwise(self, parallel: bool) -> None:
         """Run the moments and update passes between GEMMs on numba's pool (True) or on one thread."""
-        self.moments_kernel = _kernels.adam_moments_inplace_parallel if parallel else _kernels.adam_moments_inplace
+        self.moments_kernel = _kernels.adam_moments_own_flat_parallel if parallel else _kernels.adam_moments_own_flat
         self.update_kernel = _kernels.apply_update_inplace_parallel if parallel else _kernels.apply_update_inplace
 
     def step(self, *, elementwise: bool = True, gemm: bool = True) -> None:
@@ -138,12 +139,12 @@ class AdaDiagEngine:
         for it in self.items:
             if gemm:
                 np.matmul(it["P"].T, it["G"], out=it["Gt"])
-            if elementwise:
-                self.moments_kernel(it["M"], it["V"], it["Gt"], b1, c1, b2, c2, eps, it["M"], it["V"], it["Gt"])
+            if elementwise:  # flat views, one argument per array: the loops vectorise (see _kernels)
+                self.moments_kernel(it["M_flat"], it["V_flat"], it["Gt_flat"], b1, c1, b2, c2, eps)
             if gemm:
                 np.matmul(it["P"], it["Gt"], out=it["D"])
             if elementwise:
-                self.update_kernel(it["W"].reshape(-1), it["D"].reshape(-1), lr, wd)
+                self.update_kernel(it["W_flat"], it["D_flat"], lr, wd)
 
     def flops(self) -> int:
         """Two ``m x m`` by ``m x n`` GEMMs per matrix."""

@@ -1,0 +1,121 @@
+"""The Adam-family update fused into one or two numba passes (NumPy, float32/float64).
+
+:func:`~adadiag_ref.optim.core.update` takes this route when it applies (the
+family is Adam, the arrays are NumPy arrays of one float dtype laid out alike,
+``lr`` is a Python number and the numba fast path is on, see
+:func:`adadiag_ref._kernels.usable`); otherwise it runs the generic code.  Same
+formulas, same operation order, same BLAS calls as the generic code, so the
+results are bit-identical (``tests/test_fused.py`` compares with
+``array_equal``); only the number of passes over memory and of temporaries
+changes:
+
+* no rotation (AdamW, and any parameter whose bases are absent): one pass reads
+  ``G, W, M_{t-1}, V_{t-1}`` and writes ``M_t, V_t`` and
+  ``delta = -eta_t (U + lambda W_t)``, ``U = M_t / (sqrt(V_t) + eps)``: three
+  new arrays (the generic code makes four to six, in three to five passes);
+* with rotation: ``G~ = P^T G Q`` (BLAS, a new array), one pass writing ``M_t``,
+  ``V_t`` and ``U~`` (into ``G~``'s buffer, which this call owns), ``P U~ Q^T``
+  (BLAS, a new array) and one pass scaling it in place into ``delta``.
+
+Nothing passed in is modified: every output lives in memory allocated here.
+Arrays of at least :data:`PARALLEL_MIN_SIZE` entries are processed by numba's
+thread pool between the BLAS calls when numba's threading layer is
+``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``; ``adadiag-ref bench`` sets
+it), whose idle threads do not spin next to OpenBLAS's; otherwise serially.
+Elementwise work, so the result does not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import _kernels
+from .._xp import Array, Namespace
+from ..config import BaseConfig
+from .families import State
+from .schedules import beta_hat
+
+__all__ = ["PARALLEL_MIN_SIZE", "adam_update"]
+
+#: Arrays with at least this many entries use the parallel kernels (smaller ones: the pool's start-up dominates).
+PARALLEL_MIN_SIZE = 1 << 18
+
+
+def _alike(*arrays: np.ndarray) -> bool:
+    """Same shape and strides, and contiguous: entry ``k`` of every ``ravel(order="K")`` view is the same ``(i, j)``."""
+    first = arrays[0]
+    if not (first.flags.c_contiguous or first.flags.f_contiguous):
+        return False
+    return all(a.shape == first.shape and a.strides == first.strides for a in arrays[1:])
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """The 1-D view of a contiguous array in memory order (no copy)."""
+    return a.ravel(order="K")
+
+
+def _scalar(x: Any, dtype: Any) -> Any:
+    return np.asarray(x, dtype=dtype)[()]
+
+
+def adam_update(
+    state: State,
+    layout: Any,
+    t: Array,
+    g_rot: Array,
+    w: Array,
+    cfg: BaseConfig,
+    lr: Any,
+    unrotate: Callable[..., Array],
+    xp: Namespace,
+) -> tuple[Array, dict[str, Array]] | None:
+    """``(delta, {"M": M_t, "V": V_t})`` of ``update``'s Adam family, or ``None`` when the route does not apply.
+
+    ``delta = -eta_t (P U~ Q^T + lambda W_t)`` is returned in the work frame and the state dtype (the caller
+    applies ``from_work`` and the parameter's dtype, as for the generic code).
+
+    ``g_rot`` is ``G~`` as ``prepare_step`` made it (with its noise floor): a new
+    array whenever a basis exists, which this call then reuses for ``U~``.
+    ``unrotate`` is the core's ``P U~ Q^T`` (passed in, so both routes share one
+    implementation of the rotation).
+    """
+    if cfg.family != "adam" or isinstance(lr, bool) or not isinstance(lr, int | float):
+        return None
+    M0, V0 = state.M, state.V  # type: ignore[union-attr]
+    if M0 is None or not _kernels.usable(xp, g_rot, M0, V0, w):
+        return None
+    rotated = state.P is not None or state.Q is not None
+    if not _alike(g_rot, M0, V0, *(() if rotated else (w,))):
+        return None
+    dt = g_rot.dtype
+    b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
+    b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+    # the generic code's scalars: b * old + (1 - b) * new with 1 - b rounded in the state dtype; the Python numbers
+    # eps, lambda and -eta enter its array arithmetic rounded to the state dtype (NumPy's weak scalars)
+    b1, b2 = _scalar(b1_t, dt), _scalar(b2_t, dt)
+    c1, c2 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt), _scalar(1.0 - np.asarray(b2_t, dtype=dt), dt)
+    eps, neg_lr, wd = _scalar(cfg.eps, dt), _scalar(-lr, dt), _scalar(cfg.weight_decay, dt)
+    decay = bool(cfg.weight_decay)
+    parallel = g_rot.size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
+    M = np.empty_like(g_rot, order="K")
+    V = np.empty_like(g_rot, order="K")
+    if not rotated:
+        D = np.empty_like(g_rot, order="K")
+        kernel = _kernels.adam_delta_flat_parallel if parallel else _kernels.adam_delta_flat
+        kernel(_flat(M0), _flat(V0), _flat(g_rot), _flat(w), b1, c1, b2, c2, eps, neg_lr, wd, decay,
+               _flat(M), _flat(V), _flat(D))  # fmt: skip
+    else:
+        moments = _kernels.adam_moments_over_flat_parallel if parallel else _kernels.adam_moments_over_flat
+        moments(_flat(M0), _flat(V0), _flat(g_rot), b1, c1, b2, c2, eps, _flat(M), _flat(V))
+        D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
+        if type(D) is np.ndarray and D.dtype == dt and _alike(D, w):
+            scale = _kernels.scale_direction_flat_parallel if parallel else _kernels.scale_direction_flat
+            scale(_flat(D), _flat(w), neg_lr, wd, decay)
+        else:  # pragma: no cover - BLAS outputs are contiguous; the generic expressions otherwise
+            if decay:
+                D = D + cfg.weight_decay * w
+            D = -lr * D
+    return D, {"M": M, "V": V}

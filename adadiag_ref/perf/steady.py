@@ -1,0 +1,154 @@
+"""Steady-state (non-refresh) step targets: ``adadiag-ref bench --steady``.
+
+Measures, in one process and against the roofline of the same run (float32
+GEMM peak at the model's work shapes, in-place triad bandwidth), the ratios
+that issue 12 sets targets for, each a median:
+
+==============================================  ================================================  ======
+ratio                                           bound                                             target
+==============================================  ================================================  ======
+AdamW ``ar.update`` (functional, every param)   7 arrays per element / bandwidth                  <= 3
+AdaDiag ``ar.update`` (functional)              ``4 m^2 n`` flops / peak + 9 (rotated) or 7       <= 1.4
+                                                (unrotated) arrays per element / bandwidth
+``replay`` AdaDiag, one 512 x 1376 matrix       one measured refresh + K x (GEMM + 10 arrays)     <= 1.2
+engine, AdaDiag elementwise part                9 / 7 arrays per element / bandwidth              <= 1.3
+engine, AdaDiag whole step                      GEMM + bytes                                      <= 1.15
+torch adapter ``opt.step``                      AdaDiag written directly in torch ops (not a      <= 1.1
+                                                bound: a ratio of two measured times)
+==============================================  ================================================  ======
+
+``replay`` runs ``K`` steps with ``update_freq=None``: the step-1 refresh (an
+SVD, measured on its own in the same run and counted in the bound) and ``K``
+non-refresh steps, each of which also scans ``G`` for NaN/Inf (``step`` checks
+its input), hence 10 arrays rather than 9.
+
+The functional rows are pure functions: they allocate their outputs (the new
+moments and ``delta``) on every call, and those bytes are part of the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..memory import LLAMA_CONFIGS, llama_parameters
+from . import bench
+from .engine import AdaDiagEngine, is_rotated
+
+__all__ = ["TARGETS", "bench_replay", "run"]
+
+#: (key, label, target) of every ratio printed by :func:`run`, in order.
+TARGETS: tuple[tuple[str, str, float], ...] = (
+    ("adamw_functional", "AdamW ar.update / bandwidth bound", 3.0),
+    ("adadiag_functional", "AdaDiag ar.update / GEMM + bytes bound", 1.4),
+    ("replay", "replay AdaDiag 512x1376 / its bound", 1.2),
+    ("engine_elementwise", "engine AdaDiag elementwise / bandwidth bound", 1.3),
+    ("engine_step", "engine AdaDiag step / GEMM + bytes bound", 1.15),
+    ("torch_adapter", "torch adapter / AdaDiag in torch ops", 1.1),
+)
+
+REPLAY_SHAPE = (512, 1376)
+
+
+def bench_replay(steps: int, reps: int) -> tuple[float, float]:
+    """``(replay time, refresh time)``: ``ar.replay("adadiag", ...)`` over ``steps`` float32 gradients of
+    :data:`REPLAY_SHAPE` with ``update_freq=None``, and one ``refresh_basis`` of the first gradient (the SVD that
+    replay's step 1 runs), both medians."""
+    import adadiag_ref as ar
+
+    rng = np.random.default_rng(6)
+    w0 = rng.standard_normal(REPLAY_SHAPE, dtype=np.float32)
+    grads = rng.standard_normal((steps, *REPLAY_SHAPE), dtype=np.float32)
+    cfg = ar.make_config("adadiag", update_freq=None)
+    state = ar.init(w0, cfg)
+    times = bench.interleaved_medians(
+        {
+            "replay": lambda: ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=None),
+            "refresh": lambda: ar.refresh_basis(state, grads[0], cfg),
+        },
+        reps,
+        pause=0.0,
+    )
+    return times["replay"], times["refresh"]
+
+
+def run(
+    model: str = "llama-60m",
+    *,
+    quick: bool = False,
+    reps: int = 5,
+    use_torch: bool = True,
+    rule: str = "paper",
+    out: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure the steady-state ratios (module docstring) and print them with their targets; returns them."""
+    ncpu = bench._setup_threads()
+    threads = bench.blas_threads(ncpu)
+    config = bench.QUICK if quick else LLAMA_CONFIGS[model]
+    specs = llama_parameters(config)
+    if use_torch:
+        try:
+            import torch
+
+            torch.set_num_threads(ncpu)
+        except ImportError:
+            use_torch = False
+    rotated = [s for s in specs if is_rotated(s, rule)]
+    work = [ws for _, ws in bench._work_specs(rotated)]
+    m, n = REPLAY_SHAPE
+    out(f"adadiag-ref bench --steady: {'quick (tiny shapes)' if quick else model}, rule {rule!r}, float32")
+    out(f"machine: {bench.machine_description()}; OpenBLAS threads {threads if threads is not None else '?'}")
+    size = sum(math.prod(s.shape) for s in specs)
+    eng = AdaDiagEngine(specs, rule=rule)
+    steps = 4 if quick else 30
+    # every round measures the roofline and then each row once: a ratio per round, the median over rounds (on a
+    # shared machine the load drifts within minutes, and a roofline measured once would not match later rows)
+    rounds: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
+    for r in range(reps):
+        bw = bench.measure_bandwidth((1 << 22) if quick else (1 << 25), 3)
+        peak = max(bench.measure_gemm([*work, (m, n)], 3).values())
+        gemm_bound = eng.flops() / peak
+        elem_bound = eng.bytes_moved() / bw
+        step_bound = 4.0 * m * m * n / peak + 10 * 4 * m * n / bw
+        row = bench.interleaved_medians(
+            {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
+        )
+        row["adamw_functional"] = bench.bench_functional("adamw", specs, 1)
+        row["adadiag_functional"] = bench.bench_functional("adadiag", specs, 1, rule)
+        row["replay"], refresh_time = bench_replay(steps, 1)
+        bounds = {
+            "adamw_functional": 7 * 4 * size / bw,
+            "adadiag_functional": gemm_bound + elem_bound,
+            "replay": refresh_time + steps * step_bound,
+            "engine_elementwise": elem_bound,
+            "engine_step": gemm_bound + elem_bound,
+        }
+        for key, t in row.items():
+            times.setdefault(key, []).append(t)
+            rounds.setdefault(key, []).append(t / bounds[key])
+        out(f"  round {r + 1}/{reps}: triad {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.1f} GFLOP/s, "
+            f"AdaDiag bound {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
+    eng.items.clear()
+    eng.vectors.clear()
+    med = {key: statistics.median(v) for key, v in times.items()}
+    ratios = {key: statistics.median(v) for key, v in rounds.items()}
+    if use_torch:
+        direct = bench.bench_torch_adadiag(specs, reps, rule)
+        adapter = bench.bench_torch_adapter(specs, max(3, reps), rule)["adapter"]
+        med["torch_adapter"] = adapter
+        ratios["torch_adapter"] = adapter / direct
+    res: dict[str, Any] = {"times": med, "ratios": ratios, "rounds": rounds}
+
+    out("")
+    out(f"{'steady-state ratio (median over rounds)':48s} {'median ms':>10s} {'ratio':>6s} {'target':>7s}")
+    for key, label, target in TARGETS:
+        if key not in ratios:
+            continue
+        mark = "ok" if ratios[key] <= target else "over"
+        out(f"{label:48s} {med[key] * 1e3:10.1f} {ratios[key]:6.2f} {target:6.2f}  {mark}")
+    return res
