@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("numba")  # adadiag_ref.perf's engine is numba code
 
-from adadiag_ref.linalg import canonical_svd  # noqa: E402
-from adadiag_ref.perf import refresh  # noqa: E402
-from adadiag_ref.perf.bench import gradient_with_spectrum  # noqa: E402
+from adadiag_ref.linalg import canonical_svd
+from adadiag_ref.perf import refresh
+from adadiag_ref.perf.bench import gradient_with_spectrum
 
 
 @pytest.mark.parametrize("name", sorted(refresh.CANDIDATES))
