@@ -272,3 +272,14 @@ def test_left_looking_gram_schmidt_equals_the_loop() -> None:
     fast = linalg._pivoted_gram_schmidt_left_looking(complement, 40, B, 1.5e-8)
     np.testing.assert_allclose(fast, ref, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(linalg._pivoted_gram_schmidt(complement, 40, B, 1.5e-8, np, fast=True), fast)
+
+
+def test_the_refresh_route_is_configuration_not_environment() -> None:
+    # The route is cfg.basis_method; no module of the library reads ADADIAG_REF_REFRESH (a typo in an
+    # environment variable was silently ignored and changed results globally).
+    from pathlib import Path
+
+    package = Path(ar.__file__).resolve().parent
+    readers = [p.name for p in package.rglob("*.py") if "ADADIAG_REF_REFRESH" in p.read_text(encoding="utf-8")]
+    assert readers == []
+    assert not hasattr(linalg, "set_refresh_method") and not hasattr(linalg, "refresh_method")

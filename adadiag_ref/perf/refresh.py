@@ -35,6 +35,7 @@ growing ``n``, fits ``t ~ c n^p`` on a log-log scale and saves a plot.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -135,6 +136,16 @@ CANDIDATES: dict[str, Route] = {
 LIBRARY_ROUTES = ("svd", "gram", "auto")
 
 
+def _threads(threads: int | None) -> int | None:
+    """The thread policy of ``adadiag-ref bench`` (BLAS and numba on every core), or ``threads`` of each."""
+    ncpu = _setup_threads()
+    if threads is not None:
+        import numba
+
+        numba.set_num_threads(min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads))))
+    return blas_threads(threads or ncpu)
+
+
 def _bound(route: Route, G: np.ndarray, previous: np.ndarray) -> Callable[[], np.ndarray]:
     return lambda: route(G, previous)
 
@@ -165,22 +176,22 @@ def run_routes(
     reps: int = 5,
     period: int = 200,
     routes: tuple[str, ...] = tuple(CANDIDATES),
+    threads: int | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure every route on the model's rotated matrices (one run); print and return the table."""
-    threads = blas_threads(_setup_threads())  # the thread policy of ``adadiag-ref bench``
+    threads = _threads(threads)
     config = QUICK if quick else LLAMA_CONFIGS[model]
     specs = llama_parameters(config)
     rotated = [s for s in specs if is_rotated(s, "paper")]
     shapes = Counter(work_shape(s.shape) for s in rotated)
     engine = AdaDiagEngine(specs, rule="paper")
-    step = median_time(engine.step, max(reps, 3), warmup=2)
-    engine.items.clear()
-    engine.vectors.clear()
+    step_before = median_time(engine.step, max(reps, 3), warmup=2)
     out(f"refresh routes: {'quick (tiny shapes)' if quick else model}, {len(rotated)} rotated matrices "
         f"({', '.join(f'{c} x {m}x{n}' for (m, n), c in sorted(shapes.items()))}), float32, T = {period}")  # fmt: skip
-    out(f"AdaDiag engine step (median of {max(reps, 3)}): {step * 1e3:.1f} ms; OpenBLAS threads: {threads}")
-    res: dict[str, Any] = {"step": step, "period": period, "shapes": dict(shapes)}
+    out(f"AdaDiag engine step (median of {max(reps, 3)}): {step_before * 1e3:.1f} ms; OpenBLAS threads: {threads}")
+    res: dict[str, Any] = {"period": period, "shapes": dict(shapes)}
+    step = step_before
     for spectrum in ("decaying", "flat"):
         rng = np.random.default_rng(5)
         mats = {shape: gradient_with_spectrum(shape, spectrum, rng) for shape in shapes}
@@ -191,8 +202,11 @@ def run_routes(
             fns: dict[str, Callable[[], Any]] = {name: _bound(CANDIDATES[name], G, previous[shape]) for name in routes}
             per_shape[shape] = interleaved_medians(fns, reps, warmup=1, pause=0.0)
         title = "sigma_i ~ 1/i" if spectrum == "decaying" else "Gaussian"
+        step_after = median_time(engine.step, max(reps, 3), warmup=1)  # the machine drifts: step beside routes
+        step = statistics.median([step_before, step_after])  # measured just before and just after the routes
+        step_before = step_after
         out("")
-        out(f"{spectrum} spectrum ({title})")
+        out(f"{spectrum} spectrum ({title}); AdaDiag engine step beside it: {step * 1e3:.1f} ms")
         out(f"{'route':16s} {'total s':>8s} {'amortised':>9s} {'vs svd':>7s} {'worst step, all':>16s} "
             f"{'staggered':>10s} {'column dP':>10s} {'subspace':>9s}")  # fmt: skip
         for name in routes:
@@ -207,6 +221,7 @@ def run_routes(
             ratio = f"{total / svd_total:7.2f}" if svd_total else "      -"
             out(f"{name:16s} {total:8.3f} {pct:9.2%} {ratio} {(step + total) * 1e3:13.0f} ms "
                 f"{(step + slowest) * 1e3:7.0f} ms {column:10.1e} {subspace:9.1e}")  # fmt: skip
+            res[f"{spectrum}_step"] = step
             res[f"{spectrum}_{name}"] = {
                 "total_s": total,
                 "amortised": pct,
@@ -216,6 +231,8 @@ def run_routes(
                 "column": column,
                 "subspace": subspace,
             }
+    engine.items.clear()
+    engine.vectors.clear()
     return res
 
 
@@ -225,6 +242,7 @@ def run_scaling(
     reps: int = 3,
     budget_s: float = 60.0,
     plot: str | Path | None = None,
+    threads: int | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Refresh time of ``svd`` and ``gram`` on square float32 ``n x n`` gradients against ``n``.
@@ -234,7 +252,7 @@ def run_scaling(
     Fits ``log t = p log n + c`` over the largest three sides of each series.
     """
     series: dict[str, list[tuple[int, float]]] = {}
-    threads = blas_threads(_setup_threads())
+    threads = _threads(threads)
     rng = np.random.default_rng(6)
     out(
         f"refresh scaling: square float32 gradients, sides {', '.join(map(str, sides))}, median of {reps}, "
