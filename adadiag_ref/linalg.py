@@ -468,15 +468,16 @@ def gram_route_applies(G: Array, method: str, *, compute_q: bool, xp: Namespace 
     (``Q`` not requested).  Float64 input (the golden mode) always takes the SVD:
     the Gram route squares the condition number, so it is not exact to the golden
     tolerance there.  ``"auto"`` also keeps the SVD on JAX, where float64 (needed
-    to form the Gram matrix) may be disabled.  The work frame has ``m <= n``, where
-    the Gram route is the faster one at every measured size (``docs/performance.md``).
+    to form the Gram matrix) may be disabled, and for ``m > n`` (an ``m x m``
+    eigenproblem for rank ``n``).  In the optimizer's work frame (``m <= n``) the
+    Gram route is the faster one at every measured size (``docs/performance.md``).
     """
     if method not in REFRESH_METHODS:
         raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
     xp = namespace(G, xp=xp)
     if method == "svd" or compute_q or G.dtype != xp.float32:
         return False
-    return not (method == "auto" and "jax" in getattr(xp, "__name__", ""))
+    return not (method == "auto" and ("jax" in getattr(xp, "__name__", "") or G.shape[0] > G.shape[1]))
 
 
 def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> CanonicalSVD | None:

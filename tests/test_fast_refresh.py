@@ -86,19 +86,21 @@ def test_gram_in_float64_is_the_exact_route() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "method", "compute_q", "expected"),
+    ("dtype", "method", "compute_q", "shape", "expected"),
     [
-        (np.float32, "svd", False, False),
-        (np.float32, "gram", False, True),
-        (np.float32, "auto", False, True),
-        (np.float32, "auto", True, False),  # two-sided: Q needs the SVD
-        (np.float32, "gram", True, False),
-        (np.float64, "gram", False, False),  # golden mode: exact route
-        (np.float64, "auto", False, False),
+        (np.float32, "svd", False, (3, 5), False),
+        (np.float32, "gram", False, (3, 5), True),
+        (np.float32, "auto", False, (3, 5), True),
+        (np.float32, "auto", True, (3, 5), False),  # two-sided: Q needs the SVD
+        (np.float32, "gram", True, (3, 5), False),
+        (np.float32, "auto", False, (5, 3), False),  # tall: a 5 x 5 eigenproblem for rank 3, the SVD is cheaper
+        (np.float32, "gram", False, (5, 3), True),
+        (np.float64, "gram", False, (3, 5), False),  # golden mode: exact route
+        (np.float64, "auto", False, (3, 5), False),
     ],
 )
-def test_route_selection(dtype: type, method: str, compute_q: bool, expected: bool) -> None:
-    G = np.ones((3, 5), dtype=dtype)
+def test_route_selection(dtype: type, method: str, compute_q: bool, shape: tuple[int, int], expected: bool) -> None:
+    G = np.ones(shape, dtype=dtype)
     assert linalg.gram_route_applies(G, method, compute_q=compute_q) is expected
 
 
