@@ -20,13 +20,16 @@ from typing import Any, NamedTuple
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
-from ..state import State
-from .families import FAMILIES, Family
+from .families import FAMILIES, Family, State
 from .layout import Layout, from_work, layout_for, to_work
+from .rotation import rotate, unrotate
 
 __all__ = [
+    "SLOW_REFRESH_SIDE",
     "NonFiniteGradientWarning",
+    "SlowRefreshWarning",
     "check_inputs",
+    "check_orientation",
     "init",
     "refresh_basis",
     "refresh_due",
@@ -42,48 +45,6 @@ def _family(cfg: BaseConfig) -> Family:
     return FAMILIES[cfg.family]
 
 
-def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
-    """``G~ = P^T G Q`` (a missing basis is the identity).
-
-    ``transposed`` says that ``g`` is the transposed view of a tall parameter
-    (:func:`~adadiag_ref.optim.layout.to_work`); the product is then formed as
-    ``(Q^T G^T P)^T`` so that ``G~`` keeps the parameter's memory order, like the
-    state's matrices (:func:`init`), and no elementwise operation mixes orders.
-    """
-    if P is None and Q is None:
-        return g
-    if transposed:
-        gt = xp.matrix_transpose(g)
-        if P is not None:
-            gt = gt @ P
-        if Q is not None:
-            gt = xp.matrix_transpose(Q) @ gt
-        return xp.matrix_transpose(gt)
-    if P is not None:
-        g = xp.matrix_transpose(P) @ g
-    if Q is not None:
-        g = g @ Q
-    return g
-
-
-def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
-    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q`` (``transposed`` as there)."""
-    if P is None and Q is None:
-        return u
-    if transposed:
-        ut = xp.matrix_transpose(u)
-        if P is not None:
-            ut = ut @ xp.matrix_transpose(P)
-        if Q is not None:
-            ut = Q @ ut
-        return xp.matrix_transpose(ut)
-    if P is not None:
-        u = P @ u
-    if Q is not None:
-        u = u @ xp.matrix_transpose(Q)
-    return u
-
-
 def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
     """A zero ``m x n`` state matrix of a tall parameter, stored as the transpose of an ``n x m`` array.
 
@@ -95,17 +56,57 @@ def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
     return xp.matrix_transpose(xp.zeros((x.shape[1], x.shape[0]), dtype=x.dtype, device=creation_device(x)))
 
 
+SLOW_REFRESH_SIDE = 2048
+"""Longest rotated side ``init`` accepts without a :class:`SlowRefreshWarning`.
+
+From the measured refresh time per side (``benchmarks/refresh_size.py``, table in
+``docs/reliability.md``): one refresh of an ``n``-wide side costs ``t = c n^3``;
+2048 is the largest power of two whose refresh stays under one minute in both
+float32 and float64 on the reference 2-core machine.  The default
+``max_basis_dim = 8192`` is the largest power of two whose float32 refresh stays
+under 30 minutes there (about 15; SOAP's 10,000 would take about 27).
+"""
+
+REFRESH_SECONDS_PER_N3 = {"float32": 1.6e-9, "float64": 5.6e-9}
+"""Fitted ``c`` of ``t = c n^3`` (seconds per refresh, reference machine; ``docs/reliability.md``)."""
+
+
+class SlowRefreshWarning(UserWarning):
+    """A rotated side is longer than :data:`SLOW_REFRESH_SIDE`: each basis refresh takes minutes (``~ n^3``)."""
+
+
+def _warn_slow_refresh(layout: Layout, dtype: Any, xp: Namespace) -> None:
+    """Warn when the longest rotated side ``n`` exceeds :data:`SLOW_REFRESH_SIDE` (it is <= ``max_basis_dim``)."""
+    side = layout.cols if layout.rotate_right else layout.rows if layout.rotate_left else 0
+    if side <= SLOW_REFRESH_SIDE:
+        return
+    dtype_name = "float64" if dtype == getattr(xp, "float64", None) else "float32"
+    c = REFRESH_SECONDS_PER_N3[dtype_name]
+    warnings.warn(
+        f"a parameter of shape {layout.shape} has a rotated side of {side} > {SLOW_REFRESH_SIDE}: each basis "
+        f"refresh costs about {c * side**3 / 60:.0f} min ({dtype_name}, t = c n^3 measured on a 2-core machine; "
+        "docs/reliability.md); pass a smaller max_basis_dim to leave that side unrotated",
+        SlowRefreshWarning,
+        stacklevel=3,
+    )
+
+
 def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
     """Initial state: zero moments, identity bases, ``count = 0``.
 
     Shapes follow :func:`~adadiag_ref.optim.layout.layout_for`; the dtype is the
     state dtype of ``param`` (float64 for float64, float32 otherwise).
+    ``param_shape`` records ``param.shape`` (a zero-size array, :data:`adadiag_ref.optim.families.State`)
+    so that a state is refused for a parameter of another orientation.
+    A rotated side longer than :data:`SLOW_REFRESH_SIDE` (and at most
+    ``cfg.max_basis_dim``) issues a :class:`SlowRefreshWarning`.
     """
     xp = namespace(param, xp=xp)
     layout = layout_for(tuple(param.shape), cfg)
     dtype = state_dtype(param.dtype, xp, cfg.state_dtype)
     device = creation_device(param)
     m, n = layout.rows, layout.cols
+    _warn_slow_refresh(layout, dtype, xp)
     P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
     Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
     count = xp.zeros((), dtype=xp.int32, device=device)
@@ -113,7 +114,26 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     moments = family.init_moments(m, n, dtype, device, cfg, xp)
     if layout.transposed:
         moments = {name: _in_parameter_order(value, xp) for name, value in moments.items()}
-    return family.state_type(count=count, P=P, Q=Q, **moments)  # type: ignore[no-any-return]
+    param_shape = xp.zeros((0, *layout.shape), dtype=dtype, device=device)
+    return family.state_type(count=count, P=P, Q=Q, **moments, param_shape=param_shape)  # type: ignore[no-any-return]
+
+
+def check_orientation(state: State, shape: tuple[int, ...]) -> None:
+    """Refuse a state created for a parameter of another shape (e.g. ``(7, 9)`` for ``(9, 7)``).
+
+    The work-frame field shapes cannot tell such parameters apart (both are
+    ``7 x 9``); the state's ``param_shape`` can.  Reads only static shapes, so
+    it runs under ``jax.jit`` too.  Raises ``ValueError``; touches nothing.
+    """
+    recorded = getattr(state, "param_shape", None)
+    if recorded is None:
+        return
+    created = tuple(int(d) for d in recorded.shape[1:])
+    if created != tuple(int(d) for d in shape):
+        raise ValueError(
+            f"the optimizer state was created for a parameter of shape {created}, not {tuple(shape)}: "
+            "was it the state of another parameter? The state was left unchanged"
+        )
 
 
 def _work_dtype(state: State, xp: Namespace) -> Any:
@@ -150,7 +170,9 @@ def refresh_basis(
     forms ``Q``).  Same shapes and dtypes in and out.  ``cfg.basis_method``
     chooses the route (:func:`~adadiag_ref.linalg.gram_route_applies`): the
     canonical SVD, or for a float32 one-sided refresh the eigenvectors of the
-    float64 Gram matrix ``G_t G_t^T`` under the same canonical rules.
+    float64 Gram matrix ``G_t G_t^T`` under the same canonical rules.  A state
+    created for a parameter of another shape (``(7, 9)`` for a ``(9, 7)``
+    gradient) raises ``ValueError`` (:func:`check_orientation`).
 
     Failure policy (``docs/reliability.md``); ``name`` labels the parameter in messages:
 
@@ -168,6 +190,7 @@ def refresh_basis(
     if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
         raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
     xp = namespace(grad, xp=xp)
+    check_orientation(state, tuple(grad.shape))
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
@@ -297,7 +320,7 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
         "v": (n,),
     }
     for name in state._fields:
-        if name == "count":
+        if name in ("count", "param_shape"):
             continue
         value = getattr(state, name)
         want = expected[name]
@@ -307,6 +330,7 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
                 f"state field {name!r} has shape {got}, expected {want} for a parameter of shape {layout.shape} "
                 f"under {cfg.name!r}: was the state created for another parameter or config?"
             )
+    check_orientation(state, tuple(param.shape))  # equal work frames, another parameter shape
 
 
 def check_inputs(
