@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 __all__ = [
+    "BASIS_METHODS",
     "OPTIMIZERS",
     "AdafactorConfig",
     "AdamConfig",
@@ -40,6 +41,9 @@ __all__ = [
 ]
 
 Beta2Schedule = Literal["bias_corrected", "adafactor"]
+
+BASIS_METHODS = ("svd", "gram", "auto")
+"""Values of ``basis_method``: the route of a basis refresh (:func:`adadiag_ref.linalg.canonical_svd`)."""
 
 
 def _check(condition: bool, message: str) -> None:
@@ -72,6 +76,13 @@ class BaseConfig:
             ``False`` uses the raw betas (the ODE's semi-implicit Euler form).
         state_dtype: ``"float32"`` or ``"float64"`` to override the default state
             dtype (float64 for float64 parameters, float32 otherwise).
+        basis_method: how a refresh computes ``P`` (:data:`BASIS_METHODS`,
+            ``docs/performance.md``): ``"svd"``, the reference (the canonical SVD
+            of ``G_t``); ``"gram"``, the fast route for float32 (``P`` from the
+            eigenvectors of ``G_t G_t^T`` formed in float64, same canonical rules);
+            ``"auto"`` (default), the Gram route where it is both faster and
+            accurate (float32, one-sided, not JAX), the SVD everywhere else.  In
+            float64 every method is the SVD, so golden runs are exact.
     """
 
     name: str = "adamw"
@@ -84,6 +95,7 @@ class BaseConfig:
     max_basis_dim: int = 8192
     bias_correction: bool = True
     state_dtype: str | None = None
+    basis_method: str = "auto"
 
     family: str = field(default="adam", init=False)
 
@@ -114,6 +126,10 @@ class BaseConfig:
         _check(
             self.state_dtype in (None, "float32", "float64"),
             f"state_dtype must be None, 'float32' or 'float64', got {self.state_dtype!r}",
+        )
+        _check(
+            isinstance(self.basis_method, str) and self.basis_method in BASIS_METHODS,
+            f"basis_method must be one of {', '.join(repr(m) for m in BASIS_METHODS)}, got {self.basis_method!r}",
         )
 
     @property

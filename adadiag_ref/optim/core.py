@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
-from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, refresh_method
+from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
 from .families import FAMILIES, Family, State
 from .fused import adam_update as fused_adam_update
 from .layout import Layout, from_work, layout_for, to_work
@@ -168,9 +168,12 @@ def refresh_basis(
     """``P_t, _, Q_t^T = canonical_svd(G_t)``: new bases, moments untouched.
 
     Only the sides the layout rotates are decomposed (a one-sided optimizer never
-    forms ``Q``).  Same shapes and dtypes in and out.  A state created for a
-    parameter of another shape (``(7, 9)`` for a ``(9, 7)`` gradient) raises
-    ``ValueError`` (:func:`check_orientation`).
+    forms ``Q``).  Same shapes and dtypes in and out.  ``cfg.basis_method``
+    chooses the route (:func:`~adadiag_ref.linalg.gram_route_applies`): the
+    canonical SVD, or for a float32 one-sided refresh the eigenvectors of the
+    float64 Gram matrix ``G_t G_t^T`` under the same canonical rules.  A state
+    created for a parameter of another shape (``(7, 9)`` for a ``(9, 7)``
+    gradient) raises ``ValueError`` (:func:`check_orientation`).
 
     Failure policy (``docs/reliability.md``); ``name`` labels the parameter in messages:
 
@@ -196,7 +199,7 @@ def refresh_basis(
     label = f"gradient of {_where(name, state, layout.shape)}"
     try:
         svd = canonical_svd(
-            g, compute_p=True, compute_q=layout.rotate_right, method=refresh_method(), label=label, xp=xp
+            g, compute_p=True, compute_q=layout.rotate_right, method=cfg.basis_method, label=label, xp=xp
         )
     except NonFiniteInputError:
         message = f"the {label} contains NaN or Inf"

@@ -324,8 +324,6 @@ def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") 
 
     import adadiag_ref as ar
 
-    from .. import linalg
-
     pytorch = import_torch_adapter()
     params = _torch_params(specs, torch)
     rotated = [p for p, s in zip(params, specs) if is_rotated(s, rule)]
@@ -338,11 +336,7 @@ def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") 
         for opt in opts:
             opt.step()
 
-    previous = linalg.set_refresh_method("auto")
-    try:
-        adapter_step()  # t = 1 refreshes the bases; every later step is a non-refresh step
-    finally:
-        linalg.set_refresh_method(previous)
+    adapter_step()  # t = 1 refreshes the bases (basis_method="auto"); every later step is a non-refresh step
     res = {"adapter": median_time(adapter_step, reps)}
 
     work = []
@@ -384,9 +378,8 @@ def bench_refresh(
 ) -> float:
     """One one-sided basis refresh of every rotated matrix (``ar.refresh_basis``) with ``method``."""
     import adadiag_ref as ar
-    from adadiag_ref import linalg
 
-    cfg = ar.make_config("adadiag")
+    cfg = ar.make_config("adadiag", basis_method=method)
     rng = np.random.default_rng(5)
     items = []
     for s in specs:
@@ -394,11 +387,7 @@ def bench_refresh(
             continue
         g = gradient_with_spectrum(s.shape, spectrum, rng)
         items.append((ar.init(g, cfg), g))
-    previous = linalg.set_refresh_method(method)
-    try:
-        return median_time(lambda: [ar.refresh_basis(st, g, cfg) for st, g in items], reps, warmup=0)
-    finally:
-        linalg.set_refresh_method(previous)
+    return median_time(lambda: [ar.refresh_basis(st, g, cfg) for st, g in items], reps, warmup=0)
 
 
 # ----------------------------------------------------------------------------- driver

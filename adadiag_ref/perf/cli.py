@@ -22,6 +22,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
         run_steady(args.model, quick=args.quick, reps=args.reps, use_torch=not args.no_torch, rule=args.rule)
         return 0
+    if args.refresh_routes or args.refresh_scaling:  # the refresh alone (adadiag_ref.perf.refresh)
+        from .refresh import run_routes, run_scaling
+
+        if args.refresh_routes:
+            run_routes(args.model, quick=args.quick, reps=args.reps, period=args.period, threads=args.threads)
+        if args.refresh_scaling:
+            sides = (64, 128) if args.quick else tuple(int(n) for n in args.sides.split(","))
+            run_scaling(sides, reps=args.reps, plot=args.plot, threads=args.threads)
+        return 0
     from .bench import run
 
     run(args.model, quick=args.quick, reps=args.reps, period=args.period, use_torch=not args.no_torch,
@@ -63,6 +72,21 @@ def add_parser(subparsers: Any) -> None:
                    help="only the steady-state (non-refresh) ratios and their targets (perf/steady.py)")  # fmt: skip
     b.add_argument("--rule", default="paper", choices=["paper", "all"],
                    help="paper: rotate only the transformer blocks' matrices (embedding/head unrotated)")  # fmt: skip
+    b.add_argument(
+        "--refresh-routes",
+        action="store_true",
+        help="only the basis refresh: every route (basis_method and the evaluated candidates), "
+        "amortised share, worst-step latency and accuracy",
+    )
+    b.add_argument("--refresh-scaling", action="store_true", help="only the refresh time against the matrix side")
+    b.add_argument("--sides", default="256,512,1024,2048", help="matrix sides for --refresh-scaling")
+    b.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="BLAS and numba threads for --refresh-routes/--refresh-scaling (default: every core)",
+    )
+    b.add_argument("--plot", default=None, help="save the --refresh-scaling log-log plot here (PNG)")
     b.set_defaults(func=run_bench)
     m = subparsers.add_parser("memory", help="optimizer-state memory (the paper's table) from the state layout")
     m.add_argument("--model", action="append", choices=list(LLAMA_CONFIGS), help="repeatable; default all four")
