@@ -25,11 +25,14 @@ name                family       sides
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 __all__ = [
+    "KERNELS",
     "OPTIMIZERS",
     "AdafactorConfig",
     "AdamConfig",
@@ -40,6 +43,10 @@ __all__ = [
 ]
 
 Beta2Schedule = Literal["bias_corrected", "adafactor"]
+Kernels = Literal["auto", "numba", "reference"]
+
+KERNELS: tuple[str, ...] = ("auto", "numba", "reference")
+"""Values of :attr:`BaseConfig.kernels`: who computes a family's moment update on NumPy arrays."""
 
 
 def _check(condition: bool, message: str) -> None:
@@ -49,6 +56,12 @@ def _check(condition: bool, message: str) -> None:
 
 def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@functools.cache
+def numba_available() -> bool:
+    """Whether numba can be imported (found without importing it: configs stay cheap to build)."""
+    return importlib.util.find_spec("numba") is not None
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,16 @@ class BaseConfig:
             ``False`` uses the raw betas (the ODE's semi-implicit Euler form).
         state_dtype: ``"float32"`` or ``"float64"`` to override the default state
             dtype (float64 for float64 parameters, float32 otherwise).
+        kernels: who computes the moment update and direction ``U~`` of a step
+            on float32/float64 NumPy arrays.  ``"reference"``: the generic
+            array-API family code (:mod:`adadiag_ref.optim.families`), always.
+            ``"numba"``: the fused numba kernels (:mod:`adadiag_ref._kernels`),
+            which compute the same formulas in the same order and agree with the
+            reference to rounding (tested at ``rtol = 1e-12`` in float64); needs
+            numba installed (``ValueError`` otherwise).  ``"auto"`` (default):
+            ``"numba"`` when numba is importable, else ``"reference"``.  Other
+            backends (JAX, CuPy, torch) always take the reference code.  An
+            execution choice, not a hyperparameter: golden files do not record it.
     """
 
     name: str = "adamw"
@@ -83,6 +106,7 @@ class BaseConfig:
     max_basis_dim: int = 8192
     bias_correction: bool = True
     state_dtype: str | None = None
+    kernels: Kernels = "auto"
 
     family: str = field(default="adam", init=False)
 
@@ -113,6 +137,12 @@ class BaseConfig:
         _check(
             self.state_dtype in (None, "float32", "float64"),
             f"state_dtype must be None, 'float32' or 'float64', got {self.state_dtype!r}",
+        )
+        _check(self.kernels in KERNELS, f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {self.kernels!r}")
+        _check(
+            self.kernels != "numba" or numba_available(),
+            'kernels="numba" needs numba, which is not installed: pip install "adadiag-ref[numba]", '
+            'or use kernels="auto" (numba when installed) or "reference"',
         )
 
     @property

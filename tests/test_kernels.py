@@ -1,5 +1,8 @@
 """The numba fast path (adadiag_ref._kernels) against the generic NumPy path.
 
+Both are selected through the config option ``kernels`` (``"numba"`` and
+``"reference"``), the only switch the library has.
+
 Both paths compute the same formulas in the same order; only the positive sums
 ``sum(G~^2 + eps)`` and ``sum(U^2)`` are accumulated sequentially by the kernels
 instead of pairwise by NumPy, which changes the result by O(n eps) relative.
@@ -23,11 +26,7 @@ RTOL = 1e-12
 
 
 def _replay(name: str, fast: bool, w0: np.ndarray, grads: np.ndarray, **kw: object) -> np.ndarray:
-    previous = _kernels.set_fast_path(fast)
-    try:
-        return np.asarray(ar.replay(name, w0, grads, **kw))
-    finally:
-        _kernels.set_fast_path(previous)
+    return np.asarray(ar.replay(name, w0, grads, kernels="numba" if fast else "reference", **kw))
 
 
 @pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
@@ -67,15 +66,55 @@ def test_fast_path_float32_close() -> None:
         np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-6)
 
 
-def test_switch_turns_fast_path_off() -> None:
-    previous = _kernels.set_fast_path(False)
-    try:
-        assert not _kernels.fast_path_enabled()
-        assert not _kernels.usable(np, np.zeros((2, 2)))
-    finally:
-        _kernels.set_fast_path(previous)
-    assert _kernels.usable(np, np.zeros((2, 2))) == previous
+KERNEL_FUNCTIONS = ("adam_direction", "adafactor_direction", "hfac_direction", "adam_moments_inplace")
+
+
+def _spy_on_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every call of a family kernel (the real kernel still runs)."""
+    calls: list[str] = []
+    for fname in KERNEL_FUNCTIONS:
+        real = getattr(_kernels, fname)
+
+        def spy(*args: object, _real=real, _name=fname) -> object:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(_kernels, fname, spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernels_option_selects_the_code_that_runs(name: str, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "reference" never enters a numba kernel; "numba" and "auto" (numba installed) always do, functional or in place.
+    calls = _spy_on_kernels(monkeypatch)
+    rng = np.random.default_rng(9)
+    w0, g = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
+    for kernels, expect_kernel in (("reference", False), ("numba", True), ("auto", True)):
+        calls.clear()
+        cfg = ar.make_config(name, kernels=kernels)
+        state, w = ar.init(w0, cfg), w0.copy()
+        state = ar.refresh_basis(state, g, cfg)
+        if in_place:
+            ar.update_in_place(state, g, cfg, w, refreshed=True)
+        else:
+            ar.update(state, g, cfg, w, refreshed=True)
+        assert bool(calls) == expect_kernel, (kernels, calls)
+
+
+def test_kernels_option_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="kernels must be one of 'auto', 'numba', 'reference', got 'numpy'"):
+        ar.make_config("adadiag", kernels="numpy")
+    monkeypatch.setattr("adadiag_ref.config.numba_available", lambda: False)
+    with pytest.raises(ValueError, match=r'kernels="numba" needs numba, which is not installed'):
+        ar.make_config("adadiag", kernels="numba")
+    assert ar.make_config("adadiag", kernels="auto").kernels == "auto"  # auto falls back, never raises
+
+
+def test_usable_needs_one_float_numpy_dtype() -> None:
+    assert _kernels.usable(np, np.zeros((2, 2)), None, np.zeros(2))
     assert not _kernels.usable(np, np.zeros((2, 2), dtype=np.float16))
+    assert not _kernels.usable(np, np.zeros((2, 2)), np.zeros(2, dtype=np.float32))
 
 
 def test_adam_kernel_allocates_only_its_outputs() -> None:

@@ -21,6 +21,7 @@ from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, refresh_method
 from ..state import State
+from .dispatch import direction as family_direction
 from .families import FAMILIES, Family
 from .layout import Layout, from_work, layout_for, to_work
 
@@ -259,7 +260,7 @@ def update(
     family = _family(cfg)
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
     layout, t, w = step_in.layout, step_in.t, step_in.w
-    u_rot, moments = family.direction(state, step_in.g_rot, t, cfg, xp)
+    u_rot, moments = family_direction(state, step_in.g_rot, t, cfg, xp)  # the family's, or its kernel (cfg.kernels)
     eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
     direction = unrotate(u_rot, state.P, state.Q, xp, transposed=layout.transposed)
     if cfg.weight_decay:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import _kernels
 from .._xp import Array, Namespace
 from ..config import AdafactorConfig, BaseConfig, HfacConfig
 from ..state import AdafactorState, AdamState, HfacState
@@ -76,9 +75,6 @@ def _adam_direction(state: AdamState, g: Array, t: Array, cfg: BaseConfig, xp: N
     b1, b2 = cfg.betas
     b1_t = beta_hat(b1, t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(b2, t, xp, bias_correction=cfg.bias_correction)
-    if _kernels.usable(xp, g, state.M, state.V):  # numba fast path (NumPy only), same math fused
-        M, V, U = _kernels.adam_direction(state.M, state.V, g, b1_t, b2_t, cfg.eps)
-        return U, {"M": M, "V": V}
     M = _ema(b1_t, state.M, g)
     V = _ema(b2_t, state.V, g * g)
     return M / (xp.sqrt(V) + cfg.eps), {"M": M, "V": V}
@@ -104,12 +100,6 @@ def _adafactor_direction(
 ) -> tuple[Array, Moments]:
     """Algorithm AdafacDiag: ``U = clip(G~ / sqrt(V_t))``; with momentum ``M_t = EMA_b1[U]`` and ``U = M_t``."""
     assert isinstance(cfg, AdafactorConfig)
-    if _kernels.usable(xp, g, state.M, state.r, state.s):  # numba fast path (NumPy only), same math fused
-        b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction) if cfg.momentum else None
-        M0 = state.M if cfg.momentum else None
-        beta2_t = _adafactor_beta2(cfg, t, xp)
-        U, M, r, s = _kernels.adafactor_direction(state.r, state.s, M0, g, cfg.eps, beta2_t, b1_t, cfg.clip_threshold)
-        return U, {"M": M, "r": r, "s": s}
     r, s = _factored_second_moment(state.r, state.s, g, cfg.eps, _adafactor_beta2(cfg, t, xp), xp)
     U = clip_by_rms(_normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None
@@ -156,11 +146,6 @@ def _hfac_direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: N
     m, n = g.shape
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
-    if _kernels.usable(xp, g, state.u, state.v, state.r, state.s):  # numba fast path (NumPy only)
-        U, u, v, r, s = _kernels.hfac_direction(
-            state.u, state.v, state.r, state.s, g, cfg.eps, b1_t, b2_t, cfg.clip_threshold
-        )
-        return U, {"u": u, "v": v, "r": r, "s": s}
     row_mean = xp.mean(g, axis=1)
     col_mean = xp.mean(g, axis=0)
     u = _ema(b1_t, state.u, row_mean)
