@@ -198,3 +198,37 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
         outs.append((M, V, U, W))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_bench_engines_follow_the_family_functions() -> None:
+    # The engines of `adadiag-ref bench` restate no formula: their kernels and coefficients must give the
+    # core's reference path (kernels="reference") over several steps.  float32 engines: rtol 1e-5, as
+    # everywhere in float32 (the fused W update rounds once less than W + (-eta (U + lambda W))).
+    from adadiag_ref.memory import ParamSpec
+    from adadiag_ref.perf.engine import AdaDiagEngine, AdamWEngine
+
+    lr, wd, steps = 1e-2, 0.1, 4
+    adamw = AdamWEngine([ParamSpec("w", (40,))], lr=lr, wd=wd, parallel=False)
+    w0 = adamw.W.copy()
+    cfg = ar.make_config("adamw", lr=lr, weight_decay=wd, kernels="reference")
+    w, state = w0.copy(), ar.init(w0, cfg)
+    for _ in range(steps):
+        adamw.step()
+        delta, state = ar.update(state, adamw.G, cfg, w)
+        w = w + delta
+    np.testing.assert_allclose(adamw.W, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adamw.M, state.M.reshape(-1), rtol=1e-5, atol=1e-7)  # state: work frame 1 x n
+
+    adadiag = AdaDiagEngine([ParamSpec("w", (6, 9))], lr=lr, wd=wd, parallel_elementwise=False)
+    item = adadiag.items[0]
+    w0 = item["W"].copy()
+    cfg = ar.make_config("adadiag", lr=lr, weight_decay=wd, update_freq=None, kernels="reference")
+    state = ar.init(w0, cfg)._replace(P=item["P"].copy())  # the engine's fixed basis
+    w = w0.copy()
+    for _ in range(steps):
+        adadiag.step()
+        delta, state = ar.update(state, item["G"], cfg, w)
+        w = w + delta
+    np.testing.assert_allclose(item["W"], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(item["M"], state.M, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(item["V"], state.V, rtol=1e-5, atol=1e-9)
