@@ -29,6 +29,7 @@ __all__ = [
     "NonFiniteGradientWarning",
     "check_inputs",
     "init",
+    "preconditioned_direction",
     "refresh_basis",
     "refresh_due",
     "rotate",
@@ -257,16 +258,34 @@ def update(
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
     """
     xp = namespace(grad, param, xp=xp)
-    family = _family(cfg)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    direction, new_state, step_in = preconditioned_direction(state, grad, cfg, param, refreshed=refreshed, xp=xp)
     layout, t, w = step_in.layout, step_in.t, step_in.w
-    u_rot, moments = family_direction(state, step_in.g_rot, t, cfg, xp)  # the family's, or its kernel (cfg.kernels)
-    eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
-    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=layout.transposed)
-    if cfg.weight_decay:
+    eta = _family(cfg).step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
+    if not isinstance(cfg.weight_decay, int | float) or cfg.weight_decay:  # an array (traced lambda) always adds
         direction = direction + cfg.weight_decay * w
     delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype, copy=False)
-    return delta, state._replace(count=state.count + 1, **moments)
+    return delta, new_state
+
+
+def preconditioned_direction(
+    state: State, grad: Array, cfg: BaseConfig, param: Array, *, refreshed: Any = False, xp: Namespace | None = None
+) -> tuple[Array, State, StepInput]:
+    """The preconditioned direction ``U = P U~ Q^T`` of one step, without step size or weight decay.
+
+    Returns ``(U, new_state, step_input)``: ``U`` in the work frame and state
+    dtype (:func:`~adadiag_ref.optim.layout.from_work` maps it to the
+    parameter's shape), the state with the new moments and ``count + 1``, and
+    the :class:`StepInput` (``t``, ``G``, ``W``, ``G~``) it was computed from.
+    :func:`update` is ``delta = -eta_t (U + lambda W_t)`` on top of it; an
+    optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` comes
+    from the family function or its numba kernel, as ``cfg.kernels`` selects
+    (:mod:`adadiag_ref.optim.dispatch`).
+    """
+    xp = namespace(grad, param, xp=xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    u_rot, moments = family_direction(state, step_in.g_rot, step_in.t, cfg, xp)
+    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=step_in.layout.transposed)
+    return direction, state._replace(count=state.count + 1, **moments), step_in
 
 
 def refresh_due(count: int, cfg: BaseConfig) -> bool:
