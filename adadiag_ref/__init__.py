@@ -21,8 +21,8 @@ from .optim import (
     update,
     update_in_place,
 )
+from .optim.families import AdafactorState, AdamState, HfacState
 from .replay import replay
-from .state import AdafactorState, AdamState, HfacState
 
 __version__ = "0.1.0"
 

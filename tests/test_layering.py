@@ -8,9 +8,10 @@ Neither modules nor packages import each other in a circle.
 
 Floors, from the bottom:
 
-0. foundation: ``_xp``, ``config``, ``state``, ``linalg``, ``_kernels``, ``_cli`` (array
-   namespaces, frozen configs, state types, decompositions, numba kernels, CLI error plumbing);
-1. optimizer: ``optim`` (families, schedules, layout, kernel dispatch, core, in place), ``memory``, ``replay``;
+0. foundation: ``_xp``, ``config``, ``linalg``, ``_kernels``, ``_cli`` (array
+   namespaces, frozen configs, decompositions, numba kernels, CLI error plumbing);
+1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
+   core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
 3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``;
 4. framework adapters: ``adapters`` (torch, optax);
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "adadiag_ref"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_xp", "config", "state", "linalg", "_kernels", "_cli"),
+    ("_xp", "config", "linalg", "_kernels", "_cli"),
     ("optim", "memory", "replay"),
     ("",),  # the package's __init__ (the public facade)
     ("golden", "testing", "ode", "perf", "perf.engine"),

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ._arrays import Array, namespace_of, scalar
+from .._xp import Array, namespace
 from .controllers import ConstantStepSize, PIController
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import Problem
@@ -136,11 +136,11 @@ class CheckResult:
 
 def well_posedness(system: System, state: Any) -> tuple[bool, list[str]]:
     """Whether ``H`` and the vector field are well defined at ``state``, with explanatory notes."""
-    xp = namespace_of(state.W)
+    xp = namespace(state.W)
     notes: list[str] = []
     ok = True
     if isinstance(state, AdamODEState):
-        vmin = scalar(xp.min(state.V))
+        vmin = float(xp.min(state.V))
         dmin = math.sqrt(max(vmin, 0.0)) + system.eps
         if vmin < 0:
             ok = False
@@ -159,12 +159,12 @@ def well_posedness(system: System, state: Any) -> tuple[bool, list[str]]:
                 "so the system is stiff there"
             )
     if isinstance(state, AdafactorODEState | HfacODEState):
-        rmin, smin = scalar(xp.min(state.r)), scalar(xp.min(state.s))
+        rmin, smin = float(xp.min(state.r)), float(xp.min(state.s))
         if rmin <= 0 or smin <= 0:
             ok = False
             notes.append(f"r or s not positive (min r {rmin:.3g}, min s {smin:.3g}): V^ = r s^T / 1^T r is undefined")
         else:
-            R, Sum_s = scalar(xp.sum(state.r)), scalar(xp.sum(state.s))
+            R, Sum_s = float(xp.sum(state.r)), float(xp.sum(state.s))
             gap = abs(R - Sum_s) / max(R, Sum_s)
             if gap > 1e-8:
                 notes.append(
@@ -179,9 +179,9 @@ def _second_moment_min(states: list[Any], xp: Any) -> float | None:
     mins = []
     for s in states:
         if isinstance(s, AdamODEState):
-            mins.append(scalar(xp.min(s.V)))
+            mins.append(float(xp.min(s.V)))
         elif isinstance(s, AdafactorODEState | HfacODEState):
-            mins.append(min(scalar(xp.min(s.r)), scalar(xp.min(s.s))))
+            mins.append(min(float(xp.min(s.r)), float(xp.min(s.s))))
     return min(mins) if mins else None
 
 
@@ -344,7 +344,7 @@ def _analyse(
     t_end: float,
     progress: bool | None = False,
 ) -> CheckResult:
-    xp = namespace_of(sol.ys)
+    xp = namespace(sol.ys)
     n = len(sol.ts)
     # about two evaluations of dH/dt per accepted step: as long as the integration itself, so it shows progress
     # (``disable=None`` is tqdm's "only on a terminal", the integrator's ``progress=None``)

@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._arrays import Array, Namespace, inner, namespace_of, scalar
+from .._xp import Array, Namespace, namespace
+from ..optim.families.common import clip_factor, factored
+from ..optim.families.hfac import normalization_constants
 from .problems import Problem, custom_problem
 from .systems import (
     AdafactorODEState,
@@ -39,9 +41,6 @@ from .systems import (
     MomentumODEState,
     ODEState,
     System,
-    _factored,
-    _hfac_constants,
-    clip_factor,
     hamiltonian,
     hamiltonian_rate,
     identity_basis,
@@ -171,33 +170,31 @@ def sufficient_condition(
 
     and in every family ``lambda = 0`` or ``<G, W> >= 0``.  Sufficient, not necessary.
     """
-    xp = namespace_of(G, xp=xp)
+    xp = namespace(G, xp=xp)
     q = system.b / (4 * system.a)
     tiny = 1e-12
-    ok = not system.weight_decay or scalar(inner(G, state.W, xp)) >= 0
+    ok = not system.weight_decay or float(xp.sum(G * state.W)) >= 0
     if system.family == "adam":
         return ok and q <= 1.0
     if isinstance(state, AdafactorODEState):
-        rho, sigma, R, S = _factored(state, G_rot, system.eps, xp)
+        rho, sigma, R, S = factored(state, G_rot, system.eps, xp)
         if system.momentum_form == "gradient":
-            return ok and q * (1.0 + scalar(xp.sum(rho) / R)) <= 1.0 + tiny
+            return ok and q * (1.0 + float(xp.sum(rho) / R)) <= 1.0 + tiny
         if system.momentum_form == "update":
             assert state.M is not None
-            gamma = scalar(clip_factor(G_rot / S, system.clip_threshold, xp))
+            gamma = float(clip_factor(G_rot / S, system.clip_threshold, xp))
             growth = rho[:, None] / state.r[:, None] + sigma[None, :] / state.s[None, :] - xp.sum(rho) / R - 1.0
             return (
-                ok
-                and (1.0 - gamma) * scalar(inner(G_rot, state.M, xp)) >= 0
-                and q * scalar(xp.max(growth)) <= 1.0 + tiny
+                ok and (1.0 - gamma) * float(xp.sum(G_rot * state.M)) >= 0 and q * float(xp.max(growth)) <= 1.0 + tiny
             )
         return ok
     if isinstance(state, HfacODEState):
         m, n = G_rot.shape
-        kr, ks = _hfac_constants(system, m, n)
-        _, _, R, S = _factored(state, G_rot, system.eps, xp)
-        gamma = scalar(clip_factor(G_rot / S, system.clip_threshold, xp))
+        kr, ks = normalization_constants(system, m, n)
+        _, _, R, S = factored(state, G_rot, system.eps, xp)
+        gamma = float(clip_factor(G_rot / S, system.clip_threshold, xp))
         lhs = 0.5 * system.momentum_scale * (xp.sqrt(kr * state.s)[None, :] + xp.sqrt(ks * state.r)[:, None])
-        return ok and q <= 1.0 and scalar(xp.max(lhs)) <= gamma * math.sqrt(scalar(R)) * (1.0 + tiny)
+        return ok and q <= 1.0 and float(xp.max(lhs)) <= gamma * math.sqrt(float(R)) * (1.0 + tiny)
     return ok
 
 
@@ -231,11 +228,11 @@ def directional_derivative(
     fraction ``2 rel_step`` of itself and the square roots stay smooth and positive.
     Uses only ``H`` and ``f``: independent of the closed form it checks.
     """
-    xp = namespace_of(state.W)
+    xp = namespace(state.W)
     G = problem.grad(state.W)
-    f = vector_field(system, state, rotate(G, basis, xp), basis, xp=xp)
-    y_norm = math.sqrt(sum(scalar(xp.sum(x * x)) for x in state if x is not None))
-    f_norm = math.sqrt(sum(scalar(xp.sum(x * x)) for x in f if x is not None))
+    f = vector_field(system, state, rotate(G, *basis, xp), basis, xp=xp)
+    y_norm = math.sqrt(sum(float(xp.sum(x * x)) for x in state if x is not None))
+    f_norm = math.sqrt(sum(float(xp.sum(x * x)) for x in f if x is not None))
     if f_norm == 0:
         return 0.0
     scale = max(y_norm, 1e-12) / f_norm
@@ -243,25 +240,25 @@ def directional_derivative(
         x, dx = getattr(state, name, None), getattr(f, name, None)
         if x is not None and dx is not None:
             speed = xp.abs(dx) / x
-            top = scalar(xp.max(speed))
+            top = float(xp.max(speed))
             if top > 0:
                 scale = min(scale, 1.0 / top)
     tau = rel_step * scale
 
     def H_at(s: float) -> float:
         moved = _step_state(state, f, s)
-        return scalar(hamiltonian(system, moved, problem.loss(moved.W), xp=xp))
+        return float(hamiltonian(system, moved, problem.loss(moved.W), xp=xp))
 
     return (-H_at(2 * tau) + 8 * H_at(tau) - 8 * H_at(-tau) + H_at(-2 * tau)) / (12 * tau)
 
 
 def evaluate_at(system: System, problem: Problem, state: ODEState, basis: Basis | None = None) -> ClaimEvaluation:
     """Closed-form and finite-difference ``dH/dt`` at ``state``, and :func:`sufficient_condition` there."""
-    xp = namespace_of(state.W)
+    xp = namespace(state.W)
     basis = identity_basis() if basis is None else basis
     G = problem.grad(state.W)
-    G_rot = rotate(G, basis, xp)
-    closed = scalar(hamiltonian_rate(system, state, G, G_rot, xp=xp))
+    G_rot = rotate(G, *basis, xp)
+    closed = float(hamiltonian_rate(system, state, G, G_rot, xp=xp))
     return ClaimEvaluation(
         closed, directional_derivative(system, problem, state, basis), sufficient_condition(system, state, G, G_rot)
     )
@@ -283,7 +280,7 @@ def random_state(
     ``on_manifold=True`` rescales ``s`` so that ``1_n^T s = 1_m^T r`` (the invariant
     manifold of the factored families).  Deterministic in ``seed``.
     """
-    xp = namespace_of(W, xp=xp)
+    xp = namespace(W, xp=xp)
     rng = np.random.default_rng(seed)
     m, n = W.shape
 
@@ -322,7 +319,7 @@ class Counterexample(NamedTuple):
 
 def quadratic_problem(W: Array, G: Array, *, name: str = "quadratic") -> Problem:
     """``L(V) = 1/2 ||V - C||^2`` with ``C = W - G``, so that ``grad L(W) = G`` exactly."""
-    xp = namespace_of(W, G)
+    xp = namespace(W, G)
     C = W - G
 
     def loss(V: Array) -> Array:

@@ -19,17 +19,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ._arrays import Array, namespace_of, scalar
+from .._xp import Array, namespace
 
 __all__ = ["ConstantStepSize", "ControllerState", "Decision", "PIController", "initial_step", "weighted_rms"]
 
 
 def weighted_rms(y0: Array, y1: Array, y_err: Array, rtol: float, atol: float) -> float:
     """``sqrt(mean((y_err / (atol + rtol max(|y0|, |y1|)))^2))``."""
-    xp = namespace_of(y_err)
+    xp = namespace(y_err)
     scale = atol + rtol * xp.maximum(xp.abs(y0), xp.abs(y1))
     ratio = y_err / scale
-    return scalar(xp.sqrt(xp.mean(ratio * ratio)))
+    return float(xp.sqrt(xp.mean(ratio * ratio)))
 
 
 class ControllerState(NamedTuple):
@@ -114,12 +114,12 @@ def initial_step(
     ``d2 = ||f(y0 + h0 f0) - f0|| / h0`` and ``h1 = (0.01 / max(d1, d2))^(1/(p+1))``;
     the result is ``min(100 h0, h1)``.  Norms are weighted RMS with ``atol + rtol |y0|``.
     """
-    xp = namespace_of(y0)
+    xp = namespace(y0)
     scale = atol + rtol * xp.abs(y0)
 
     def norm(x: Array) -> float:
         r = x / scale
-        return scalar(xp.sqrt(xp.mean(r * r)))
+        return float(xp.sqrt(xp.mean(r * r)))
 
     d0, d1 = norm(y0), norm(f0)
     h0 = 1e-6 if d0 < 1e-5 or d1 < 1e-5 else 0.01 * d0 / d1

@@ -19,19 +19,23 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from ._arrays import Array, namespace_of
+from .._xp import Array, namespace
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
-from .progress import ProgressBar
 from .solvers import DenseStep, ExplicitRK, Solver, interpolate
 
 __all__ = ["BasisSchedule", "SaveAt", "Solution", "integrate"]
 
 Controller = ConstantStepSize | PIController
+
+_BAR_FORMAT = "{desc}: {percentage:5.1f}%|{bar}| t={n:.4g}/{total:.4g} [{elapsed}{postfix}]"
+"""Fraction of ``[t0, t1]`` done (one decimal), the time reached, elapsed seconds, then steps and ``h``."""
 
 
 @dataclass(frozen=True)
@@ -125,14 +129,18 @@ class Solution(NamedTuple):
         """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``)."""
         if self.dense is None:
             raise ValueError("no dense output: integrate with SaveAt(dense=True)")
-        starts = np.array([d.t0 for d in self.dense])
-        i = int(np.clip(np.searchsorted(starts, t, side="right") - 1, 0, len(self.dense) - 1))
-        return interpolate(self.dense[i], t)
+        return _evaluate_dense(self.dense, np.array([d.t0 for d in self.dense]), t)
 
     def basis_at(self, t: float) -> Any:
         """The ``args`` in force at time ``t`` (the later piece at a refresh time)."""
         i = int(np.clip(np.searchsorted(self.piece_starts, t, side="right") - 1, 0, len(self.bases) - 1))
         return self.bases[i]
+
+
+def _evaluate_dense(dense: Sequence[DenseStep], starts: np.ndarray, t: float) -> Array:
+    """``y(t)`` from the interpolant of the step that contains ``t`` (``starts``: the steps' start times)."""
+    i = int(np.clip(np.searchsorted(starts, t, side="right") - 1, 0, len(dense) - 1))
+    return interpolate(dense[i], t)
 
 
 def _pieces(t0: float, t1: float, schedule: BasisSchedule | None) -> list[tuple[float, float, bool]]:
@@ -180,7 +188,7 @@ def integrate(
     start_clock = time.perf_counter()
     if not t1 > t0:
         raise ValueError(f"need t1 > t0, got t0={t0!r}, t1={t1!r}")
-    xp = namespace_of(y0)
+    xp = namespace(y0)
     controller = ConstantStepSize() if controller is None else controller
     saveat = SaveAt() if saveat is None else saveat
     if not controller.adaptive:
@@ -188,7 +196,10 @@ def integrate(
         if dt is None or not dt > 0:
             raise ValueError("a constant step size needs dt0 > 0 (or ConstantStepSize(dt))")
         dt0 = dt
-    bar = ProgressBar(t0, t1, enabled=progress)
+    # tqdm's disable=None is "only when stderr is a terminal", the meaning of progress=None here
+    bar = tqdm(
+        total=t1 - t0, desc=solver.name, bar_format=_BAR_FORMAT, disable=None if progress is None else not progress
+    )
 
     t, y = float(t0), y0
     h = dt0
@@ -258,13 +269,14 @@ def integrate(
                 segs.append(piece)
             if controller.adaptive:
                 h = decision.h_next
-            bar.update(t, n_steps, h_try)
+            bar.set_postfix_str(f"steps={n_steps} h={h_try:.3g}", refresh=False)
+            bar.update((t - t0) - bar.n)  # tqdm throttles the redraws itself
             if not bool(xp.all(xp.isfinite(y))):
                 status = "nonfinite"
                 break
         if status != "success":
             break
-    bar.close(t, n_steps, hs[-1] if hs else (h or 0.0))
+    bar.close()
 
     if saveat.ts is not None:
         ts, ys, segs = [], [], []
@@ -277,9 +289,8 @@ def integrate(
                 ys.append(y0 if tq <= t0 else y)
                 segs.append(0)
                 continue
-            i = int(np.clip(np.searchsorted(starts, tq, side="right") - 1, 0, len(dense) - 1))
             ts.append(float(tq))
-            ys.append(interpolate(dense[i], float(tq)))
+            ys.append(_evaluate_dense(dense, starts, float(tq)))
             segs.append(int(np.searchsorted(np.array(piece_starts), tq, side="left") - 1) if tq > t0 else 0)
     return Solution(
         ts=np.asarray(ts, dtype=np.float64),

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import Array, Namespace
+from .._xp import Array, Namespace
 
 __all__ = [
     "PROBLEMS",

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ._arrays import Array, namespace_of
-from .tableaus import DOPRI5, DOPRI5_DENSE, EULER, RK4, ButcherTableau
+from .._xp import Array, namespace
+from .tableaus import DOPRI5, EULER, RK4, ButcherTableau
 
 __all__ = [
     "SOLVERS",
@@ -46,6 +46,15 @@ class RKStep(NamedTuple):
     ks: tuple[Array, ...]
 
 
+def _combine(base: Array, h: float, weights: tuple[float, ...], ks: list[Array]) -> Array:
+    """``base + h sum_i w_i k_i``, summed in stage order, zero weights skipped (a row of ``A`` may be shorter)."""
+    out = base
+    for w, k in zip(weights, ks, strict=False):
+        if w != 0.0:
+            out = out + (h * w) * k
+    return out
+
+
 def rk_step(
     f: VectorField, t: float, y: Array, h: float, args: Any, tableau: ButcherTableau, k1: Array | None = None
 ) -> RKStep:
@@ -62,21 +71,9 @@ def rk_step(
         if i == 0 and k1 is not None:
             ks.append(k1)
             continue
-        yi = y
-        for aij, kj in zip(row, ks, strict=False):
-            if aij != 0.0:
-                yi = yi + (h * aij) * kj
-        ks.append(f(t + ci * h, yi, args))
-    y1 = y
-    for bi, ki in zip(tableau.b, ks, strict=True):
-        if bi != 0.0:
-            y1 = y1 + (h * bi) * ki
-    y_err = None
-    if tableau.b_err is not None:
-        y_err = namespace_of(y).zeros_like(y)
-        for ei, ki in zip(tableau.b_err, ks, strict=True):
-            if ei != 0.0:
-                y_err = y_err + (h * ei) * ki
+        ks.append(f(t + ci * h, _combine(y, h, row, ks), args))
+    y1 = _combine(y, h, tableau.b, ks)
+    y_err = None if tableau.b_err is None else _combine(namespace(y).zeros_like(y), h, tableau.b_err, ks)
     return RKStep(y1, y_err, tuple(ks))
 
 
@@ -181,14 +178,11 @@ class ExplicitRK(Solver):
         else:
             f1 = term.vector_field(t + h, out.y1, args)
             evals += 1
-        if self.tableau is DOPRI5:
+        if self.tableau.b_dense is not None:
             dy = out.y1 - y
             e1 = h * out.ks[0] - dy
             e2 = dy - h * f1 - e1
-            e3 = namespace_of(y).zeros_like(y)
-            for di, ki in zip(DOPRI5_DENSE, out.ks, strict=True):
-                if di != 0.0:
-                    e3 = e3 + (h * di) * ki
+            e3 = _combine(namespace(y).zeros_like(y), h, self.tableau.b_dense, list(out.ks))
             dense = DenseStep("dopri5", t, h, (y, dy, e1, e2, e3))
         else:
             dense = DenseStep("hermite", t, h, (y, out.y1, h * out.ks[0], h * f1))

@@ -28,18 +28,34 @@ system              family     sides  state
 ==================  =========  =====  ===============================================
 
 The Hamiltonians do not depend on ``P`` or ``Q``, so ``H`` is continuous across a
-basis refresh (moments are carried over unrotated).  Each ``dH/dt`` below is
+basis refresh (moments are carried over unrotated).  Each ``dH/dt`` is
 derived in ``docs/ode.md`` and checked against ``grad H . f`` by the tests.
+
+The equations live with the discrete updates, one module per family in
+:mod:`adadiag_ref.optim.families` (their :class:`~adadiag_ref.optim.families.Flow`);
+the rotation is the shared :mod:`adadiag_ref.optim.rotation`.  This module adds the
+system's constants (:class:`System`) and assembles the pieces.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple
+from typing import Any
 
-from ._arrays import Array, Namespace, inner, namespace_of
+from .._xp import Array, Namespace, namespace
+from ..config import OPTIMIZERS
+from ..linalg import canonical_svd
+from ..optim.families import (
+    FLOWS,
+    AdafactorODEState,
+    AdamODEState,
+    Flow,
+    HfacODEState,
+    MomentumODEState,
+    ODEState,
+)
+from ..optim.rotation import Basis, parameter_velocity, rotate, unrotate
 
 __all__ = [
     "ALIASES",
@@ -51,7 +67,6 @@ __all__ = [
     "MomentumODEState",
     "ODEState",
     "System",
-    "clip_factor",
     "compute_basis",
     "field_shapes",
     "hamiltonian",
@@ -72,21 +87,13 @@ __all__ = [
 
 SYSTEMS: dict[str, tuple[str, int]] = {
     "momentum_sgd": ("momentum", 0),
-    "adam": ("adam", 0),
-    "adadiag": ("adam", 1),
-    "adadiag_pp": ("adam", 2),
-    "adafactor": ("adafactor", 0),
-    "adafacdiag": ("adafactor", 1),
-    "adafacdiag_pp": ("adafactor", 2),
-    "hfac": ("hfac", 0),
-    "hfacdiag": ("hfac", 1),
+    **{"adam" if name == "adamw" else name: (cls.family, sides) for name, (cls, sides) in OPTIMIZERS.items()},
 }
-"""System name -> (family, number of rotated sides)."""
+"""System name -> (family, number of rotated sides): momentum SGD and the eight optimizers of the core."""
 
 ALIASES: dict[str, str] = {"sgd": "momentum_sgd", "momentum": "momentum_sgd", "sgdm": "momentum_sgd", "adamw": "adam"}
 """Accepted alternative names (the core's ``adamw`` is the ODE ``adam``: weight decay is a field here)."""
 
-_DEFAULT_EPS = {"momentum": 0.0, "adam": 1e-8, "adafactor": 1e-30, "hfac": 1e-30}
 _MOMENTUM_FORMS = ("gradient", "update", "none")
 _NORMALIZATIONS = ("paper", "algorithm")
 
@@ -135,10 +142,14 @@ class System:
     momentum_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.family in _DEFAULT_EPS, f"unknown family {self.family!r}")
+        _check(self.family in FLOWS, f"unknown family {self.family!r}")
         _check(self.sides in (0, 1, 2), f"sides must be 0, 1 or 2, got {self.sides!r}")
-        _check(self.family != "momentum" or self.sides == 0, "momentum SGD has no rotated form")
-        _check(self.family != "hfac" or self.sides <= 1, "Hfac is defined one-sided only (hfac, hfacdiag)")
+        most = FLOWS[self.family].max_sides
+        _check(
+            self.sides <= most,
+            f"the {self.family} family is defined {('unrotated', 'one-sided', 'two-sided')[most]} only, "
+            f"not with {self.sides} rotated sides",
+        )
         for label in ("a", "b"):
             value = getattr(self, label)
             _check(math.isfinite(value) and value > 0, f"rate {label} must be a finite number > 0, got {value!r}")
@@ -194,7 +205,7 @@ def make_system(name: str, **options: Any) -> System:
     if key not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose one of {', '.join([*SYSTEMS, *ALIASES])}")
     family, sides = SYSTEMS[key]
-    options.setdefault("eps", _DEFAULT_EPS[family])
+    options.setdefault("eps", FLOWS[family].default_eps)
     allowed = {f.name for f in fields(System)} - {"name", "family", "sides"}
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -202,64 +213,21 @@ def make_system(name: str, **options: Any) -> System:
     return System(name=key, family=family, sides=sides, **options)
 
 
-# ----------------------------------------------------------------------------- states
+# ----------------------------------------------------------------------------- structure
 
 
-class MomentumODEState(NamedTuple):
-    """Momentum SGD: parameter ``W`` and momentum ``M`` (both ``m x n``)."""
-
-    W: Array
-    M: Array
-
-
-class AdamODEState(NamedTuple):
-    """Adam, AdaDiag, AdaDiag++: ``W`` and the rotated moments ``M``, ``V`` (``m x n``)."""
-
-    W: Array
-    M: Array
-    V: Array
-
-
-class AdafactorODEState(NamedTuple):
-    """Adafactor family: ``W``, first moment ``M`` (``None`` without momentum), ``r`` (m,), ``s`` (n,)."""
-
-    W: Array
-    M: Array | None
-    r: Array
-    s: Array
-
-
-class HfacODEState(NamedTuple):
-    """Hfac family: ``W``, factored first moment ``u`` (m,), ``v`` (n,), second ``r`` (m,), ``s`` (n,)."""
-
-    W: Array
-    u: Array
-    v: Array
-    r: Array
-    s: Array
-
-
-ODEState = MomentumODEState | AdamODEState | AdafactorODEState | HfacODEState
-
-_STATE_TYPES: dict[str, type] = {
-    "momentum": MomentumODEState,
-    "adam": AdamODEState,
-    "adafactor": AdafactorODEState,
-    "hfac": HfacODEState,
-}
+def _flow(system: System) -> Flow:
+    return FLOWS[system.family]
 
 
 def state_type(system: System) -> type:
     """The NamedTuple class holding ``system``'s state."""
-    return _STATE_TYPES[system.family]
+    return _flow(system).state_type
 
 
 def state_fields(system: System) -> tuple[str, ...]:
     """The fields that are present (not ``None``) in ``system``'s state, in packing order."""
-    names: tuple[str, ...] = state_type(system)._fields  # type: ignore[attr-defined]
-    if system.family == "adafactor" and system.momentum_form == "none":
-        names = tuple(f for f in names if f != "M")
-    return names
+    return _flow(system).fields(system)
 
 
 def field_shapes(system: System, m: int, n: int) -> dict[str, tuple[int, ...]]:
@@ -275,50 +243,15 @@ def update_order(system: System) -> tuple[tuple[str, ...], ...]:
     newest values of the blocks before it: second moments, then first moments,
     then ``W``.  This makes one step equal to one discrete optimizer update.
     """
-    if system.family == "momentum":
-        return (("M",), ("W",))
-    if system.family == "adam":
-        return (("M", "V"), ("W",))
-    if system.family == "hfac":
-        return (("u", "v", "r", "s"), ("W",))
-    if system.momentum_form == "none":
-        return (("r", "s"), ("W",))
-    if system.momentum_form == "gradient":
-        return (("r", "s", "M"), ("W",))
-    return (("r", "s"), ("M",), ("W",))  # the algorithm's M uses the new r, s
+    return _flow(system).update_order(system)
 
 
 # ----------------------------------------------------------------------------- bases
 
 
-class Basis(NamedTuple):
-    """The bases in force: ``P`` (``m x m``) and ``Q`` (``n x n``); ``None`` means identity."""
-
-    P: Array | None
-    Q: Array | None
-
-
 def identity_basis() -> Basis:
     """``P = Q = I`` (both ``None``)."""
     return Basis(None, None)
-
-
-def rotate(G: Array, basis: Basis, xp: Namespace) -> Array:
-    """``G~ = P^T G Q``."""
-    if basis.P is not None:
-        G = xp.matrix_transpose(basis.P) @ G
-    if basis.Q is not None:
-        G = G @ basis.Q
-    return G
-
-
-def unrotate(X: Array, basis: Basis, xp: Namespace) -> Array:
-    """``P X Q^T`` (the adjoint of :func:`rotate`: ``<G, P X Q^T> = <P^T G Q, X>`` for any P, Q)."""
-    if basis.P is not None:
-        X = basis.P @ X
-    if basis.Q is not None:
-        X = X @ xp.matrix_transpose(basis.Q)
-    return X
 
 
 def compute_basis(system: System, G: Array, *, xp: Namespace | None = None) -> Basis:
@@ -330,56 +263,17 @@ def compute_basis(system: System, G: Array, *, xp: Namespace | None = None) -> B
     """
     if system.sides == 0:
         return identity_basis()
-    xp = namespace_of(G, xp=xp)
+    xp = namespace(G, xp=xp)
     m, n = G.shape
     if m > n:
         raise ValueError(
             f"rotated systems take a wide or square W (m <= n), got {m} x {n}: pass W^T, as the core's work frame does"
         )
-    from ..linalg import canonical_svd
-
     svd = canonical_svd(G, compute_p=True, compute_q=system.sides == 2, xp=xp)
     return Basis(svd.P, svd.Q if system.sides == 2 else None)
 
 
-# ----------------------------------------------------------------------------- shared pieces
-
-
-def clip_factor(U: Array, threshold: float | None, xp: Namespace) -> Array:
-    """``gamma = 1 / max(1, RMS(U) / d)``, so that ``clip(U) = gamma U``; 1 when ``d`` is None."""
-    if threshold is None:
-        return xp.ones((), dtype=U.dtype)
-    ratio = xp.sqrt(xp.mean(U * U)) / threshold
-    return 1.0 / xp.maximum(ratio, xp.ones_like(ratio))
-
-
-def _factored(
-    state: AdafactorODEState | HfacODEState, G_rot: Array, eps: float, xp: Namespace
-) -> tuple[Array, Array, Array, Array]:
-    """``rho = (G~^2 + eps) 1_n``, ``sigma = (G~^2 + eps)^T 1_m``, ``R = 1_m^T r`` and ``S = sqrt(r s^T / R)``."""
-    sq = G_rot * G_rot + eps
-    rho = xp.sum(sq, axis=1)
-    sigma = xp.sum(sq, axis=0)
-    R = xp.sum(state.r)
-    S = xp.sqrt(state.r[:, None] * state.s[None, :] / R)
-    return rho, sigma, R, S
-
-
-def _hfac_constants(system: System, m: int, n: int) -> tuple[float, float]:
-    """``(kappa_r, kappa_s)``: 1, 1 for the paper's ODE; ``n``, ``m`` for Algorithm HfacDiag."""
-    if system.normalization == "algorithm":
-        return float(n), float(m)
-    return 1.0, 1.0
-
-
-def _decay(system: System, state: ODEState, G: Array, xp: Namespace) -> Array:
-    """The weight-decay part of ``dH/dt``: ``-lambda <G, W>``."""
-    if not system.weight_decay:
-        return xp.zeros((), dtype=G.dtype)
-    return -system.weight_decay * inner(G, state.W, xp)
-
-
-# ----------------------------------------------------------------------------- vector fields
+# ----------------------------------------------------------------------------- vector field, H, dH/dt
 
 
 def vector_field(
@@ -397,250 +291,49 @@ def vector_field(
     ``fields`` only those are computed and the others are zero (semi-implicit Euler
     advances one block at a time and must not evaluate, e.g., ``W'`` at ``r = 0``).
 
-    * momentum SGD::
-
-        W' = -M - lambda W,        M' = a (G - M)
-
-    * Adam / AdaDiag / AdaDiag++ (``D = sqrt(V) + eps``)::
-
-        W' = -P (M / D) Q^T - lambda W,   M' = a (G~ - M),   V' = b (G~^2 - V)
-
-    * Adafactor / AdafacDiag, with ``rho = (G~^2 + eps) 1_n``,
-      ``sigma = (G~^2 + eps)^T 1_m``, ``V^ = r s^T / (1_m^T r)``, ``S = sqrt(V^)``,
-      ``U = G~ / S`` and ``gamma = 1 / max(1, RMS(U) / d)``::
-
-        r' = b (rho - r),   s' = b (sigma - s)
-        gradient form (paper):   M' = a (G~ - M),        W' = -P (M / S) Q^T - lambda W
-        update form (Algorithm): M' = a (gamma U - M),   W' = -P M Q^T - lambda W
-        none (no momentum):                              W' = -P (gamma U) Q^T - lambda W
-
-    * Hfac / HfacDiag, with ``g_r = G~ 1_n / n``, ``g_c = G~^T 1_m / m``,
-      ``phi = (u - g_r) / sqrt(r / kappa_r)`` (m), ``psi = (v - g_c) / sqrt(s / kappa_s)``
-      (n), ``kappa = 1`` (paper) or ``kappa_r = n, kappa_s = m`` (Algorithm)::
-
-        W' = -P (gamma U + (c / 2)(phi 1_n^T + 1_m psi^T)) - lambda W
-        u' = a (g_r - u),  v' = a (g_c - v),  r' = b (rho - r),  s' = b (sigma - s)
+    ``W' = -P U~ Q^T - lambda W`` (:func:`~adadiag_ref.optim.rotation.parameter_velocity`)
+    with the family's rotated direction ``U~``; the moments' derivatives are the
+    family's (``vector_field`` of :mod:`~adadiag_ref.optim.families.adam`,
+    :mod:`~adadiag_ref.optim.families.adafactor`, :mod:`~adadiag_ref.optim.families.hfac`,
+    :mod:`~adadiag_ref.optim.families.momentum`).
     """
-    xp = namespace_of(G_rot, xp=xp)
+    xp = namespace(G_rot, xp=xp)
     want = set(state._fields if fields is None else fields)
-    lam = system.weight_decay
-
-    def out(**derivatives: Callable[[], Array] | None) -> Any:
-        values: dict[str, Array | None] = {}
-        for name in state._fields:
-            x = getattr(state, name)
-            make = derivatives.get(name)
-            if x is None or make is None:
-                values[name] = None
-            elif name in want:
-                values[name] = make()
-            else:
-                values[name] = xp.zeros_like(x)
-        return type(state)(**values)
-
-    def w_dot(step: Array) -> Array:
-        """``W' = -P step Q^T - lambda W``."""
-        direction = -unrotate(step, basis, xp)
-        return direction - lam * state.W if lam else direction
-
-    a, b = system.a, system.b
-    if isinstance(state, MomentumODEState):
-        M_sgd = state.M
-        return out(W=lambda: -M_sgd - lam * state.W if lam else -M_sgd, M=lambda: a * (G_rot - M_sgd))
-    if isinstance(state, AdamODEState):
-        M, V = state.M, state.V
-        return out(
-            W=lambda: w_dot(M / (xp.sqrt(V) + system.eps)),
-            M=lambda: a * (G_rot - M),
-            V=lambda: b * (G_rot * G_rot - V),
-        )
-    sq = G_rot * G_rot + system.eps
-    r, s = state.r, state.s
-
-    def S() -> Array:
-        """``sqrt(V^) = sqrt(r s^T / 1_m^T r)``."""
-        return xp.sqrt(r[:, None] * s[None, :] / xp.sum(r))
-
-    def clipped_u() -> Array:
-        """``gamma U`` with ``U = G~ / sqrt(V^)``."""
-        U = G_rot / S()
-        return clip_factor(U, system.clip_threshold, xp) * U
-
-    def r_dot() -> Array:
-        return b * (xp.sum(sq, axis=1) - r)
-
-    def s_dot() -> Array:
-        return b * (xp.sum(sq, axis=0) - s)
-
-    if isinstance(state, AdafactorODEState):
-        M_af = state.M
-        if system.momentum_form == "gradient":
-            assert M_af is not None
-            return out(W=lambda: w_dot(M_af / S()), M=lambda: a * (G_rot - M_af), r=r_dot, s=s_dot)
-        if system.momentum_form == "update":
-            assert M_af is not None
-            return out(W=lambda: w_dot(M_af), M=lambda: a * (clipped_u() - M_af), r=r_dot, s=s_dot)
-        return out(W=lambda: w_dot(clipped_u()), r=r_dot, s=s_dot)
-    assert isinstance(state, HfacODEState)
-    m, n = G_rot.shape
-    kr, ks = _hfac_constants(system, m, n)
-    g_r, g_c = xp.mean(G_rot, axis=1), xp.mean(G_rot, axis=0)
-    u, v = state.u, state.v
-
-    def hfac_step() -> Array:
-        """``gamma U + (c/2)(phi 1_n^T + 1_m psi^T)``."""
-        phi = (u - g_r) / xp.sqrt(r / kr)
-        psi = (v - g_c) / xp.sqrt(s / ks)
-        return clipped_u() + (0.5 * system.momentum_scale) * (phi[:, None] + psi[None, :])
-
-    return out(
-        W=lambda: w_dot(hfac_step()),
-        u=lambda: a * (g_r - u),
-        v=lambda: a * (g_c - v),
-        r=r_dot,
-        s=s_dot,
-    )
-
-
-# ----------------------------------------------------------------------------- Hamiltonians
+    field = _flow(system).vector_field(system, state, G_rot, xp)
+    derivatives = {
+        "W": lambda: parameter_velocity(field.direction(), state.W, basis, system.weight_decay, xp),
+        **field.moments,
+    }
+    values: dict[str, Array | None] = {}
+    for name in state._fields:
+        x = getattr(state, name)
+        make = derivatives.get(name)
+        if x is None or make is None:
+            values[name] = None
+        elif name in want:
+            values[name] = make()
+        else:
+            values[name] = xp.zeros_like(x)
+    return type(state)(**values)
 
 
 def hamiltonian(system: System, state: ODEState, loss: Array, *, xp: Namespace | None = None) -> Array:
-    r"""``H(y)`` given ``loss = L(W)``; it never depends on the bases.
-
-    * momentum SGD: ``H = L + <M, M> / (2a)``
-    * Adam family: ``H = L + <M / (sqrt(V) + eps), M> / (2a)`` (the paper's, with ``1/(2a)``)
-    * Adafactor, gradient form: ``H = L + <M / S, M> / (2a)`` (the paper's)
-    * Adafactor, update form: ``H = L + <S M, M> / (2a)``;  no momentum: ``H = L``
-    * Hfac: ``H = L + K_u sum_i u_i^2 / sqrt(r_i) + K_v sum_j v_j^2 / sqrt(s_j)`` with
-      ``K_u = c n sqrt(kappa_r) / (4a)``, ``K_v = c m sqrt(kappa_s) / (4a)``.  For the
-      paper's ODE (``c = kappa = a = 1``) this is the appendix's
-      ``L + <u 1_n^T / sqrt(r 1_n^T), u 1_n^T> / 4 + <1_m v^T / sqrt(1_m s^T), 1_m v^T> / 4``.
-    """
-    xp = namespace_of(state.W, xp=xp)
-    a = system.a
-    if system.family == "momentum":
-        assert isinstance(state, MomentumODEState)
-        return loss + inner(state.M, state.M, xp) / (2 * a)
-    if system.family == "adam":
-        assert isinstance(state, AdamODEState)
-        return loss + xp.sum(state.M * state.M / (xp.sqrt(state.V) + system.eps)) / (2 * a)
-    if system.family == "adafactor":
-        assert isinstance(state, AdafactorODEState)
-        if system.momentum_form == "none":
-            return loss + xp.zeros((), dtype=state.W.dtype)
-        assert state.M is not None
-        S = xp.sqrt(state.r[:, None] * state.s[None, :] / xp.sum(state.r))
-        kinetic = state.M * state.M / S if system.momentum_form == "gradient" else S * state.M * state.M
-        return loss + xp.sum(kinetic) / (2 * a)
-    assert isinstance(state, HfacODEState)
-    m, n = state.W.shape
-    kr, ks = _hfac_constants(system, m, n)
-    c = system.momentum_scale
-    K_u = c * n * math.sqrt(kr) / (4 * a)
-    K_v = c * m * math.sqrt(ks) / (4 * a)
-    return (
-        loss + K_u * xp.sum(state.u * state.u / xp.sqrt(state.r)) + K_v * xp.sum(state.v * state.v / xp.sqrt(state.s))
-    )
-
-
-def _adam_rate(system: System, state: AdamODEState, G_rot: Array, xp: Namespace) -> Array:
-    """Adam family ``dH/dt`` without weight decay (see :func:`hamiltonian_rate`)."""
-    q = system.b / (4 * system.a)
-    M2 = state.M * state.M
-    sqrtV = xp.sqrt(state.V)
-    D = sqrtV + system.eps
-    num = M2 * G_rot * G_rot
-    zero = xp.zeros_like(num)
-    # The term M^2 G~^2 / (sqrt(V) D^2) is -dH/dV * V'-part; at V = 0 it is +inf where M G~ != 0.
-    positive_v = state.V > 0
-    safe_sqrtV = xp.where(positive_v, sqrtV, xp.ones_like(sqrtV))
-    gradient_term = xp.where(positive_v, num / (safe_sqrtV * D * D), xp.where(num > 0, zero + xp.inf, zero))
-    return -xp.sum(M2 / D) + q * xp.sum(M2 * sqrtV / (D * D)) - q * xp.sum(gradient_term)
-
-
-def _adafactor_rate(system: System, state: AdafactorODEState, G_rot: Array, xp: Namespace) -> Array:
-    """Adafactor family ``dH/dt`` without weight decay (see :func:`hamiltonian_rate`)."""
-    q = system.b / (4 * system.a)
-    rho, sigma, R, S = _factored(state, G_rot, system.eps, xp)
-    U = G_rot / S
-    gamma = clip_factor(U, system.clip_threshold, xp)
-    if system.momentum_form == "none":
-        return -gamma * xp.sum(G_rot * G_rot / S)
-    assert state.M is not None
-    M2 = state.M * state.M
-    if system.momentum_form == "gradient":
-        Psi = M2 / S
-        total = xp.sum(Psi)
-        ratio = xp.sum(rho) / R
-        spread = xp.sum(xp.sum(Psi, axis=1) * rho / state.r) + xp.sum(xp.sum(Psi, axis=0) * sigma / state.s)
-        return -total * (1.0 - q * (1.0 + ratio)) - q * spread
-    growth = rho[:, None] / state.r[:, None] + sigma[None, :] / state.s[None, :] - xp.sum(rho) / R - 1.0
-    return -(1.0 - gamma) * inner(G_rot, state.M, xp) - xp.sum(S * M2) + q * xp.sum(S * M2 * growth)
-
-
-def _hfac_rate(system: System, state: HfacODEState, G_rot: Array, xp: Namespace) -> Array:
-    """Hfac family ``dH/dt`` without weight decay (see :func:`hamiltonian_rate`)."""
-    m, n = G_rot.shape
-    kr, ks = _hfac_constants(system, m, n)
-    q = system.b / (4 * system.a)
-    c = system.momentum_scale
-    rho, sigma, _, S = _factored(state, G_rot, system.eps, xp)
-    U = G_rot / S
-    gamma = clip_factor(U, system.clip_threshold, xp)
-    g_r, g_c = xp.mean(G_rot, axis=1), xp.mean(G_rot, axis=0)
-    cu = 0.5 * c * n * math.sqrt(kr)
-    cv = 0.5 * c * m * math.sqrt(ks)
-    sr, ss = xp.sqrt(state.r), xp.sqrt(state.s)
-    u2, v2 = state.u * state.u, state.v * state.v
-    row = cu * xp.sum((g_r * g_r - (1.0 - q) * u2) / sr) - cu * q * xp.sum(u2 * rho / (state.r * sr))
-    col = cv * xp.sum((g_c * g_c - (1.0 - q) * v2) / ss) - cv * q * xp.sum(v2 * sigma / (state.s * ss))
-    return -gamma * xp.sum(G_rot * G_rot / S) + row + col
+    r"""``H(y)`` given ``loss = L(W)``; it never depends on the bases (the family's ``hamiltonian``)."""
+    xp = namespace(state.W, xp=xp)
+    return _flow(system).hamiltonian(system, state, loss, xp)
 
 
 def hamiltonian_rate(system: System, state: ODEState, G: Array, G_rot: Array, *, xp: Namespace | None = None) -> Array:
     r"""Closed-form ``dH/dt = <grad H(y), f(y)>`` (derivations in ``docs/ode.md``).
 
-    ``G`` is ``grad L(W)`` and ``G_rot = P^T G Q``; ``q = b / (4a)``.  Every system
-    adds ``-lambda <G, W>`` for weight decay.
-
-    * momentum SGD: ``-<M, M>``
-    * Adam family (``D = sqrt(V) + eps``)::
-
-        -sum M^2 / D  +  q sum M^2 sqrt(V) / D^2  -  q sum M^2 G~^2 / (sqrt(V) D^2)
-
-      The middle term (from the ``-V`` in ``V'``) is positive; it is dominated by the
-      first iff ``q sqrt(V)/D <= 1``, which holds for every state iff ``b <= 4a``.
-    * Adafactor, gradient form, with ``Psi = M^2 / S``, row sums ``Psi_r``, column sums
-      ``Psi_c`` and ``R = 1^T r``::
-
-        -sum Psi (1 - q (1 + 1^T rho / R))  -  q (<Psi_r, rho / r> + <Psi_c, sigma / s>)
-
-    * Adafactor, update form:
-      ``-(1 - gamma) <G~, M> - sum S M^2 + q sum S M^2 (rho_i/r_i + sigma_j/s_j - 1^T rho / R - 1)``;
-      no momentum: ``-gamma sum G~^2 / S``.
-    * Hfac, with ``C_u = c n sqrt(kappa_r) / 2``, ``C_v = c m sqrt(kappa_s) / 2``::
-
-        -gamma sum G~^2 / S
-        + C_u sum_i (g_r,i^2 - (1 - q) u_i^2) / sqrt(r_i) - C_u q sum_i u_i^2 rho_i / r_i^(3/2)
-        + C_v sum_j (g_c,j^2 - (1 - q) v_j^2) / sqrt(s_j) - C_v q sum_j v_j^2 sigma_j / s_j^(3/2)
-
-      The ``+g^2`` terms are where the paper's claim can fail.
+    ``G`` is ``grad L(W)`` and ``G_rot = P^T G Q``: the family's ``hamiltonian_rate`` plus
+    ``-lambda <G, W>`` for weight decay.
     """
-    xp = namespace_of(G, xp=xp)
-    if system.family == "momentum":
-        assert isinstance(state, MomentumODEState)
-        rate = -inner(state.M, state.M, xp)
-    elif system.family == "adam":
-        assert isinstance(state, AdamODEState)
-        rate = _adam_rate(system, state, G_rot, xp)
-    elif system.family == "adafactor":
-        assert isinstance(state, AdafactorODEState)
-        rate = _adafactor_rate(system, state, G_rot, xp)
-    else:
-        assert isinstance(state, HfacODEState)
-        rate = _hfac_rate(system, state, G_rot, xp)
-    return rate + _decay(system, state, G, xp)
+    xp = namespace(G, xp=xp)
+    rate = _flow(system).hamiltonian_rate(system, state, G_rot, xp)
+    if not system.weight_decay:
+        return rate + xp.zeros((), dtype=G.dtype)
+    return rate + -system.weight_decay * xp.sum(G * state.W)
 
 
 # ----------------------------------------------------------------------------- initial conditions
@@ -669,35 +362,10 @@ def initial_state(
     It is well posed for the Adam family only with ``eps > 0`` and is stiff for
     small ``eps``; the factored families are undefined there (``V^ = 0/0``).
     """
-    xp = namespace_of(W0, G0_rot, xp=xp)
-    m, n = W0.shape
+    xp = namespace(W0, G0_rot, xp=xp)
     if moments not in ("gradient", "zero"):
         raise ValueError(f"moments must be 'gradient' or 'zero', got {moments!r}")
-    zero = moments == "zero"
-    sq = G0_rot * G0_rot
-    mean_sq = xp.mean(sq)
+    mean_sq = xp.mean(G0_rot * G0_rot)
     f = floor * xp.where(mean_sq > 0, mean_sq, xp.ones_like(mean_sq))
-    if system.family == "momentum":
-        return MomentumODEState(W=W0, M=xp.zeros_like(G0_rot) if zero else G0_rot)
-    if system.family == "adam":
-        if zero:
-            return AdamODEState(W=W0, M=xp.zeros_like(G0_rot), V=xp.zeros_like(G0_rot))
-        return AdamODEState(W=W0, M=G0_rot, V=sq + f)
-    sqe = sq + system.eps
-    r0 = xp.zeros((m,), dtype=W0.dtype) if zero else xp.sum(sqe, axis=1) + n * f
-    s0 = xp.zeros((n,), dtype=W0.dtype) if zero else xp.sum(sqe, axis=0) + m * f
-    if system.family == "adafactor":
-        if system.momentum_form == "none":
-            M0 = None
-        elif zero:
-            M0 = xp.zeros_like(G0_rot)
-        elif system.momentum_form == "gradient":
-            M0 = G0_rot
-        else:
-            S0 = xp.sqrt(r0[:, None] * s0[None, :] / xp.sum(r0))
-            U0 = G0_rot / S0
-            M0 = clip_factor(U0, system.clip_threshold, xp) * U0
-        return AdafactorODEState(W=W0, M=M0, r=r0, s=s0)
-    if zero:
-        return HfacODEState(W=W0, u=xp.zeros((m,), dtype=W0.dtype), v=xp.zeros((n,), dtype=W0.dtype), r=r0, s=s0)
-    return HfacODEState(W=W0, u=xp.mean(G0_rot, axis=1), v=xp.mean(G0_rot, axis=0), r=r0, s=s0)
+    flow = _flow(system)
+    return flow.state_type(W=W0, **flow.initial_moments(system, G0_rot, moments == "zero", f, xp))  # type: ignore[no-any-return]

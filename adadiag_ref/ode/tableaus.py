@@ -33,6 +33,8 @@ class ButcherTableau:
         order: classical order of ``b``.
         error_order: order of the embedded companion ``b^`` (``None`` without one).
         fsal: whether the last stage equals ``f(t + h, y_1)``.
+        b_dense: weights ``d_i`` of a 4th-order continuous extension of the DOPRI5 form
+            (:data:`DOPRI5_DENSE`); ``None``: the solver interpolates by cubic Hermite.
     """
 
     name: str
@@ -43,13 +45,14 @@ class ButcherTableau:
     order: int
     error_order: int | None = None
     fsal: bool = False
+    b_dense: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         s = len(self.c)
         if len(self.A) != s or any(len(row) != i for i, row in enumerate(self.A)):
             raise ValueError(f"{self.name}: A must have rows of lengths 0, 1, ..., {s - 1}")
-        if len(self.b) != s or (self.b_err is not None and len(self.b_err) != s):
-            raise ValueError(f"{self.name}: b and b_err must have {s} entries")
+        if any(w is not None and len(w) != s for w in (self.b, self.b_err, self.b_dense)):
+            raise ValueError(f"{self.name}: b, b_err and b_dense must have {s} entries")
 
     @property
     def stages(self) -> int:
@@ -73,6 +76,21 @@ RK4 = ButcherTableau(
 _DP_B = (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84, 0.0)
 _DP_B4 = (5179 / 57600, 0.0, 7571 / 16695, 393 / 640, -92097 / 339200, 187 / 2100, 1 / 40)
 
+DOPRI5_DENSE = (
+    -12715105075 / 11282082432,
+    0.0,
+    87487479700 / 32700410799,
+    -10690763975 / 1880347072,
+    701980252875 / 199316789632,
+    -1453857185 / 822651844,
+    69997945 / 29380423,
+)
+"""Weights ``d_i`` of the 4th-order continuous extension of DOPRI5 (Hairer, Norsett & Wanner, II.6).
+
+With ``theta in [0, 1]``, ``y(t + theta h) = y0 + theta (dy + (1 - theta)(e1 + theta (e2 + (1 - theta) e3)))``
+where ``dy = y1 - y0``, ``e1 = h k1 - dy``, ``e2 = dy - h k7 - e1`` and ``e3 = h sum_i d_i k_i``.
+"""
+
 DOPRI5 = ButcherTableau(
     name="dopri5",
     c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
@@ -90,22 +108,8 @@ DOPRI5 = ButcherTableau(
     order=5,
     error_order=4,
     fsal=True,
+    b_dense=DOPRI5_DENSE,
 )
 """Dormand-Prince 5(4) (Dormand & Prince 1980): propagates the 5th-order solution."""
-
-DOPRI5_DENSE = (
-    -12715105075 / 11282082432,
-    0.0,
-    87487479700 / 32700410799,
-    -10690763975 / 1880347072,
-    701980252875 / 199316789632,
-    -1453857185 / 822651844,
-    69997945 / 29380423,
-)
-"""Weights ``d_i`` of the 4th-order continuous extension of DOPRI5 (Hairer, Norsett & Wanner, II.6).
-
-With ``theta in [0, 1]``, ``y(t + theta h) = y0 + theta (dy + (1 - theta)(e1 + theta (e2 + (1 - theta) e3)))``
-where ``dy = y1 - y0``, ``e1 = h k1 - dy``, ``e2 = dy - h k7 - e1`` and ``e3 = h sum_i d_i k_i``.
-"""
 
 TABLEAUS: dict[str, ButcherTableau] = {t.name: t for t in (EULER, RK4, DOPRI5)}

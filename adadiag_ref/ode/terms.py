@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._arrays import Array, Namespace, namespace_of, scalar
+from .._xp import Array, Namespace, namespace
 from .problems import Problem
 from .systems import (
     Basis,
@@ -134,7 +134,7 @@ class SystemTerm:
         if self.system.sides and m > n:
             raise ValueError(f"rotated systems need m <= n, got W of shape {m} x {n}; use W^T")
         object.__setattr__(self, "layout", StateLayout.from_shapes(field_shapes(self.system, m, n)))
-        object.__setattr__(self, "xp", namespace_of(self.problem.W0))
+        object.__setattr__(self, "xp", namespace(self.problem.W0))
 
     # -- structure ---------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class SystemTerm:
     def gradients(self, t: float, y: Array, args: Basis) -> Gradients:
         """``G = grad L(W)`` and ``G~ = P^T G Q`` at ``y`` (one gradient evaluation)."""
         G = self.problem.grad(self.unpack(y).W)
-        return Gradients(G, rotate(G, args, self.xp))
+        return Gradients(G, rotate(G, *args, self.xp))
 
     def field_given_gradients(
         self, t: float, y: Array, grads: Gradients, args: Basis, fields: tuple[str, ...] | None = None
@@ -194,30 +194,30 @@ class SystemTerm:
         """Flat ``y0`` (see :func:`~.systems.initial_state`) for ``W0`` (default ``problem.W0``)."""
         W0 = self.problem.W0 if W0 is None else W0
         basis = identity_basis() if basis is None else basis
-        G0 = rotate(self.problem.grad(W0), basis, self.xp)
+        G0 = rotate(self.problem.grad(W0), *basis, self.xp)
         return self.pack(initial_state(self.system, W0, G0, moments=moments, floor=floor, xp=self.xp))
 
     # -- diagnostics -------------------------------------------------------------------------
 
     def loss(self, y: Array) -> float:
         """``L(W)``."""
-        return scalar(self.problem.loss(self.unpack(y).W))
+        return float(self.problem.loss(self.unpack(y).W))
 
     def grad_norm(self, y: Array) -> float:
         """``||grad L(W)||_F``."""
         G = self.problem.grad(self.unpack(y).W)
-        return scalar(self.xp.sqrt(self.xp.sum(G * G)))
+        return float(self.xp.sqrt(self.xp.sum(G * G)))
 
     def hamiltonian(self, y: Array) -> float:
         """``H(y)`` (independent of the basis)."""
         state = self.unpack(y)
-        return scalar(hamiltonian(self.system, state, self.problem.loss(state.W), xp=self.xp))
+        return float(hamiltonian(self.system, state, self.problem.loss(state.W), xp=self.xp))
 
     def hamiltonian_rate(self, t: float, y: Array, args: Basis) -> float:
         """Closed-form ``dH/dt`` at ``y`` under basis ``args``."""
         state = self.unpack(y)
         grads = self.gradients(t, y, args)
-        return scalar(hamiltonian_rate(self.system, state, grads.G, grads.G_rot, xp=self.xp))
+        return float(hamiltonian_rate(self.system, state, grads.G, grads.G_rot, xp=self.xp))
 
     def diagnostics(self, t: float, y: Array, args: Basis) -> Diagnostics:
         """``H``, ``L``, ``||grad L||`` and ``dH/dt`` at ``y`` with one loss and one gradient evaluation."""
@@ -225,12 +225,12 @@ class SystemTerm:
         state = self.unpack(y)
         loss = self.problem.loss(state.W)
         G = self.problem.grad(state.W)
-        G_rot = rotate(G, args, xp)
+        G_rot = rotate(G, *args, xp)
         return Diagnostics(
-            H=scalar(hamiltonian(self.system, state, loss, xp=xp)),
-            L=scalar(loss),
-            grad_norm=scalar(xp.sqrt(xp.sum(G * G))),
-            rate=scalar(hamiltonian_rate(self.system, state, G, G_rot, xp=xp)),
+            H=float(hamiltonian(self.system, state, loss, xp=xp)),
+            L=float(loss),
+            grad_norm=float(xp.sqrt(xp.sum(G * G))),
+            rate=float(hamiltonian_rate(self.system, state, G, G_rot, xp=xp)),
         )
 
 

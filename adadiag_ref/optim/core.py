@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, refresh_method
-from ..state import State
 from .dispatch import direction as family_direction
-from .families import FAMILIES, Family
+from .families import FAMILIES, Family, State
 from .layout import Layout, from_work, layout_for, to_work
+from .rotation import rotate, unrotate
 
 __all__ = [
     "NonFiniteGradientWarning",
@@ -42,48 +42,6 @@ __all__ = [
 
 def _family(cfg: BaseConfig) -> Family:
     return FAMILIES[cfg.family]
-
-
-def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
-    """``G~ = P^T G Q`` (a missing basis is the identity).
-
-    ``transposed`` says that ``g`` is the transposed view of a tall parameter
-    (:func:`~adadiag_ref.optim.layout.to_work`); the product is then formed as
-    ``(Q^T G^T P)^T`` so that ``G~`` keeps the parameter's memory order, like the
-    state's matrices (:func:`init`), and no elementwise operation mixes orders.
-    """
-    if P is None and Q is None:
-        return g
-    if transposed:
-        gt = xp.matrix_transpose(g)
-        if P is not None:
-            gt = gt @ P
-        if Q is not None:
-            gt = xp.matrix_transpose(Q) @ gt
-        return xp.matrix_transpose(gt)
-    if P is not None:
-        g = xp.matrix_transpose(P) @ g
-    if Q is not None:
-        g = g @ Q
-    return g
-
-
-def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
-    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q`` (``transposed`` as there)."""
-    if P is None and Q is None:
-        return u
-    if transposed:
-        ut = xp.matrix_transpose(u)
-        if P is not None:
-            ut = ut @ xp.matrix_transpose(P)
-        if Q is not None:
-            ut = Q @ ut
-        return xp.matrix_transpose(ut)
-    if P is not None:
-        u = P @ u
-    if Q is not None:
-        u = u @ xp.matrix_transpose(Q)
-    return u
 
 
 def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:

@@ -21,8 +21,8 @@ from typing import Any
 from .. import _kernels
 from .._xp import Array, Namespace
 from ..config import AdafactorConfig, BaseConfig, HfacConfig
-from ..state import State
-from .families import FAMILIES, Moments, _adafactor_beta2
+from .families import FAMILIES, Moments, State
+from .families.adafactor import second_moment_decay
 from .schedules import beta_hat
 
 __all__ = ["KERNEL_DIRECTIONS", "direction", "uses_kernels"]
@@ -50,7 +50,7 @@ def _adafactor(state: Any, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -
     assert isinstance(cfg, AdafactorConfig)
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction) if cfg.momentum else None
     M0 = state.M if cfg.momentum else None
-    beta2_t = _adafactor_beta2(cfg, t, xp)
+    beta2_t = second_moment_decay(cfg, t, xp)
     U, M, r, s = _kernels.adafactor_direction(state.r, state.s, M0, g, cfg.eps, beta2_t, b1_t, cfg.clip_threshold)
     return U, {"M": M, "r": r, "s": s}
 

@@ -29,9 +29,9 @@ from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_nam
 from .. import _kernels
 from .._xp import Array, Namespace, namespace
 from ..config import BaseConfig
-from ..state import AdamState, State
 from .core import prepare_step, unrotate, update
 from .dispatch import uses_kernels
+from .families import AdamState, State
 from .layout import from_work
 from .schedules import beta_hat
 

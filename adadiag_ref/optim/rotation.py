@@ -1,0 +1,74 @@
+"""The rotation layer shared by the discrete updates and their continuous-time forms.
+
+Every optimizer works on the rotated gradient ``G~ = P^T G Q`` and returns a
+rotated direction ``U~``; only this layer knows the bases.  The discrete update
+(:func:`adadiag_ref.optim.core.update`) applies ``W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)``,
+the continuous form (:mod:`adadiag_ref.ode`) ``W' = -P U~ Q^T - lambda W``
+(:func:`parameter_velocity`).  A missing basis (``None``) is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .._xp import Array, Namespace
+
+__all__ = ["Basis", "parameter_velocity", "rotate", "unrotate"]
+
+
+class Basis(NamedTuple):
+    """The bases in force: ``P`` (``m x m``) and ``Q`` (``n x n``); ``None`` means identity."""
+
+    P: Array | None
+    Q: Array | None
+
+
+def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
+    """``G~ = P^T G Q`` (a missing basis is the identity).
+
+    ``transposed`` says that ``g`` is the transposed view of a tall parameter
+    (:func:`~adadiag_ref.optim.layout.to_work`); the product is then formed as
+    ``(Q^T G^T P)^T`` so that ``G~`` keeps the parameter's memory order, like the
+    state's matrices (:func:`~adadiag_ref.optim.core.init`), and no elementwise operation mixes orders.
+    """
+    if P is None and Q is None:
+        return g
+    if transposed:
+        gt = xp.matrix_transpose(g)
+        if P is not None:
+            gt = gt @ P
+        if Q is not None:
+            gt = xp.matrix_transpose(Q) @ gt
+        return xp.matrix_transpose(gt)
+    if P is not None:
+        g = xp.matrix_transpose(P) @ g
+    if Q is not None:
+        g = g @ Q
+    return g
+
+
+def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transposed: bool = False) -> Array:
+    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q`` (``transposed`` as there).
+
+    For any ``P`` and ``Q`` it is the adjoint of :func:`rotate`: ``<G, P X Q^T> = <P^T G Q, X>``.
+    """
+    if P is None and Q is None:
+        return u
+    if transposed:
+        ut = xp.matrix_transpose(u)
+        if P is not None:
+            ut = ut @ xp.matrix_transpose(P)
+        if Q is not None:
+            ut = Q @ ut
+        return xp.matrix_transpose(ut)
+    if P is not None:
+        u = P @ u
+    if Q is not None:
+        u = u @ xp.matrix_transpose(Q)
+    return u
+
+
+def parameter_velocity(u_rot: Array, W: Array, basis: Basis, weight_decay: float, xp: Namespace) -> Array:
+    """``W' = -P U~ Q^T - lambda W``: the continuous form of the update ``-eta_t (P U~ Q^T + lambda W_t)``."""
+    velocity = -unrotate(u_rot, basis.P, basis.Q, xp)
+    return velocity - weight_decay * W if weight_decay else velocity
