@@ -79,7 +79,8 @@ class BaseConfig:
             ``t = 1`` and whenever ``(t - 1) mod T == 0``; ``None`` means T = infinity
             (refreshed once, at t = 1, then fixed).
         sides: 0 (identity basis), 1 (``P`` only) or 2 (``P`` and ``Q``).
-        max_basis_dim: a side longer than this is not rotated (its basis is I).
+        max_basis_dim: a side longer than this is not rotated (its basis is I).  The
+            default 8192 comes from the measured refresh time per side (docs/reliability.md).
         bias_correction: use the paper's beta-hat EMAs (Adam's bias correction).
             ``False`` uses the raw betas (the ODE's semi-implicit Euler form).
         state_dtype: ``"float32"`` or ``"float64"`` to override the default state

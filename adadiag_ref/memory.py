@@ -36,12 +36,14 @@ vocabulary-sized ``Q`` from being formed).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .config import BaseConfig, make_config
 from .optim import init
+from .optim.core import SlowRefreshWarning
 
 __all__ = [
     "LLAMA_CONFIGS",
@@ -148,7 +150,9 @@ _SHAPE_XP = _ShapeNamespace()
 
 def _state_elements(shape: tuple[int, ...], cfg: BaseConfig) -> int:
     """Elements of every array of ``init``'s state except the step counter."""
-    state = init(_Shape(shape), cfg, xp=_SHAPE_XP)
+    with warnings.catch_warnings():  # counting, not training: no refresh will run
+        warnings.simplefilter("ignore", SlowRefreshWarning)
+        state = init(_Shape(shape), cfg, xp=_SHAPE_XP)
     return sum(getattr(state, f).size for f in state._fields if f != "count" and getattr(state, f) is not None)
 
 

@@ -26,7 +26,9 @@ trace, so the refresh runs through ``jax.pure_callback`` into the core's NumPy
 the update jits once and never recompiles across steps.  Only the rotated
 sides are decomposed; baselines (``adamw``, ``adafactor``, ``hfac``) never call
 back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
-a NaN gradient propagates as in any optax transformation.
+a NaN gradient propagates into the moments as in any optax transformation,
+and a refresh on a non-finite gradient (or one whose decomposition fails)
+keeps the previous bases, as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
 parameters whose leaves are the core's NamedTuple states (``AdamState``,
@@ -189,21 +191,27 @@ def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
     return due
 
 
-def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
+def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.ndarray, ...]]:
     """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient, returning ``(P[, Q])``.
 
-    Only the gradient crosses to the host (the moments stay on the device); the
-    host state is a fresh ``ar.init`` of the state dtype, whose bases are replaced.
+    The gradient and the previous bases ``P_{t-1}[, Q_{t-1}]`` cross to the host
+    (the moments stay on the device); the host state is a fresh ``ar.init`` of the
+    state dtype carrying those bases, so that a refresh that keeps the previous
+    basis (a NaN or Inf gradient, a decomposition that fails on every rung;
+    ``docs/reliability.md``) returns ``P_{t-1}[, Q_{t-1}]`` bit for bit, as the
+    eager core does, never the identity of a fresh state.
     The callback runs on an XLA thread whose floating-point environment is not
     Python's; :func:`adadiag_ref.refresh_basis` is therefore run with the
     default environment restored (:func:`_default_fp_environment`).
     """
 
-    def callback(grad: np.ndarray) -> tuple[np.ndarray, ...]:
+    def callback(grad: np.ndarray, *previous: np.ndarray) -> tuple[np.ndarray, ...]:
         grad = np.asarray(grad)
         with _default_fp_environment():
             host_state = ar.init(np.zeros(grad.shape, dtype=dtype), cfg)
-            new = ar.refresh_basis(host_state, grad, cfg)
+            P = np.asarray(previous[0], dtype=dtype)
+            Q = np.asarray(previous[1], dtype=dtype) if len(previous) > 1 else None
+            new = ar.refresh_basis(host_state._replace(P=P, Q=Q), grad, cfg)
         return tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
 
     return callback
@@ -259,7 +267,7 @@ def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> An
     callback = _host_refresh(cfg, np.dtype(state.P.dtype))
 
     def do_refresh(s: Any) -> Any:
-        new = jax.pure_callback(callback, shapes, grad)
+        new = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
         return s._replace(P=new[0], Q=new[1] if s.Q is not None else None)
 
     return jax.lax.cond(due, do_refresh, lambda s: s, state)

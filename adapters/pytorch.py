@@ -5,7 +5,7 @@ The adapter owns no math.  For every parameter with a gradient, one call of
 :func:`adadiag_ref.step` does, on the parameter's own tensors and device::
 
     check_inputs(S, G, cfg, W)                    # all parameters first: an error leaves every state untouched
-    if refresh_due(t - 1):  S <- refresh_basis(S, G, cfg)   # P, Q <- canonical_svd(G)
+    if refresh_due(t - 1):  S <- refresh_basis(S, G, cfg, name=NAME)   # P, Q <- canonical_svd(G)
     S <- update_in_place(S, G, cfg, W, lr=group["lr"], refreshed=...)
                                                   # W += delta, delta = -eta_t (P U~ Q^T + lambda W_t);
                                                   # bit-identical to update(), moments overwritten in place
@@ -17,12 +17,14 @@ State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
 counter ``count`` under the key ``"step"`` (an int32 0-d tensor)::
 
-    AdamW / AdaDiag / AdaDiagPP            step, [P], [Q], M, V
-    Adafactor / AdafacDiag / AdafacDiagPP  step, [P], [Q], [M], r, s
-    Hfac / HfacDiag                        step, [P], [Q], u, v, r, s
+    AdamW / AdaDiag / AdaDiagPP            step, [P], [Q], M, V, param_shape
+    Adafactor / AdafacDiag / AdafacDiagPP  step, [P], [Q], [M], r, s, param_shape
+    Hfac / HfacDiag                        step, [P], [Q], u, v, r, s, param_shape
 
 A field the core leaves as ``None`` (no basis on that side, no momentum) is
-absent.  All arrays are in the parameter's work frame (``ar.layout_for``) and
+absent; ``param_shape`` is the zero-size record of the parameter's shape
+(``(0, *p.shape)``, :data:`adadiag_ref.optim.families.State`), absent in states saved before it existed.
+All arrays are in the parameter's work frame (``ar.layout_for``) and
 in the state dtype: float64 for float64 parameters, float32 for float32,
 float16 and bfloat16 ones.
 """
@@ -282,7 +284,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                     flat = from_core_state(ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
                 where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where))
+                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label))
         self._check_finite(work)
         due = [ar.refresh_due(int(item.flat["step"]), item.cfg) for item in work]  # host counters: no device sync
         bases = self._refresh([item for item, d in zip(work, due, strict=True) if d])
@@ -327,14 +330,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
         if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            news = [ar.refresh_basis(s, item.grad, item.cfg) for s, item in zip(states, items, strict=True)]
+            pairs = zip(states, items, strict=True)
+            news = [ar.refresh_basis(s, item.grad, item.cfg, name=item.name) for s, item in pairs]
             return [_bases(s) for s in news]
         world, rank = dist.get_world_size(), dist.get_rank()
         out = []
         for j, (state, item) in enumerate(zip(states, items, strict=True)):
             owner = j % world
             if owner == rank:
-                state = ar.refresh_basis(state, item.grad, item.cfg)
+                state = ar.refresh_basis(state, item.grad, item.cfg, name=item.name)
             else:  # receive into fresh buffers: the old bases stay intact until every refresh succeeded
                 state = state._replace(
                     **{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None}
@@ -429,6 +433,7 @@ class _Work(NamedTuple):
     cfg: BaseConfig
     lr: Any
     where: str  # "parameter 'fc.weight'" or "parameter 2 of param_groups[0]", for error messages
+    name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:

@@ -153,6 +153,18 @@ def test_max_steps_bounds_the_integration(capsys) -> None:
     assert code == 1 and result["status"] == "max_steps" and result["n_steps"] <= 50
 
 
+def test_max_steps_bounds_the_order_measurement_too(capsys) -> None:
+    # main run: 10 steps of 0.1; the order runs halve dt0 = 1/10 four times: 160 steps on the finest
+    argv = ["ode", "--optimizer", "adam", "--integrator", "rk4", "--t-end", "1", "--dt", "0.1", "--order"]
+    code, out, _ = _run([*argv, "--max-steps", "100", "--no-progress", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1 and result["status"] == "max_steps" and result["observed_order"] is None
+    assert any("160 steps, more than max_steps = 100" in note for note in result["notes"])
+    code, out, _ = _run([*argv, "--max-steps", "200", "--no-progress", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["status"] == "success" and abs(result["observed_order"] - 4.0) < 0.5
+
+
 def test_golden_verify_fails_on_an_empty_fixture_set(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -40,7 +40,7 @@ from .._xp import Array, namespace
 from .controllers import ConstantStepSize, PIController
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import Problem
-from .reference import OrderResult, observed_order
+from .reference import OrderResult, StepLimitError, observed_order
 from .solvers import Solver, interpolate, make_solver
 from .systems import AdafactorODEState, AdamODEState, Basis, HfacODEState, System
 from .terms import SystemTerm
@@ -234,6 +234,8 @@ def check(
         y0, basis: start from this flat state / basis instead (e.g. a counterexample).
         order: also measure the observed order (fixed steps against DOP853) on
             ``[0, order_t_end]`` (default ``min(t_end, 1)``) from ``order_dt0``.
+        max_steps: bounds every integration, the order measurement's included; a
+            run that would exceed it gives ``status="max_steps"`` (with a note).
         progress: progress bar (``None``: on a TTY).
     """
     solver = make_solver(integrator) if isinstance(integrator, str) else integrator
@@ -267,7 +269,15 @@ def check(
     if order:
         t_ord = min(t_end, 1.0) if order_t_end is None else order_t_end
         dt0 = order_dt0 if order_dt0 is not None else t_ord / (10.0 if solver.order >= 4 else 40.0)
-        od = observed_order(term, solver, 0.0, t_ord, y0, basis, dt0=dt0, basis_schedule=schedule)
+        try:
+            od = observed_order(
+                term, solver, 0.0, t_ord, y0, basis, dt0=dt0, basis_schedule=schedule, max_steps=max_steps
+            )
+        except StepLimitError as exc:  # --max-steps bounds every integration, the order runs too
+            from dataclasses import replace
+
+            note = f"observed order not measured: {exc}"
+            return replace(result, status="max_steps", notes=(*result.notes, note))
         result = _with_order(result, od)
     return result
 

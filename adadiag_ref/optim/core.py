@@ -26,8 +26,11 @@ from .layout import Layout, from_work, layout_for, to_work
 from .rotation import rotate, unrotate
 
 __all__ = [
+    "SLOW_REFRESH_SIDE",
     "NonFiniteGradientWarning",
+    "SlowRefreshWarning",
     "check_inputs",
+    "check_orientation",
     "init",
     "preconditioned_direction",
     "refresh_basis",
@@ -55,17 +58,57 @@ def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
     return xp.matrix_transpose(xp.zeros((x.shape[1], x.shape[0]), dtype=x.dtype, device=creation_device(x)))
 
 
+SLOW_REFRESH_SIDE = 2048
+"""Longest rotated side ``init`` accepts without a :class:`SlowRefreshWarning`.
+
+From the measured refresh time per side (``benchmarks/refresh_size.py``, table in
+``docs/reliability.md``): one refresh of an ``n``-wide side costs ``t = c n^3``;
+2048 is the largest power of two whose refresh stays under one minute in both
+float32 and float64 on the reference 2-core machine.  The default
+``max_basis_dim = 8192`` is the largest power of two whose float32 refresh stays
+under 30 minutes there (about 15; SOAP's 10,000 would take about 27).
+"""
+
+REFRESH_SECONDS_PER_N3 = {"float32": 1.6e-9, "float64": 5.6e-9}
+"""Fitted ``c`` of ``t = c n^3`` (seconds per refresh, reference machine; ``docs/reliability.md``)."""
+
+
+class SlowRefreshWarning(UserWarning):
+    """A rotated side is longer than :data:`SLOW_REFRESH_SIDE`: each basis refresh takes minutes (``~ n^3``)."""
+
+
+def _warn_slow_refresh(layout: Layout, dtype: Any, xp: Namespace) -> None:
+    """Warn when the longest rotated side ``n`` exceeds :data:`SLOW_REFRESH_SIDE` (it is <= ``max_basis_dim``)."""
+    side = layout.cols if layout.rotate_right else layout.rows if layout.rotate_left else 0
+    if side <= SLOW_REFRESH_SIDE:
+        return
+    dtype_name = "float64" if dtype == getattr(xp, "float64", None) else "float32"
+    c = REFRESH_SECONDS_PER_N3[dtype_name]
+    warnings.warn(
+        f"a parameter of shape {layout.shape} has a rotated side of {side} > {SLOW_REFRESH_SIDE}: each basis "
+        f"refresh costs about {c * side**3 / 60:.0f} min ({dtype_name}, t = c n^3 measured on a 2-core machine; "
+        "docs/reliability.md); pass a smaller max_basis_dim to leave that side unrotated",
+        SlowRefreshWarning,
+        stacklevel=3,
+    )
+
+
 def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
     """Initial state: zero moments, identity bases, ``count = 0``.
 
     Shapes follow :func:`~adadiag_ref.optim.layout.layout_for`; the dtype is the
     state dtype of ``param`` (float64 for float64, float32 otherwise).
+    ``param_shape`` records ``param.shape`` (a zero-size array, :data:`adadiag_ref.optim.families.State`)
+    so that a state is refused for a parameter of another orientation.
+    A rotated side longer than :data:`SLOW_REFRESH_SIDE` (and at most
+    ``cfg.max_basis_dim``) issues a :class:`SlowRefreshWarning`.
     """
     xp = namespace(param, xp=xp)
     layout = layout_for(tuple(param.shape), cfg)
     dtype = state_dtype(param.dtype, xp, cfg.state_dtype)
     device = creation_device(param)
     m, n = layout.rows, layout.cols
+    _warn_slow_refresh(layout, dtype, xp)
     P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
     Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
     count = xp.zeros((), dtype=xp.int32, device=device)
@@ -73,7 +116,26 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     moments = family.init_moments(m, n, dtype, device, cfg, xp)
     if layout.transposed:
         moments = {name: _in_parameter_order(value, xp) for name, value in moments.items()}
-    return family.state_type(count=count, P=P, Q=Q, **moments)  # type: ignore[no-any-return]
+    param_shape = xp.zeros((0, *layout.shape), dtype=dtype, device=device)
+    return family.state_type(count=count, P=P, Q=Q, **moments, param_shape=param_shape)  # type: ignore[no-any-return]
+
+
+def check_orientation(state: State, shape: tuple[int, ...]) -> None:
+    """Refuse a state created for a parameter of another shape (e.g. ``(7, 9)`` for ``(9, 7)``).
+
+    The work-frame field shapes cannot tell such parameters apart (both are
+    ``7 x 9``); the state's ``param_shape`` can.  Reads only static shapes, so
+    it runs under ``jax.jit`` too.  Raises ``ValueError``; touches nothing.
+    """
+    recorded = getattr(state, "param_shape", None)
+    if recorded is None:
+        return
+    created = tuple(int(d) for d in recorded.shape[1:])
+    if created != tuple(int(d) for d in shape):
+        raise ValueError(
+            f"the optimizer state was created for a parameter of shape {created}, not {tuple(shape)}: "
+            "was it the state of another parameter? The state was left unchanged"
+        )
 
 
 def _work_dtype(state: State, xp: Namespace) -> Any:
@@ -107,7 +169,9 @@ def refresh_basis(
     """``P_t, _, Q_t^T = canonical_svd(G_t)``: new bases, moments untouched.
 
     Only the sides the layout rotates are decomposed (a one-sided optimizer never
-    forms ``Q``).  Same shapes and dtypes in and out.
+    forms ``Q``).  Same shapes and dtypes in and out.  A state created for a
+    parameter of another shape (``(7, 9)`` for a ``(9, 7)`` gradient) raises
+    ``ValueError`` (:func:`check_orientation`).
 
     Failure policy (``docs/reliability.md``); ``name`` labels the parameter in messages:
 
@@ -125,6 +189,7 @@ def refresh_basis(
     if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
         raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
     xp = namespace(grad, xp=xp)
+    check_orientation(state, tuple(grad.shape))
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
@@ -272,7 +337,7 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
         "v": (n,),
     }
     for name in state._fields:
-        if name == "count":
+        if name in ("count", "param_shape"):
             continue
         value = getattr(state, name)
         want = expected[name]
@@ -282,6 +347,7 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
                 f"state field {name!r} has shape {got}, expected {want} for a parameter of shape {layout.shape} "
                 f"under {cfg.name!r}: was the state created for another parameter or config?"
             )
+    check_orientation(state, tuple(param.shape))  # equal work frames, another parameter shape
 
 
 def check_inputs(

@@ -76,6 +76,7 @@ KERNEL_DIRECTIONS: dict[str, Callable[[Any, Array, Array, BaseConfig, Namespace]
 
 def direction(state: State, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
     """``U~, moments = FAMILIES[cfg.family].direction(state, G~, t, cfg)``, by the code ``cfg.kernels`` selects."""
-    if uses_kernels(cfg, xp, g, *state[3:]):  # state = (count, P, Q, *moments)
+    family = FAMILIES[cfg.family]
+    if uses_kernels(cfg, xp, g, *(getattr(state, name) for name in family.moment_fields)):
         return KERNEL_DIRECTIONS[cfg.family](state, g, t, cfg, xp)
-    return FAMILIES[cfg.family].direction(state, g, t, cfg, xp)
+    return family.direction(state, g, t, cfg, xp)

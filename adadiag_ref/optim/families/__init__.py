@@ -76,6 +76,14 @@ All arrays live in the *work frame* of the parameter (:mod:`adadiag_ref.optim.la
 (baselines, 1-D parameters, sides longer than ``max_basis_dim``); the structure is decided by
 the shape and the config alone, so a basis refresh never changes it (required under
 ``jax.jit``).  ``count`` is the number of updates taken so far (int32 scalar).
+
+``param_shape`` records the parameter's own shape, which the work frame loses:
+a ``(7, 9)`` and a ``(9, 7)`` parameter (or a ``(4, 3, 3)`` and a ``(4, 9)`` one)
+share one ``7 x 9`` work frame, so their states have the same field shapes.  It
+is a zero-size array of shape ``(0, *param.shape)`` (no memory, any backend, an
+ordinary pytree leaf) whose *static* shape is read, so the check also runs while
+``jax.jit`` traces.  ``None`` (a state built by hand, or saved before the field
+existed) skips the orientation check.
 """
 
 ODEState = MomentumODEState | AdamODEState | AdafactorODEState | HfacODEState

@@ -36,6 +36,7 @@ class AdafactorState(NamedTuple):
     M: Array | None
     r: Array
     s: Array
+    param_shape: Array | None = None  # zero-size, shape (0, *param.shape): see optim.families.State
 
 
 class AdafactorODEState(NamedTuple):

@@ -30,6 +30,7 @@ class AdamState(NamedTuple):
     Q: Array | None
     M: Array
     V: Array
+    param_shape: Array | None = None  # zero-size, shape (0, *param.shape): see optim.families.State
 
 
 class AdamODEState(NamedTuple):

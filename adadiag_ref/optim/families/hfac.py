@@ -47,6 +47,7 @@ class HfacState(NamedTuple):
     v: Array
     r: Array
     s: Array
+    param_shape: Array | None = None  # zero-size, shape (0, *param.shape): see optim.families.State
 
 
 class HfacODEState(NamedTuple):
