@@ -25,12 +25,15 @@ name                family       sides
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 __all__ = [
     "BASIS_METHODS",
+    "KERNELS",
     "OPTIMIZERS",
     "AdafactorConfig",
     "AdamConfig",
@@ -41,6 +44,10 @@ __all__ = [
 ]
 
 Beta2Schedule = Literal["bias_corrected", "adafactor"]
+Kernels = Literal["auto", "numba", "reference"]
+
+KERNELS: tuple[str, ...] = ("auto", "numba", "reference")
+"""Values of :attr:`BaseConfig.kernels`: who computes a family's moment update on NumPy arrays."""
 
 BASIS_METHODS = ("svd", "gram", "auto")
 """Values of ``basis_method``: the route of a basis refresh (:func:`adadiag_ref.linalg.canonical_svd`)."""
@@ -53,6 +60,12 @@ def _check(condition: bool, message: str) -> None:
 
 def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@functools.cache
+def numba_available() -> bool:
+    """Whether numba can be imported (found without importing it: configs stay cheap to build)."""
+    return importlib.util.find_spec("numba") is not None
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,16 @@ class BaseConfig:
             ``"auto"`` (default), the Gram route where it is both faster and
             accurate (float32, one-sided, not JAX), the SVD everywhere else.  In
             float64 every method is the SVD, so golden runs are exact.
+        kernels: who computes the moment update and direction ``U~`` of a step
+            on float32/float64 NumPy arrays.  ``"reference"``: the generic
+            array-API family code (:mod:`adadiag_ref.optim.families`), always.
+            ``"numba"``: the fused numba kernels (:mod:`adadiag_ref._kernels`),
+            which compute the same formulas in the same order and agree with the
+            reference to rounding (tested at ``rtol = 1e-12`` in float64); needs
+            numba installed (``ValueError`` otherwise).  ``"auto"`` (default):
+            ``"numba"`` when numba is importable, else ``"reference"``.  Other
+            backends (JAX, CuPy, torch) always take the reference code.  An
+            execution choice, not a hyperparameter: golden files do not record it.
     """
 
     name: str = "adamw"
@@ -96,6 +119,7 @@ class BaseConfig:
     bias_correction: bool = True
     state_dtype: str | None = None
     basis_method: str = "auto"
+    kernels: Kernels = "auto"
 
     family: str = field(default="adam", init=False)
 
@@ -130,6 +154,12 @@ class BaseConfig:
         _check(
             isinstance(self.basis_method, str) and self.basis_method in BASIS_METHODS,
             f"basis_method must be one of {', '.join(repr(m) for m in BASIS_METHODS)}, got {self.basis_method!r}",
+        )
+        _check(self.kernels in KERNELS, f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {self.kernels!r}")
+        _check(
+            self.kernels != "numba" or numba_available(),
+            'kernels="numba" needs numba, which is not installed: pip install "adadiag-ref[numba]", '
+            'or use kernels="auto" (numba when installed) or "reference"',
         )
 
     @property

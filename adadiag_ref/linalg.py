@@ -33,7 +33,6 @@ differently on every backend, so an exact comparison would flip the choice.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -383,10 +382,7 @@ naming the matrix and the rung.  When all fail, :class:`DecompositionError`.
 :func:`~adadiag_ref.refresh_basis` adds the last rung: keep the previous basis.
 """
 
-_BUDGET_S: float | None = None
-_env_budget = os.environ.get("ADADIAG_REF_SVD_BUDGET", "").strip()
-if _env_budget:  # pragma: no cover - configured from the environment
-    _BUDGET_S = float(_env_budget)
+_BUDGET_S: float | None = None  # set only through set_decomposition_budget (never from the environment)
 
 
 def decomposition_budget() -> float | None:

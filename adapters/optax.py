@@ -4,10 +4,11 @@ For every parameter leaf the update is the core's, run on ``jax.Array`` leaves::
 
     due = (t == 1) | ((t - 1) mod T == 0)            # traced, t = count + 1
     S   = lax.cond(due, refresh, identity, S)         # refresh: P, Q <- canonical_svd(G) on the host
-    U, S = core direction with the current bases      # ar.update with eta = 1, lambda = 0, negated
+    U, S = preconditioned_direction(S, G, cfg, W)     # the core's U = P U~ Q^T with the current bases
 
 ``scale_by_<name>`` returns the preconditioned direction ``U = P U~ Q^T`` (no
-learning rate, no weight decay).  The alias is::
+learning rate, no weight decay), computed by the core's
+:func:`~adadiag_ref.optim.core.preconditioned_direction`.  The alias is::
 
     <name>(learning_rate, ...) = chain(scale_by_<name>(...),
                                        add_decayed_weights(weight_decay),
@@ -16,7 +17,8 @@ learning rate, no weight decay).  The alias is::
 which gives ``W <- W - eta (U + lambda W)``, the core's update.  (With the
 Adafactor options ``relative_step`` or ``scale_parameter`` the core's step
 size ``eta_t`` is not ``eta`` times a factor of the direction alone, so the
-alias then runs the core's whole update, decay included, in one transformation.)
+alias then runs the core's whole update, :func:`adadiag_ref.update` with the
+real learning rate and weight decay, in one transformation.)
 
 The canonical SVD decides the rank and clusters on host data and does not
 trace, so the refresh runs through ``jax.pure_callback`` into the core's NumPy
@@ -55,8 +57,7 @@ import numpy as np
 
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig
-from adadiag_ref.optim.core import prepare_step, unrotate
-from adadiag_ref.optim.families import FAMILIES
+from adadiag_ref.optim.core import preconditioned_direction
 from adadiag_ref.optim.layout import from_work
 
 __all__ = [
@@ -272,23 +273,12 @@ def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> An
     return jax.lax.cond(due, do_refresh, lambda s: s, state)
 
 
-class _Direction(NamedTuple):
-    """One leaf's preconditioned direction and what the fused update needs besides."""
-
-    u: jax.Array  # U = P U~ Q^T in the work frame, state dtype
-    state: Any  # new state (count + 1, moments)
-    step_in: Any  # core StepInput (layout, t, G, W, G~)
-
-
-def _leaf_direction(grad: jax.Array, state: Any, param: jax.Array, opts: _Options) -> _Direction:
-    """Refresh when due, then the core's direction ``U`` (``FAMILIES[...].direction``, unrotated)."""
+def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseConfig, Any, Any]:
+    """The leaf's config, its state with the bases refreshed when due, and the ``refreshed`` flag for the core."""
     cfg = _leaf_config(opts, state)
     due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
     state = _refresh(state, grad, cfg, due)
-    step_in = prepare_step(state, grad, cfg, param, due if state.P is not None else False, jnp)
-    u_rot, moments = FAMILIES[cfg.family].direction(state, step_in.g_rot, step_in.t, cfg, jnp)
-    u = unrotate(u_rot, state.P, state.Q, jnp, transposed=step_in.layout.transposed)
-    return _Direction(u, state._replace(count=state.count + 1, **moments), step_in)
+    return cfg, state, due if state.P is not None else False
 
 
 def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
@@ -348,8 +338,9 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
         weights = updates if params is None else params
 
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            out = _leaf_direction(g, s, w, opts)
-            return _in_param_frame(out.u, out.step_in, w), out.state
+            cfg, s, refreshed = _refreshed_leaf(g, s, opts)
+            u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
+            return _in_param_frame(u, step_in, w), new_state
 
         outputs = jax.tree.map(leaf, updates, state.states, weights)
         directions, states = _split(updates, outputs)
@@ -364,9 +355,11 @@ def _fused_core(
     """The core's whole update ``delta = -eta_t (U + lambda W)`` as one transformation (schedules allowed).
 
     For Adafactor's ``relative_step`` / ``scale_parameter``, where ``eta_t``
-    (``min(eta, 1/sqrt(t)) max(eps2, RMS(W_t))``) is not ``eta`` times a factor of ``U``.
+    (``min(eta, 1/sqrt(t)) max(eps2, RMS(W_t))``) is not ``eta`` times a factor of ``U``:
+    :func:`adadiag_ref.update` itself, with the learning rate (a schedule is
+    evaluated at the count) and the weight decay (traced when injected).
     """
-    opts = _options(name, options)
+    opts = _options(name, {**options, "weight_decay": weight_decay})
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
         _check_update_args(params, True)
@@ -374,21 +367,14 @@ def _fused_core(
         lr = learning_rate(first[0].count) if callable(learning_rate) and first else learning_rate
 
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            out = _leaf_direction(g, s, w, opts)
-            cfg = _leaf_config(opts, s)
-            eta = FAMILIES[cfg.family].step_size(cfg, out.step_in.t, out.step_in.w, lr, jnp)
-            direction = out.u + weight_decay * out.step_in.w if _maybe_nonzero(weight_decay) else out.u
-            return _in_param_frame(-eta * direction, out.step_in, w), out.state
+            cfg, s, refreshed = _refreshed_leaf(g, s, opts)
+            return ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)  # type: ignore[no-any-return]
 
         outputs = jax.tree.map(leaf, updates, state.states, params)
         deltas, states = _split(updates, outputs)
         return deltas, CoreTransformState(states=states)
 
     return optax.GradientTransformation(_init_fn(opts), update_fn)
-
-
-def _maybe_nonzero(value: Any) -> bool:
-    return _is_traced(value) or bool(_python(value))
 
 
 def _check_weight_decay(weight_decay: Any) -> None:

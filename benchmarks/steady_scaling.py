@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
-from adadiag_ref.perf.bench import _setup_threads, blas_threads, machine_description
+from adadiag_ref.perf.bench import _setup_threads, machine_description
 from adadiag_ref.perf.engine import coefficients
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     ncpu = _setup_threads()
     threads = args.threads or ncpu
-    blas_threads(threads)
+    threadpool_limits(limits=threads, user_api="blas")
     import numba
 
     numba.set_num_threads(threads)

@@ -339,3 +339,13 @@ def test_docs_python_blocks_run():
             exec(compile(block, "docs/adapters.md", "exec"), namespace)
     finally:
         jax.config.update("jax_enable_x64", prev)
+
+
+def test_fused_adafactor_alias_applies_an_injected_weight_decay():
+    # relative_step / scale_parameter: the alias runs ar.update with the real hyperparameters; an injected
+    # weight decay arrives traced under jax.jit, is an array in the leaf's config, and must still be applied.
+    w0, grads = _stream(steps=6, shapes=MATRIX)
+    opts = {"relative_step": True, "scale_parameter": True}
+    factory = optax.inject_hyperparams(ao.adafacdiag, static_args=("update_freq", "b1", "b2", "eps"))
+    traj, _ = _run(factory(learning_rate=0.01, weight_decay=0.1, update_freq=FREQ, **opts), w0, grads, steps=6)
+    _assert_matches_replay(traj, w0, grads, "adafacdiag", lr=0.01, weight_decay=0.1, update_freq=FREQ, **opts)

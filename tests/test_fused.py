@@ -5,10 +5,12 @@ calls, so the results must be equal bit for bit (``array_equal``), in float64
 and float32, on every layout (wide, tall = transposed work frame, vector,
 conv, scalar), with and without weight decay, on refresh steps (noise floor)
 and in between.  The generic reference is the pure NumPy code
-(``_kernels.set_fast_path(False)``).
+(``kernels="reference"``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -23,11 +25,7 @@ SHAPES = [(6, 9), (9, 6), (7,), (2, 3, 4), ()]
 
 
 def _replay(name: str, fast: bool, w0: np.ndarray, grads: np.ndarray, **kw: object) -> np.ndarray:
-    previous = _kernels.set_fast_path(fast)
-    try:
-        return np.asarray(ar.replay(name, w0, grads, **kw))
-    finally:
-        _kernels.set_fast_path(previous)
+    return np.asarray(ar.replay(name, w0, grads, kernels="auto" if fast else "reference", **kw))
 
 
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
@@ -83,11 +81,7 @@ def test_parallel_kernels_are_bit_identical(name: str, monkeypatch: pytest.Monke
     shape = (512, fused.PARALLEL_MIN_SIZE // 512 + 3)  # above the threshold: numba's thread pool
     state, grad, cfg, w = _step_inputs(name, shape, np.float32)
     fast = ar.update(state, grad, cfg, w)
-    previous = _kernels.set_fast_path(False)
-    try:
-        slow = ar.update(state, grad, cfg, w)
-    finally:
-        _kernels.set_fast_path(previous)
+    slow = ar.update(state, grad, dataclasses.replace(cfg, kernels="reference"), w)
     np.testing.assert_array_equal(fast[0], slow[0])
     np.testing.assert_array_equal(fast[1].M, slow[1].M)
     np.testing.assert_array_equal(fast[1].V, slow[1].V)

@@ -1,5 +1,8 @@
 """The numba fast path (adadiag_ref._kernels) against the generic NumPy path.
 
+Both are selected through the config option ``kernels`` (``"numba"`` and
+``"reference"``), the only switch the library has.
+
 Both paths compute the same formulas in the same order; only the positive sums
 ``sum(G~^2 + eps)`` and ``sum(U^2)`` are accumulated sequentially by the kernels
 instead of pairwise by NumPy, which changes the result by O(n eps) relative.
@@ -23,11 +26,7 @@ RTOL = 1e-12
 
 
 def _replay(name: str, fast: bool, w0: np.ndarray, grads: np.ndarray, **kw: object) -> np.ndarray:
-    previous = _kernels.set_fast_path(fast)
-    try:
-        return np.asarray(ar.replay(name, w0, grads, **kw))
-    finally:
-        _kernels.set_fast_path(previous)
+    return np.asarray(ar.replay(name, w0, grads, kernels="numba" if fast else "reference", **kw))
 
 
 @pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
@@ -67,15 +66,65 @@ def test_fast_path_float32_close() -> None:
         np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-6)
 
 
-def test_switch_turns_fast_path_off() -> None:
-    previous = _kernels.set_fast_path(False)
-    try:
-        assert not _kernels.fast_path_enabled()
-        assert not _kernels.usable(np, np.zeros((2, 2)))
-    finally:
-        _kernels.set_fast_path(previous)
-    assert _kernels.usable(np, np.zeros((2, 2))) == previous
+KERNEL_FUNCTIONS = (
+    "adam_direction",
+    "adafactor_direction",
+    "hfac_direction",
+    "adam_moments_inplace",
+    # the fused Adam route of ``update`` (optim/fused.py)
+    "adam_delta_flat",
+    "adam_delta_flat_parallel",
+    "adam_moments_over_flat",
+    "adam_moments_over_flat_parallel",
+)
+
+
+def _spy_on_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every call of a family kernel (the real kernel still runs)."""
+    calls: list[str] = []
+    for fname in KERNEL_FUNCTIONS:
+        real = getattr(_kernels, fname)
+
+        def spy(*args: object, _real=real, _name=fname) -> object:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(_kernels, fname, spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernels_option_selects_the_code_that_runs(name: str, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "reference" never enters a numba kernel; "numba" and "auto" (numba installed) always do, functional or in place.
+    calls = _spy_on_kernels(monkeypatch)
+    rng = np.random.default_rng(9)
+    w0, g = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
+    for kernels, expect_kernel in (("reference", False), ("numba", True), ("auto", True)):
+        calls.clear()
+        cfg = ar.make_config(name, kernels=kernels)
+        state, w = ar.init(w0, cfg), w0.copy()
+        state = ar.refresh_basis(state, g, cfg)
+        if in_place:
+            ar.update_in_place(state, g, cfg, w, refreshed=True)
+        else:
+            ar.update(state, g, cfg, w, refreshed=True)
+        assert bool(calls) == expect_kernel, (kernels, calls)
+
+
+def test_kernels_option_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="kernels must be one of 'auto', 'numba', 'reference', got 'numpy'"):
+        ar.make_config("adadiag", kernels="numpy")
+    monkeypatch.setattr("adadiag_ref.config.numba_available", lambda: False)
+    with pytest.raises(ValueError, match=r'kernels="numba" needs numba, which is not installed'):
+        ar.make_config("adadiag", kernels="numba")
+    assert ar.make_config("adadiag", kernels="auto").kernels == "auto"  # auto falls back, never raises
+
+
+def test_usable_needs_one_float_numpy_dtype() -> None:
+    assert _kernels.usable(np, np.zeros((2, 2)), None, np.zeros(2))
     assert not _kernels.usable(np, np.zeros((2, 2), dtype=np.float16))
+    assert not _kernels.usable(np, np.zeros((2, 2)), np.zeros(2, dtype=np.float32))
 
 
 def test_adam_kernel_allocates_only_its_outputs() -> None:
@@ -159,3 +208,37 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
         outs.append((M, V, U, W))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_bench_engines_follow_the_family_functions() -> None:
+    # The engines of `adadiag-ref bench` restate no formula: their kernels and coefficients must give the
+    # core's reference path (kernels="reference") over several steps.  float32 engines: rtol 1e-5, as
+    # everywhere in float32 (the fused W update rounds once less than W + (-eta (U + lambda W))).
+    from adadiag_ref.memory import ParamSpec
+    from adadiag_ref.perf.engine import AdaDiagEngine, AdamWEngine
+
+    lr, wd, steps = 1e-2, 0.1, 4
+    adamw = AdamWEngine([ParamSpec("w", (40,))], lr=lr, wd=wd, parallel=False)
+    w0 = adamw.W.copy()
+    cfg = ar.make_config("adamw", lr=lr, weight_decay=wd, kernels="reference")
+    w, state = w0.copy(), ar.init(w0, cfg)
+    for _ in range(steps):
+        adamw.step()
+        delta, state = ar.update(state, adamw.G, cfg, w)
+        w = w + delta
+    np.testing.assert_allclose(adamw.W, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adamw.M, state.M.reshape(-1), rtol=1e-5, atol=1e-7)  # state: work frame 1 x n
+
+    adadiag = AdaDiagEngine([ParamSpec("w", (6, 9))], lr=lr, wd=wd, parallel_elementwise=False)
+    item = adadiag.items[0]
+    w0 = item["W"].copy()
+    cfg = ar.make_config("adadiag", lr=lr, weight_decay=wd, update_freq=None, kernels="reference")
+    state = ar.init(w0, cfg)._replace(P=item["P"].copy())  # the engine's fixed basis
+    w = w0.copy()
+    for _ in range(steps):
+        adadiag.step()
+        delta, state = ar.update(state, item["G"], cfg, w)
+        w = w + delta
+    np.testing.assert_allclose(item["W"], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(item["M"], state.M, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(item["V"], state.V, rtol=1e-5, atol=1e-9)

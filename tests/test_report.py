@@ -165,7 +165,15 @@ def test_bench_without_numba_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "numba", None)
     err = _fails_up_front(["bench", "--quick", "--no-torch"], capsys)
-    assert 'pip install "adadiag-ref[numba]"' in err
+    assert 'bench needs numba: pip install "adadiag-ref[bench]"' in err
+
+
+def test_bench_without_threadpoolctl_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    err = _fails_up_front(["bench", "--quick", "--no-torch"], capsys)
+    assert 'bench needs threadpoolctl: pip install "adadiag-ref[bench]"' in err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

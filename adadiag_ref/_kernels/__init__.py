@@ -6,19 +6,19 @@ Two layers live here:
   :func:`hfac_direction`).  They compute exactly what the generic family
   ``direction`` functions compute (``adadiag_ref.optim.families``) in one or two
   fused passes, writing into freshly allocated outputs (the core is functional,
-  so inputs are never mutated).  The families call them automatically when the
-  namespace is NumPy, numba is importable and the fast path is enabled.  They
-  agree with the generic path to rounding (tested at ``rtol = 1e-12`` in
-  float64): the same formulas in the same order; only the positive sums
-  ``sum(G~^2 + eps)`` and ``sum(U^2)`` are accumulated sequentially instead of
-  pairwise.
+  so inputs are never mutated).  :mod:`adadiag_ref.optim.dispatch` calls them
+  for NumPy arrays when the config's ``kernels`` option allows it (``"auto"``
+  with numba installed, or ``"numba"``).  They agree with the generic path to
+  rounding (tested at ``rtol = 1e-12`` in float64): the same formulas in the
+  same order; only the positive sums ``sum(G~^2 + eps)`` and ``sum(U^2)`` are
+  accumulated sequentially instead of pairwise.
 * **In-place kernels** (``*_inplace``) used by the benchmark's in-place
   "engine" (``adadiag_ref.perf.engine``), the fast embedding path: they mutate
   preallocated moment buffers and write the direction into a preallocated
   output, so a whole step moves each array once.
 
-Switch: ``ADADIAG_REF_NUMBA=0`` in the environment or :func:`set_fast_path`
-(``False``) turns the functional fast path off.
+This module only computes; it never decides.  Which path runs is chosen by
+configuration (``make_config(..., kernels=...)``), never by the environment.
 
 Thread policy: every kernel here is serial (``parallel=False``) except the
 ``*_parallel`` in-place AdamW kernel, which is only used where no BLAS call runs
@@ -30,7 +30,6 @@ small machines (docs/performance.md).
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -40,10 +39,9 @@ __all__ = [
     "adafactor_direction",
     "adam_direction",
     "adamw_inplace",
-    "fast_path_enabled",
     "hfac_direction",
     "pivoted_gram_schmidt",
-    "set_fast_path",
+    "usable",
 ]
 
 try:  # numba is optional
@@ -54,25 +52,10 @@ except ImportError:  # pragma: no cover - exercised only without numba
     numba = None  # type: ignore[assignment]
     AVAILABLE = False
 
-_ENABLED = os.environ.get("ADADIAG_REF_NUMBA", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def set_fast_path(enabled: bool) -> bool:
-    """Turn the numba fast path on or off; returns the previous setting."""
-    global _ENABLED
-    previous = _ENABLED
-    _ENABLED = bool(enabled)
-    return previous
-
-
-def fast_path_enabled() -> bool:
-    """Whether the families will route NumPy work through numba (installed and switched on)."""
-    return AVAILABLE and _ENABLED
-
 
 def usable(xp: Any, *arrays: Any) -> bool:
-    """True when the fast path applies: enabled, and every array is a float32/float64 NumPy array."""
-    if not (AVAILABLE and _ENABLED):
+    """True when the kernels apply: numba imported, and every array is a float32/float64 NumPy array of one dtype."""
+    if not AVAILABLE:
         return False
     dtype = None
     for a in arrays:

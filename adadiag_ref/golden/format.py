@@ -85,10 +85,15 @@ it has this value, so the shipped manifests regenerate byte for byte."""
 
 
 def config_to_dict(cfg: BaseConfig) -> dict[str, Any]:
-    """Every init field of ``cfg`` as JSON-ready values (``betas`` as a list; ``basis_method`` when not ``"svd"``)."""
+    """Every init field of ``cfg`` as JSON-ready values (``betas`` as a list).
+
+    ``basis_method`` is written only when it is not ``"svd"`` (:data:`GOLDEN_BASIS_METHOD`).
+    ``kernels`` is left out: it chooses who computes (numba or the reference
+    code, equal to rounding), not what, so a golden case does not depend on it.
+    """
     out: dict[str, Any] = {}
     for f in fields(cfg):
-        if not f.init or (f.name == "basis_method" and cfg.basis_method == GOLDEN_BASIS_METHOD):
+        if not f.init or f.name == "kernels" or (f.name == "basis_method" and cfg.basis_method == GOLDEN_BASIS_METHOD):
             continue
         value = getattr(cfg, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value

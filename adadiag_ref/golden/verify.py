@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .compare import ComparisonReport, compare
 from .format import GoldenCase, array_sha256, load_cases
 from .generator import STREAMS, make_stream, run_core
-
-if TYPE_CHECKING:  # adadiag_ref.testing imports this package: import it lazily at run time
-    from ..testing import ComparisonReport
 
 __all__ = ["CaseResult", "verify", "verify_case"]
 
@@ -82,7 +79,6 @@ def _check_states(case: GoldenCase, states: dict[int, dict[str, np.ndarray]]) ->
 
 def verify_case(case: GoldenCase) -> CaseResult:
     """Re-run ``case`` with the live core and check parameters, states and inputs."""
-    from ..testing import compare
 
     cfg = case.make_config()
     params, states = run_core(cfg, case.w0, case.grads, case.state_steps)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
+from .dispatch import direction as family_direction
 from .families import FAMILIES, Family, State
 from .fused import adam_update as fused_adam_update
 from .layout import Layout, from_work, layout_for, to_work
@@ -32,6 +33,7 @@ __all__ = [
     "check_inputs",
     "check_orientation",
     "init",
+    "preconditioned_direction",
     "refresh_basis",
     "refresh_due",
     "rotate",
@@ -283,22 +285,47 @@ def update(
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
     """
     xp = namespace(grad, param, xp=xp)
-    family = _family(cfg)
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
     layout, t, w = step_in.layout, step_in.t, step_in.w
-    # NumPy + numba: the same arithmetic in fewer passes and temporaries (bit-identical, optim/fused.py)
-    fused = fused_adam_update(state, layout, t, step_in.g_rot, w, cfg, cfg.lr if lr is None else lr, unrotate, xp)
-    if fused is not None:
-        work_delta, moments = fused
-        delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
-        return delta, state._replace(count=state.count + 1, **moments)
-    u_rot, moments = family.direction(state, step_in.g_rot, t, cfg, xp)
-    eta = family.step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
-    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=layout.transposed)
-    if cfg.weight_decay:
+    if cfg.kernels != "reference":
+        # NumPy + numba: the same arithmetic in fewer passes and temporaries (bit-identical, optim/fused.py)
+        fused = fused_adam_update(state, layout, t, step_in.g_rot, w, cfg, cfg.lr if lr is None else lr, unrotate, xp)
+        if fused is not None:
+            work_delta, moments = fused
+            delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
+            return delta, state._replace(count=state.count + 1, **moments)
+    direction, new_state = _direction(state, step_in, cfg, xp)
+    eta = _family(cfg).step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
+    if not isinstance(cfg.weight_decay, int | float) or cfg.weight_decay:  # an array (traced lambda) always adds
         direction = direction + cfg.weight_decay * w
     delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype, copy=False)
-    return delta, state._replace(count=state.count + 1, **moments)
+    return delta, new_state
+
+
+def preconditioned_direction(
+    state: State, grad: Array, cfg: BaseConfig, param: Array, *, refreshed: Any = False, xp: Namespace | None = None
+) -> tuple[Array, State, StepInput]:
+    """The preconditioned direction ``U = P U~ Q^T`` of one step, without step size or weight decay.
+
+    Returns ``(U, new_state, step_input)``: ``U`` in the work frame and state
+    dtype (:func:`~adadiag_ref.optim.layout.from_work` maps it to the
+    parameter's shape), the state with the new moments and ``count + 1``, and
+    the :class:`StepInput` (``t``, ``G``, ``W``, ``G~``) it was computed from.
+    :func:`update` is ``delta = -eta_t (U + lambda W_t)`` on top of it; an
+    optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` comes
+    from the family function or its numba kernel, as ``cfg.kernels`` selects
+    (:mod:`adadiag_ref.optim.dispatch`).
+    """
+    xp = namespace(grad, param, xp=xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    return (*_direction(state, step_in, cfg, xp), step_in)
+
+
+def _direction(state: State, step_in: StepInput, cfg: BaseConfig, xp: Namespace) -> tuple[Array, State]:
+    """``(P U~ Q^T, new_state)`` from a prepared step; ``U~`` by the code ``cfg.kernels`` selects."""
+    u_rot, moments = family_direction(state, step_in.g_rot, step_in.t, cfg, xp)
+    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=step_in.layout.transposed)
+    return direction, state._replace(count=state.count + 1, **moments)
 
 
 def refresh_due(count: int, cfg: BaseConfig) -> bool:

@@ -2,8 +2,8 @@
 
 :func:`~adadiag_ref.optim.core.update` takes this route when it applies (the
 family is Adam, the arrays are NumPy arrays of one float dtype laid out alike,
-``lr`` is a Python number and the numba fast path is on, see
-:func:`adadiag_ref._kernels.usable`); otherwise it runs the generic code.  Same
+``lr`` is a Python number, numba is installed and ``cfg.kernels`` is not
+``"reference"``); otherwise it runs the generic code.  Same
 formulas, same operation order, same BLAS calls as the generic code, so the
 results are bit-identical (``tests/test_fused.py`` compares with
 ``array_equal``); only the number of passes over memory and of temporaries

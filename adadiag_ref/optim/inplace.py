@@ -9,8 +9,12 @@ adapter applies updates.
 
 The Adam-family arithmetic is the functional one reordered only where IEEE
 arithmetic is exactly commutative (``b * M`` vs ``M * b``), so results are
-identical; the tests compare with ``array_equal``.  The Adafactor and Hfac
-families use the functional update and copy its results into the buffers.
+identical; the tests compare with ``array_equal``.  On NumPy arrays, when the
+config's ``kernels`` option selects numba (:mod:`adadiag_ref.optim.dispatch`),
+the moments and ``U~`` come from the fused kernel that also serves the
+functional Adam direction, in one pass.  The Adafactor and Hfac families use the
+functional update (kernel or reference, as ``kernels`` says) and copy its
+results into the buffers.
 
 Only backends with mutable arrays qualify (NumPy, CuPy, PyTorch); JAX arrays are
 immutable and get a ``TypeError``.
@@ -22,9 +26,11 @@ from typing import Any
 
 from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_namespace
 
+from .. import _kernels
 from .._xp import Array, Namespace, namespace
 from ..config import BaseConfig
 from .core import prepare_step, unrotate, update
+from .dispatch import uses_kernels
 from .families import AdamState, State
 from .layout import from_work
 from .schedules import beta_hat
@@ -73,6 +79,29 @@ def _check_writable(arrays: dict[str, Array | None]) -> None:
                 )
 
 
+def _adam_moments_ufuncs(
+    M: Array, V: Array, g_rot: Array, owned: bool, b1_t: Array, b2_t: Array, eps: float, native: Any
+) -> tuple[Array, Array, Array]:
+    """``(M_t, V_t, U~)`` of the Adam direction with backend ufuncs, at most two new arrays (``owned``: ``G~``
+    may be overwritten).  The functional EMA is ``b * old + (1 - b) * new``; IEEE addition and multiplication
+    commute exactly, so the results are the family function's bit for bit."""
+    new_V = native.multiply(V, b2_t)
+    buf = g_rot * g_rot  # G~^2, later the scratch for b1 * M, sqrt(V) and U~
+    buf *= 1.0 - b2_t
+    new_V += buf
+    if owned:
+        new_M = g_rot
+        new_M *= 1.0 - b1_t
+    else:
+        new_M = native.multiply(g_rot, 1.0 - b1_t)
+    native.multiply(M, b1_t, out=buf)
+    new_M += buf
+    native.sqrt(new_V, out=buf)
+    buf += eps
+    native.divide(new_M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
+    return new_M, new_V, buf
+
+
 def update_in_place(
     state: State,
     grad: Array,
@@ -116,21 +145,15 @@ def update_in_place(
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
     M, V = state.M, state.V
-    # the functional EMA is b * old + (1 - b) * new; IEEE addition and multiplication commute exactly
-    new_V = native.multiply(V, b2_t)
-    buf = g_rot * g_rot  # G~^2, later the scratch for b1 * M, sqrt(V) and U~
-    buf *= 1.0 - b2_t
-    new_V += buf
-    if owned:
-        new_M = g_rot
-        new_M *= 1.0 - b1_t
+    if uses_kernels(cfg, xp, g_rot, M, V):  # one fused pass: the kernel of the functional Adam direction
+        buf = native.empty_like(M)
+        new_M = g_rot if owned else native.empty_like(M)  # the kernel reads each G~_ij before writing M_ij
+        new_V = native.empty_like(V)
+        one = native.asarray(1.0, dtype=M.dtype)
+        _kernels.adam_moments_inplace(M, V, g_rot, b1_t[()], (one - b1_t)[()], b2_t[()], (one - b2_t)[()],
+                                      M.dtype.type(cfg.eps), new_M, new_V, buf)  # fmt: skip
     else:
-        new_M = native.multiply(g_rot, 1.0 - b1_t)
-    native.multiply(M, b1_t, out=buf)
-    new_M += buf
-    native.sqrt(new_V, out=buf)
-    buf += cfg.eps
-    native.divide(new_M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
+        new_M, new_V, buf = _adam_moments_ufuncs(M, V, g_rot, owned, b1_t, b2_t, cfg.eps, native)
     direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
     if cfg.weight_decay:
         direction += cfg.weight_decay * w

@@ -6,9 +6,10 @@ norms, embedding and head) it measures, all in one process:
 * the roofline: float32 GEMM throughput at the model's shapes (the peak is the
   best shape) and memory bandwidth (a two-thread STREAM triad ``a = b + s c``);
 * each optimizer's non-refresh step, as a median, and its ratio to its lower
-  bound ``GEMM flops / peak + elementwise bytes / bandwidth``;
-* torch.optim.AdamW (foreach and fused) and AdaDiag written directly in torch
-  ops on the same CPU, and the torch adapter when it is installed;
+  bound ``GEMM flops / peak + elementwise bytes / bandwidth``, for what a user
+  runs: the in-place engine, the functional core ``ar.update``, the in-place
+  core ``ar.update_in_place``, torch.optim.AdamW (foreach and fused) and the
+  torch adapter when torch is installed;
 * one basis refresh of every rotated matrix (SVD, ``auto`` and Gram routes) on
   gradients with a decaying spectrum (``sigma_i ~ 1/i``) and on Gaussian ones
   (flat spectrum, the worst case), amortised over T steps as a percentage of
@@ -19,17 +20,20 @@ Parameter rule (``rule="paper"``, the default): as in the paper's memory table
 (attention q/k/v/o, MLP gate/up/down); embedding, LM head and norms take the
 unrotated baseline (AdamW's elementwise update).  ``rule="all"`` rotates every
 matrix.
+
+BLAS threads are set through threadpoolctl for the run and restored after it.
+Development variants (the engine split into GEMMs and elementwise passes, an
+unfused NumPy AdamW, AdaDiag written directly in torch ops) live in
+``benchmarks/bench_variants.py`` of the source tree.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -38,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, LlamaConfig, ParamSpec, llama_parameters
-from .engine import is_rotated
+from .engine import coefficients, is_rotated
 
 QUICK = LlamaConfig(hidden=64, intermediate=172, layers=2, heads=2, vocab=1000)
 
@@ -55,37 +60,10 @@ def _setup_threads() -> int:
     return os.cpu_count() or 1
 
 
-def _openblas() -> Any:
-    """numpy's own OpenBLAS (ctypes handle), or None when it cannot be found."""
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read())))
-    except OSError:
-        return None
-    for path in libs:
-        lib = ctypes.CDLL(path)
-        for prefix, suffix in (
-            ("scipy_openblas", "64_"),
-            ("scipy_openblas", ""),
-            ("openblas", ""),
-            ("openblas", "64_"),
-        ):
-            getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-            setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-            if getter is not None and setter is not None:
-                return getter, setter
-    return None
-
-
-def blas_threads(n: int | None = None) -> int | None:
-    """Threads of numpy's OpenBLAS (set them to ``n`` first when given); None when unknown."""
-    handle = _openblas()
-    if handle is None:
-        return None
-    getter, setter = handle
-    if n is not None:
-        setter(ctypes.c_int(n))
-    return int(getter())
+def blas_threads() -> int | None:
+    """Threads of the BLAS libraries loaded in this process (threadpoolctl); None when none is loaded."""
+    counts = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    return max(counts) if counts else None
 
 
 def import_torch_adapter() -> Any:
@@ -196,8 +174,11 @@ def _work_specs(specs: list[ParamSpec]) -> list[tuple[ParamSpec, tuple[int, int]
     return [(s, work_shape(s.shape)) for s in specs]
 
 
-def bench_functional(name: str, specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
-    """The reference functional path: ``ar.update`` over every parameter (float32, bases already set).
+def bench_functional(
+    name: str, specs: list[ParamSpec], reps: int, rule: str = "paper", in_place: bool = False
+) -> float:
+    """The core over every parameter (float32, bases already set): ``ar.update`` then ``W += delta``
+    (``in_place=False``, the functional reference) or ``ar.update_in_place`` (the core's in-place form).
 
     Unrotated parameters under ``rule`` use ``adamw`` (the unrotated baseline)."""
     import adadiag_ref as ar
@@ -214,37 +195,15 @@ def bench_functional(name: str, specs: list[ParamSpec], reps: int, rule: str = "
 
     def one() -> None:
         for it in items:
-            delta, it[0] = ar.update(it[0], it[1], it[3], it[2])
-            np.add(it[2], delta, out=it[2])
+            if in_place:
+                it[0] = ar.update_in_place(it[0], it[1], it[3], it[2])
+            else:
+                delta, it[0] = ar.update(it[0], it[1], it[3], it[2])
+                np.add(it[2], delta, out=it[2])
 
     t = median_time(one, reps)
     items.clear()
     return t
-
-
-def bench_numpy_adamw_unfused(size: int, reps: int) -> float:
-    """AdamW in NumPy, in place with ``out=`` but one pass per operation (the unfused baseline)."""
-    rng = np.random.default_rng(2)
-    W, G = rng.standard_normal(size, dtype=np.float32), rng.standard_normal(size, dtype=np.float32)
-    M, V, tmp = np.zeros(size, np.float32), np.zeros(size, np.float32), np.empty(size, np.float32)
-    b1, b2, lr, eps, wd = np.float32(0.9), np.float32(0.999), np.float32(1e-3), np.float32(1e-8), np.float32(0.0)
-
-    def one() -> None:
-        np.multiply(M, b1, out=M)
-        np.multiply(G, 1 - b1, out=tmp)
-        np.add(M, tmp, out=M)
-        np.multiply(G, G, out=tmp)
-        np.multiply(tmp, 1 - b2, out=tmp)
-        np.multiply(V, b2, out=V)
-        np.add(V, tmp, out=V)
-        np.sqrt(V, out=tmp)
-        np.add(tmp, eps, out=tmp)
-        np.divide(M, tmp, out=tmp)
-        np.multiply(W, 1 - lr * wd, out=W)
-        np.multiply(tmp, lr, out=tmp)
-        np.subtract(W, tmp, out=W)
-
-    return median_time(one, reps)
 
 
 def _torch_params(specs: list[ParamSpec], torch: Any) -> list[Any]:
@@ -271,10 +230,10 @@ def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
 
 
 def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
-    """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames."""
-    import torch
+    """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames.
 
-    from .engine import coefficients
+    The yardstick of the torch adapter (``bench --steady``: adapter time / this time)."""
+    import torch
 
     gen = torch.Generator().manual_seed(4)
     mats, vecs = [], []
@@ -420,9 +379,30 @@ def run(
     rule: str = "paper",
     out: Callable[[str], None] = print,
 ) -> dict:
-    """Run the benchmark and print the tables; returns the measurements."""
+    """Run the benchmark and print the tables; returns the measurements.
+
+    BLAS uses every core during GEMMs (docs/performance.md): its thread count is
+    set through threadpoolctl for the run and restored afterwards."""
     ncpu = _setup_threads()
-    threads = blas_threads(ncpu)  # BLAS owns every core during GEMMs (docs/performance.md)
+    with threadpool_limits(limits=ncpu, user_api="blas"):
+        return _run(model, ncpu, quick=quick, reps=reps, period=period, use_torch=use_torch, refresh=refresh,
+                    functional=functional, rule=rule, out=out)  # fmt: skip
+
+
+def _run(
+    model: str,
+    ncpu: int,
+    *,
+    quick: bool,
+    reps: int,
+    period: int,
+    use_torch: bool,
+    refresh: bool,
+    functional: bool,
+    rule: str,
+    out: Callable[[str], None],
+) -> dict:
+    threads = blas_threads()
     config = QUICK if quick else LLAMA_CONFIGS[model]
     specs = llama_parameters(config)
     label = "quick (tiny shapes)" if quick else model
@@ -444,7 +424,7 @@ def run(
         + ("; the transformer blocks' q/k/v/o/gate/up/down, as in the paper's memory table); embedding, "
            "LM head and norms take the unrotated AdamW update" if rule == "paper" else ")"))  # fmt: skip
     out(f"machine: {machine_description()}")
-    out(f"threads: OpenBLAS {threads if threads is not None else '?'} (GEMMs); numba elementwise passes "
+    out(f"threads: BLAS {threads if threads is not None else '?'} (GEMMs); numba elementwise passes "
         f"between GEMMs and the flat AdamW pass: workqueue x{ncpu} (never during a GEMM); torch x{ncpu}")  # fmt: skip
     bw = measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
     rates = measure_gemm(work, reps)
@@ -466,14 +446,14 @@ def run(
     else:
         res["adamw_engine"] = median_time(eng.step, reps)
     del eng
-    res["adamw_numpy_unfused"] = bench_numpy_adamw_unfused(size, reps)
     if functional:
         res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
+        res["adamw_in_place"] = bench_functional("adamw", specs, max(2, reps // 2), in_place=True)
     if use_torch:
         res["torch_adamw_foreach"] = bench_torch_adamw(specs, reps, foreach=True)
     for key, text in [("adamw_engine", "AdamW numba fused in place (engine)"),
-                      ("adamw_numpy_unfused", "AdamW numpy in place, unfused"),
                       ("adamw_functional", "AdamW ar.update (functional reference)"),
+                      ("adamw_in_place", "AdamW ar.update_in_place (NumPy)"),
                       ("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)"),
                       ("torch_adamw_fused", "torch.optim.AdamW(fused=True)")]:  # fmt: skip
         if key in res:
@@ -485,26 +465,13 @@ def run(
     elem_bound = eng2.bytes_moved() / bw
     adadiag_bound = gemm_bound + elem_bound
 
-    def serial_step() -> None:
-        eng2.set_parallel_elementwise(False)
-        try:
-            eng2.step()
-        finally:
-            eng2.set_parallel_elementwise(True)
-
-    variants = {  # one engine, its variants in alternation (this VM drifts by 20 % within minutes)
-        "adadiag_engine": eng2.step,
-        "adadiag_engine_serial": serial_step,
-        "adadiag_gemm_only": lambda: eng2.step(elementwise=False),
-        "adadiag_elementwise_only": lambda: eng2.step(gemm=False),
-    }
-    res.update(interleaved_medians(variants, reps, warmup=2, pause=0.0 if quick else 0.05))
+    res["adadiag_engine"] = median_time(eng2.step, reps, warmup=2)
     eng2.items.clear()
     eng2.vectors.clear()
     if functional:
         res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2), rule)
+        res["adadiag_in_place"] = bench_functional("adadiag", specs, max(2, reps // 2), rule, in_place=True)
     if use_torch:
-        res["torch_adadiag_direct"] = bench_torch_adadiag(specs, reps, rule)
         try:
             adapter = bench_torch_adapter(specs, max(3, reps // 2), rule)
         except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
@@ -513,11 +480,8 @@ def run(
             res["torch_adadiag_adapter"] = adapter["adapter"]
             res["torch_adadiag_core"] = adapter["core"]
     rows.append(("AdaDiag numba + BLAS in place (engine)", res["adadiag_engine"], adadiag_bound, "GEMM + bytes"))
-    rows.append(("AdaDiag engine, elementwise serial", res["adadiag_engine_serial"], adadiag_bound, "GEMM + bytes"))
-    rows.append(("AdaDiag engine, GEMMs only", res["adadiag_gemm_only"], gemm_bound, "GEMM bound"))
-    rows.append(("AdaDiag engine, elementwise only", res["adadiag_elementwise_only"], elem_bound, "bandwidth bound"))
     for key, text in [("adadiag_functional", "AdaDiag ar.update (functional reference)"),
-                      ("torch_adadiag_direct", "AdaDiag direct torch ops"),
+                      ("adadiag_in_place", "AdaDiag ar.update_in_place (NumPy)"),
                       ("torch_adadiag_adapter", "AdaDiag torch adapter (opt.step)"),
                       ("torch_adadiag_core", "AdaDiag core ar.update on torch tensors")]:  # fmt: skip
         if key in res:
@@ -535,10 +499,8 @@ def run(
         out(f"  AdamW engine / torch fused = {res['adamw_engine'] / res['torch_adamw_fused']:.2f}; "
             f"torch foreach / bound = {res['torch_adamw_foreach'] / adamw_bound:.2f}")  # fmt: skip
     if "torch_adadiag_adapter" in res:
-        out(
-            f"  torch adapter / direct torch = {res['torch_adadiag_adapter'] / res['torch_adadiag_direct']:.2f}; "
-            f"adapter / core on the same tensors = {res['torch_adadiag_adapter'] / res['torch_adadiag_core']:.2f}"
-        )
+        adapter_ratio = res["torch_adadiag_adapter"] / res["torch_adadiag_core"]
+        out(f"  torch adapter / core on the same tensors = {adapter_ratio:.2f}")
 
     if refresh:
         out("")

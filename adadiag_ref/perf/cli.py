@@ -13,9 +13,12 @@ __all__ = ["add_parser", "main", "run_bench", "run_memory"]
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    # the in-place engine (the roofline rows and the thread policy) is numba code: say so before any work
-    if importlib.util.find_spec("numba") is None:
-        print('adadiag-ref: error: bench needs numba: pip install "adadiag-ref[numba]"', file=sys.stderr)
+    # the in-place engine (the roofline rows and the thread policy) is numba code, and BLAS threads are set
+    # through threadpoolctl: say what is missing before any work
+    missing = [name for name in ("numba", "threadpoolctl") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f'adadiag-ref: error: bench needs {" and ".join(missing)}: pip install "adadiag-ref[bench]"',
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.steady:
         from .steady import run as run_steady

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..linalg import canonical_svd, canonicalize_svd
 from ..memory import LLAMA_CONFIGS, llama_parameters
@@ -143,7 +144,8 @@ def _threads(threads: int | None) -> int | None:
         import numba
 
         numba.set_num_threads(min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads))))
-    return blas_threads(threads or ncpu)
+    threadpool_limits(limits=threads or ncpu, user_api="blas")  # for the rest of this (command-line) process
+    return blas_threads()
 
 
 def _bound(route: Route, G: np.ndarray, previous: np.ndarray) -> Callable[[], np.ndarray]:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, llama_parameters
 from . import bench
@@ -87,7 +88,14 @@ def run(
 ) -> dict[str, Any]:
     """Measure the steady-state ratios (module docstring) and print them with their targets; returns them."""
     ncpu = bench._setup_threads()
-    threads = bench.blas_threads(ncpu)
+    with threadpool_limits(limits=ncpu, user_api="blas"):  # BLAS on every core for the run, restored after it
+        return _run(model, ncpu, quick=quick, reps=reps, use_torch=use_torch, rule=rule, out=out)
+
+
+def _run(
+    model: str, ncpu: int, *, quick: bool, reps: int, use_torch: bool, rule: str, out: Callable[[str], None]
+) -> dict[str, Any]:
+    threads = bench.blas_threads()
     config = bench.QUICK if quick else LLAMA_CONFIGS[model]
     specs = llama_parameters(config)
     if use_torch:

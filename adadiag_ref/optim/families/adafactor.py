@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ... import _kernels
 from ..._xp import Array, Namespace
 from ...config import AdafactorConfig, BaseConfig
 from ..schedules import adafactor_beta2, beta_hat, clip_by_rms, rms
@@ -69,12 +68,6 @@ def second_moment_decay(cfg: AdafactorConfig, t: Array, xp: Namespace) -> Array:
 def direction(state: AdafactorState, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
     """Algorithm AdafacDiag: ``U = clip(G~ / sqrt(V_t))``; with momentum ``M_t = EMA_b1[U]`` and ``U = M_t``."""
     assert isinstance(cfg, AdafactorConfig)
-    if _kernels.usable(xp, g, state.M, state.r, state.s):  # numba fast path (NumPy only), same math fused
-        b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction) if cfg.momentum else None
-        M0 = state.M if cfg.momentum else None
-        beta2_t = second_moment_decay(cfg, t, xp)
-        U, M, r, s = _kernels.adafactor_direction(state.r, state.s, M0, g, cfg.eps, beta2_t, b1_t, cfg.clip_threshold)
-        return U, {"M": M, "r": r, "s": s}
     r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, second_moment_decay(cfg, t, xp), xp)
     U = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ... import _kernels
 from ..._xp import Array, Namespace
 from ...config import BaseConfig
 from ..schedules import beta_hat
@@ -55,9 +54,6 @@ def direction(state: AdamState, g: Array, t: Array, cfg: BaseConfig, xp: Namespa
     b1, b2 = cfg.betas
     b1_t = beta_hat(b1, t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(b2, t, xp, bias_correction=cfg.bias_correction)
-    if _kernels.usable(xp, g, state.M, state.V):  # numba fast path (NumPy only), same math fused
-        M, V, U = _kernels.adam_direction(state.M, state.V, g, b1_t, b2_t, cfg.eps)
-        return U, {"M": M, "V": V}
     M = ema(b1_t, state.M, g)
     V = ema(b2_t, state.V, g * g)
     return M / (xp.sqrt(V) + cfg.eps), {"M": M, "V": V}

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ... import _kernels
 from ..._xp import Array, Namespace
 from ...config import BaseConfig, HfacConfig
 from ..schedules import beta_hat, clip_by_rms
@@ -79,11 +78,6 @@ def direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: Namespa
     m, n = g.shape
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
-    if _kernels.usable(xp, g, state.u, state.v, state.r, state.s):  # numba fast path (NumPy only)
-        U, u, v, r, s = _kernels.hfac_direction(
-            state.u, state.v, state.r, state.s, g, cfg.eps, b1_t, b2_t, cfg.clip_threshold
-        )
-        return U, {"u": u, "v": v, "r": r, "s": s}
     row_mean = xp.mean(g, axis=1)
     col_mean = xp.mean(g, axis=0)
     u = common.ema(b1_t, state.u, row_mean)

@@ -1,0 +1,267 @@
+"""The library's import structure, read from the source (``ast``), not from a running interpreter.
+
+Every module of ``adadiag_ref`` and ``adapters`` (installed as ``adadiag_ref.adapters``)
+belongs to one floor; a module imports only from its own floor or the floors below.
+Every import counts, also one inside a function (a lazy import) or under
+``TYPE_CHECKING``: hiding an import in a function does not change the design.
+Neither modules nor packages import each other in a circle.
+
+Floors, from the bottom:
+
+0. foundation: ``_xp``, ``config``, ``linalg``, ``_kernels``, ``_cli`` (array
+   namespaces, frozen configs, decompositions, numba kernels, CLI error plumbing);
+1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
+   core, in place), ``memory``, ``replay``;
+2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
+3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``;
+4. framework adapters: ``adapters`` (torch, optax);
+5. applications: the command lines (``cli``, ``golden.cli``, ``ode.cli``, ``perf.cli``), ``perf.bench`` (with its
+   sections ``perf.refresh`` and ``perf.steady``),
+   ``report`` and ``reproduce`` (which trains through the torch adapter).
+
+The library also reads no environment variable and never ends the process: ``SystemExit`` and
+``sys.exit`` appear only in ``_cli.py`` (argparse's ``error`` must not return) and in
+``if __name__ == "__main__":`` blocks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "adadiag_ref"
+
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("_xp", "config", "linalg", "_kernels", "_cli"),
+    ("optim", "memory", "replay"),
+    ("",),  # the package's __init__ (the public facade)
+    ("golden", "testing", "ode", "perf", "perf.engine"),
+    ("adapters",),
+    ("cli", "golden.cli", "ode.cli", "perf.cli", "perf.bench", "perf.refresh", "perf.steady", "report", "reproduce"),
+)
+
+
+def _module_files() -> dict[str, Path]:
+    """``{dotted module name: file}`` for every module of the package and of ``adapters/``."""
+    files = {}
+    for folder, prefix in ((ROOT / PACKAGE, [PACKAGE]), (ROOT / "adapters", [PACKAGE, "adapters"])):
+        for path in sorted(folder.rglob("*.py")):
+            parts = prefix + list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join(parts)] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str, tree: ast.AST) -> set[str]:
+    """Every module of the library that ``name`` imports, wherever the import statement stands."""
+    package = name.split(".") if _is_package(name) else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module or "") if p)
+            # "from pkg import sub" imports the module pkg.sub; "from pkg import name" imports pkg
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            targets = [node.args[0].value]
+        for target in targets:
+            while target and target not in MODULES:  # "adadiag_ref.optim.core.update" -> the module
+                target = target.rpartition(".")[0]
+            if target.startswith(PACKAGE) and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: _imports(name, ast.parse(path.read_text(), str(path))) for name, path in MODULES.items()}
+
+
+def floor_of(name: str) -> int:
+    """The floor of ``name``: that of the longest entry of :data:`FLOORS` naming it or a package above it."""
+    relative = name[len(PACKAGE) + 1 :] if name != PACKAGE else ""
+    best: tuple[int, int] | None = None
+    for level, entries in enumerate(FLOORS):
+        for entry in entries:
+            if relative == entry or (entry and relative.startswith(entry + ".")):
+                if best is None or len(entry) > best[0]:
+                    best = (len(entry), level)
+    if best is None:
+        raise KeyError(f"{name} is on no floor: add it to FLOORS in tests/test_layering.py")
+    return best[1]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (as a path that ends where it starts), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Modules merged into their top-level package (``adadiag_ref.golden.verify`` -> ``adadiag_ref.golden``)."""
+
+    def unit(name: str) -> str:
+        parts = name.split(".")
+        if parts[:2] == [PACKAGE, "adapters"]:
+            return f"{PACKAGE}.adapters"
+        return ".".join(parts[:2])
+
+    merged: dict[str, set[str]] = {}
+    for name, deps in GRAPH.items():
+        merged.setdefault(unit(name), set()).update(unit(d) for d in deps if unit(d) != unit(name))
+    return merged
+
+
+def test_every_module_is_on_a_floor() -> None:
+    assert len(MODULES) > 40  # the whole library was found
+    for name in MODULES:
+        floor_of(name)
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    upward = [
+        f"{name} (floor {floor_of(name)}) imports {dep} (floor {floor_of(dep)})"
+        for name, deps in sorted(GRAPH.items())
+        for dep in sorted(deps)
+        if floor_of(dep) > floor_of(name)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_reference_path_does_not_import_the_fast_path() -> None:
+    # the family functions are the reference; optim.dispatch chooses between them and the numba kernels
+    assert f"{PACKAGE}._kernels" not in GRAPH[f"{PACKAGE}.optim.families"]
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _cycle(GRAPH) is None, " -> ".join(_cycle(GRAPH) or [])
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph = _package_graph()
+    assert f"{PACKAGE}.golden" in graph and f"{PACKAGE}.testing" in graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
+    # the detectors themselves: a lazy import inside a function counts like any other
+    tree = ast.parse("def f():\n    from ..report import run_report\n")
+    deps = _imports(f"{PACKAGE}.optim.core", tree)
+    assert deps == {f"{PACKAGE}.report"} and floor_of(f"{PACKAGE}.report") > floor_of(f"{PACKAGE}.optim.core")
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# ----------------------------------------------------------------------------- what library code never does
+
+
+def _main_blocks(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if __name__ == "__main__":`` blocks."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators)
+        ):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+EXITS = {"SystemExit", "sys.exit", "exit", "quit", "os._exit"}
+ENVIRONMENT = {"os.environ", "os.environb", "os.getenv", "os.getenvb", "os.putenv", "environ", "getenv"}
+
+KNOWN_ENVIRONMENT_READS: set[tuple[str, str]] = set()
+
+
+def _findings(source: str, names: set[str], *, skip_main: bool) -> list[tuple[int, str]]:
+    tree = ast.parse(source)
+    skipped = _main_blocks(tree) if skip_main else set()
+    hits = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Name | ast.Attribute) and _dotted(node) in names:
+            hits.append((node.lineno, _dotted(node)))
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            hits += [(node.lineno, a.name) for a in node.names if a.name in names]
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_library_code_never_exits(name: str) -> None:
+    path = MODULES[name]
+    if name == f"{PACKAGE}._cli":  # the one place: argparse's error() must not return
+        return
+    hits = _findings(path.read_text(), EXITS, skip_main=True)
+    assert not hits, f"{path.relative_to(ROOT)}: {hits}: raise an exception; the CLI turns it into an exit status"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_library_reads_no_environment_variable(name: str) -> None:
+    path = MODULES[name]
+    source = path.read_text()
+    lines = source.splitlines()
+    relative = path.relative_to(ROOT).as_posix()
+    hits = [
+        (line, what)
+        for line, what in _findings(source, ENVIRONMENT, skip_main=False)
+        if not any(relative == f and var in lines[line - 1] for f, var in KNOWN_ENVIRONMENT_READS)
+    ]
+    assert not hits, f"{relative}: {hits}: choose behaviour through a config option or an argument"
+
+
+def test_the_source_checks_see_what_they_forbid() -> None:
+    exits = (
+        "import sys\ndef f():\n    raise SystemExit(2)\ndef g():\n    sys.exit(1)\n"
+        "if __name__ == '__main__':\n    sys.exit(0)\n"
+    )
+    assert _findings(exits, EXITS, skip_main=True) == [(3, "SystemExit"), (5, "sys.exit")]
+    env = "import os\nfrom os import getenv\nA = os.environ.get('X')\nB = os.getenv('Y')\n"
+    assert sorted(_findings(env, ENVIRONMENT, skip_main=False)) == [(2, "getenv"), (3, "os.environ"), (4, "os.getenv")]
