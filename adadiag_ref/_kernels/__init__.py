@@ -83,22 +83,45 @@ def _jit(fn: Any) -> Any:
     return numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn)
 
 
+def _inline(fn: Any) -> Any:
+    """A helper compiled into its callers (numba IR inlining), so the loops that call it still vectorise."""
+    if numba is None:  # pragma: no cover
+        return fn
+    return numba.njit(inline="always", error_model="numpy")(fn)
+
+
+@_inline
+def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
+    """One entry of the Adam direction: ``m = b1 m0 + c1 x``, ``v = b2 v0 + c2 x^2``, ``u = m / (sqrt(v) + eps)``.
+
+    The one place the kernels write the formula (same operations, same order as the family function)."""
+    m = b1 * m0 + c1 * x
+    v = b2 * v0 + c2 * (x * x)
+    return m, v, m / (math.sqrt(v) + eps)
+
+
 # ----------------------------------------------------------------------------- functional kernels
 
 
-def _scalar(x: Any, dtype: Any) -> Any:
+def scalar(x: Any, dtype: Any) -> Any:
+    """``x`` rounded to ``dtype`` as a NumPy scalar: how the generic code's weak Python scalars enter its arithmetic."""
     return np.asarray(x, dtype=dtype)[()]
+
+
+def adam_coefficients(b1_t: Any, b2_t: Any, dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """``(b1, 1 - b1, b2, 1 - b2)`` as ``dtype`` scalars, ``1 - b`` rounded in ``dtype`` as the generic EMA
+    ``b * old + (1 - b) * new`` computes it: the coefficients every Adam kernel takes."""
+    b1, b2 = np.asarray(b1_t, dtype=dtype), np.asarray(b2_t, dtype=dtype)
+    return b1[()], scalar(1.0 - b1, dtype), b2[()], scalar(1.0 - b2, dtype)
 
 
 def adam_direction(M0: np.ndarray, V0: np.ndarray, g: np.ndarray, b1_t: Any, b2_t: Any, eps: float) -> tuple:
     """``M = b1 M0 + (1 - b1) G~``, ``V = b2 V0 + (1 - b2) G~^2``, ``U = M / (sqrt(V) + eps)`` in one pass."""
     dt = g.dtype
-    b1, b2 = _scalar(b1_t, dt), _scalar(b2_t, dt)
-    c1, c2 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt), _scalar(1.0 - np.asarray(b2_t, dtype=dt), dt)
     M = np.empty(g.shape, dtype=dt)
     V = np.empty(g.shape, dtype=dt)
     U = np.empty(g.shape, dtype=dt)
-    adam_moments_inplace(M0, V0, g, b1, c1, b2, c2, _scalar(eps, dt), M, V, U)
+    adam_moments_inplace(M0, V0, g, *adam_coefficients(b1_t, b2_t, dt), scalar(eps, dt), M, V, U)
     return M, V, U
 
 
@@ -166,7 +189,7 @@ def _factored(r0: np.ndarray, s0: np.ndarray, g: np.ndarray, eps: float, beta2_t
     m, n = g.shape
     rows = np.empty(m, dtype=dt)
     cols = np.empty(n, dtype=dt)
-    _square_sums(g, _scalar(eps, dt), rows, cols)
+    _square_sums(g, scalar(eps, dt), rows, cols)
     r = _ema(beta2_t, r0, rows)
     s = _ema(beta2_t, s0, cols)
     return r, s
@@ -177,7 +200,7 @@ def _clip_divisor(sum_sq: float, size: int, threshold: float | None, dt: Any) ->
         return None
     rms = np.sqrt(np.asarray(sum_sq / size, dtype=dt))
     ratio = rms / threshold
-    return _scalar(np.maximum(ratio, np.ones_like(ratio)), dt)
+    return scalar(np.maximum(ratio, np.ones_like(ratio)), dt)
 
 
 def adafactor_direction(
@@ -197,16 +220,16 @@ def adafactor_direction(
     dt = g.dtype
     r, s = _factored(r0, s0, g, eps, beta2_t)
     U = np.empty(g.shape, dtype=dt)
-    sum_sq = _normalise(g, _scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
+    sum_sq = _normalise(g, scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
     divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
     if M0 is None:
         if divisor is not None:
             _clip(U, divisor)
         return U, None, r, s
-    b1 = _scalar(b1_t, dt)
-    c1 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt)
+    b1 = scalar(b1_t, dt)
+    c1 = scalar(1.0 - np.asarray(b1_t, dtype=dt), dt)
     M = np.empty(g.shape, dtype=dt)
-    _clip_momentum(U, divisor if divisor is not None else _scalar(1.0, dt), M0, b1, c1, M)
+    _clip_momentum(U, divisor if divisor is not None else scalar(1.0, dt), M0, b1, c1, M)
     return M, M, r, s
 
 
@@ -232,9 +255,9 @@ def hfac_direction(
     phi = b1_t * (u - row_mean) / np.sqrt(r / n)
     psi = b1_t * (v - col_mean) / np.sqrt(s / m)
     U = np.empty(g.shape, dtype=dt)
-    sum_sq = _normalise(g, _scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
+    sum_sq = _normalise(g, scalar(np.sqrt(np.sum(r)), dt), np.sqrt(r), np.sqrt(s), U)
     divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
-    _hfac_combine(U, divisor if divisor is not None else _scalar(1.0, dt), phi.astype(dt), psi.astype(dt))
+    _hfac_combine(U, divisor if divisor is not None else scalar(1.0, dt), phi.astype(dt), psi.astype(dt))
     return U, u, v, r, s
 
 
@@ -250,12 +273,7 @@ def _adam_moments_rows(M0, V0, g, b1, c1, b2, c2, eps, M, V, out):  # type: igno
     m, n = g.shape
     for i in numba.prange(m):
         for j in range(n):
-            x = g[i, j]
-            mij = b1 * M0[i, j] + c1 * x
-            vij = b2 * V0[i, j] + c2 * (x * x)
-            M[i, j] = mij
-            V[i, j] = vij
-            out[i, j] = mij / (math.sqrt(vij) + eps)
+            M[i, j], V[i, j], out[i, j] = _adam_entry(M0[i, j], V0[i, j], g[i, j], b1, c1, b2, c2, eps)
 
 
 def _apply_update_flat(W, D, lr, wd):  # type: ignore[no-untyped-def]
@@ -267,13 +285,9 @@ def _apply_update_flat(W, D, lr, wd):  # type: ignore[no-untyped-def]
 
 def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-untyped-def]
     for k in numba.prange(W.shape[0]):
-        x = g[k]
-        mk = b1 * M[k] + c1 * x
-        vk = b2 * V[k] + c2 * (x * x)
-        M[k] = mk
-        V[k] = vk
         w = W[k]
-        W[k] = w - lr * (mk / (math.sqrt(vk) + eps) + wd * w)
+        M[k], V[k], u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
+        W[k] = w - lr * (u + wd * w)
 
 
 def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ignore[no-untyped-def]
@@ -283,24 +297,14 @@ def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ign
     One argument for ``G~`` and ``U``, not two aliased ones: with two pointers to the same memory LLVM's runtime
     overlap check fails and the loop runs unvectorised (several times slower)."""
     for k in numba.prange(GU.shape[0]):
-        x = GU[k]
-        mk = b1 * M0[k] + c1 * x
-        vk = b2 * V0[k] + c2 * (x * x)
-        M[k] = mk
-        V[k] = vk
-        GU[k] = mk / (math.sqrt(vk) + eps)
+        M[k], V[k], GU[k] = _adam_entry(M0[k], V0[k], GU[k], b1, c1, b2, c2, eps)
 
 
 def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
     """In place on flat views (the engine): ``M <- b1 M + c1 G~``, ``V <- b2 V + c2 G~^2``,
     ``GU <- M / (sqrt(V) + eps)``; each array is one argument (no aliased pointers, see above)."""
     for k in numba.prange(GU.shape[0]):
-        x = GU[k]
-        mk = b1 * M[k] + c1 * x
-        vk = b2 * V[k] + c2 * (x * x)
-        M[k] = mk
-        V[k] = vk
-        GU[k] = mk / (math.sqrt(vk) + eps)
+        M[k], V[k], GU[k] = _adam_entry(M[k], V[k], GU[k], b1, c1, b2, c2, eps)
 
 
 def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
@@ -308,12 +312,7 @@ def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V,
     ``D = (-eta) (U + lambda W)`` (``U + lambda W`` only when ``decay``; the reference adds nothing when
     lambda = 0, so neither does this, and a signed zero stays what the reference makes of it)."""
     for k in numba.prange(g.shape[0]):
-        x = g[k]
-        mk = b1 * M0[k] + c1 * x
-        vk = b2 * V0[k] + c2 * (x * x)
-        M[k] = mk
-        V[k] = vk
-        u = mk / (math.sqrt(vk) + eps)
+        M[k], V[k], u = _adam_entry(M0[k], V0[k], g[k], b1, c1, b2, c2, eps)
         if decay:
             u = u + wd * w[k]
         D[k] = neg_lr * u

@@ -57,10 +57,6 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.ravel(order="K")
 
 
-def _scalar(x: Any, dtype: Any) -> Any:
-    return np.asarray(x, dtype=dtype)[()]
-
-
 def adam_update(
     state: State,
     layout: Any,
@@ -95,9 +91,8 @@ def adam_update(
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
     # the generic code's scalars: b * old + (1 - b) * new with 1 - b rounded in the state dtype; the Python numbers
     # eps, lambda and -eta enter its array arithmetic rounded to the state dtype (NumPy's weak scalars)
-    b1, b2 = _scalar(b1_t, dt), _scalar(b2_t, dt)
-    c1, c2 = _scalar(1.0 - np.asarray(b1_t, dtype=dt), dt), _scalar(1.0 - np.asarray(b2_t, dtype=dt), dt)
-    eps, neg_lr, wd = _scalar(cfg.eps, dt), _scalar(-lr, dt), _scalar(cfg.weight_decay, dt)
+    b1, c1, b2, c2 = _kernels.adam_coefficients(b1_t, b2_t, dt)
+    eps, neg_lr, wd = (_kernels.scalar(x, dt) for x in (cfg.eps, -lr, cfg.weight_decay))
     decay = bool(cfg.weight_decay)
     parallel = g_rot.size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
     M = np.empty_like(g_rot, order="K")

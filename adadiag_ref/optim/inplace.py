@@ -149,9 +149,8 @@ def update_in_place(
         buf = native.empty_like(M)
         new_M = g_rot if owned else native.empty_like(M)  # the kernel reads each G~_ij before writing M_ij
         new_V = native.empty_like(V)
-        one = native.asarray(1.0, dtype=M.dtype)
-        _kernels.adam_moments_inplace(M, V, g_rot, b1_t[()], (one - b1_t)[()], b2_t[()], (one - b2_t)[()],
-                                      M.dtype.type(cfg.eps), new_M, new_V, buf)  # fmt: skip
+        _kernels.adam_moments_inplace(M, V, g_rot, *_kernels.adam_coefficients(b1_t, b2_t, M.dtype),
+                                      _kernels.scalar(cfg.eps, M.dtype), new_M, new_V, buf)  # fmt: skip
     else:
         new_M, new_V, buf = _adam_moments_ufuncs(M, V, g_rot, owned, b1_t, b2_t, cfg.eps, native)
     direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
