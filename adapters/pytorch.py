@@ -321,10 +321,16 @@ class CoreOptimizer(torch.optim.Optimizer):
         if not work:
             return
         device = work[0].grad.device
-        finite = torch.stack([torch.isfinite(item.grad).all().to(device) for item in work])
+        # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
+        # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly below
+        sums = torch.stack([_finiteness_sum(item.grad).to(device) for item in work])
+        finite = torch.isfinite(sums)
         if bool(finite.all()):  # the one synchronisation of a step without refresh
             return
-        bad = work[int(torch.nonzero(~finite)[0])]
+        suspects = [work[int(i)] for i in torch.nonzero(~finite).flatten()]
+        bad = next((item for item in suspects if not bool(torch.isfinite(item.grad).all())), None)
+        if bad is None:  # finite entries whose sum overflowed
+            return
         raise ValueError(
             f"gradient of {bad.where} contains NaN or Inf at step {int(bad.flat['step']) + 1}; "
             "no parameter and no optimizer state was changed"
@@ -439,6 +445,18 @@ class _Work(NamedTuple):
     lr: Any
     where: str  # "parameter 'fc.weight'" or "parameter 2 of param_groups[0]", for error messages
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
+
+
+def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
+    """``sum(G)`` (0-d), accumulated in float32 at least: non-finite whenever an entry of ``G`` is NaN or Inf.
+
+    IEEE sums never leave NaN or Inf again (``inf - inf`` is NaN), so a finite sum proves every entry finite in
+    one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
+    can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
+    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return torch.sum(grad, dtype=torch.float32)
+    return torch.sum(grad)
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:

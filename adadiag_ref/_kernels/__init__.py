@@ -91,12 +91,25 @@ def _inline(fn: Any) -> Any:
 
 
 @_inline
+def _first_moment_entry(m0, x, b1, c1):  # type: ignore[no-untyped-def]
+    """``m = b1 m0 + c1 x``: one entry of ``M_t = EMA_b1[G~]``."""
+    return b1 * m0 + c1 * x
+
+
+@_inline
+def _second_moment_entry(v0, x, b2, c2):  # type: ignore[no-untyped-def]
+    """``v = b2 v0 + c2 x^2``: one entry of ``V_t = EMA_b2[G~^2]``."""
+    return b2 * v0 + c2 * (x * x)
+
+
+@_inline
 def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
     """One entry of the Adam direction: ``m = b1 m0 + c1 x``, ``v = b2 v0 + c2 x^2``, ``u = m / (sqrt(v) + eps)``.
 
-    The one place the kernels write the formula (same operations, same order as the family function)."""
-    m = b1 * m0 + c1 * x
-    v = b2 * v0 + c2 * (x * x)
+    The one place the kernels write the formula (same operations, same order as the family function); the
+    moments come from the two helpers above, which the torch route's block kernels share."""
+    m = _first_moment_entry(m0, x, b1, c1)
+    v = _second_moment_entry(v0, x, b2, c2)
     return m, v, m / (math.sqrt(v) + eps)
 
 
@@ -327,6 +340,46 @@ def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-d
         D[k] = neg_lr * d
 
 
+def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
+    """``V = b2 V0 + c2 G~^2`` on flat views (a block of the torch CPU route: its ``sqrt`` is torch's own)."""
+    for k in range(g.shape[0]):
+        V[k] = _second_moment_entry(V0[k], g[k], b2, c2)
+
+
+def _adam_apply_root_flat(W, g, M, V, v, root, b1, c1, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """The unrotated Adam step in place on flat views, given ``v = V_t`` and ``root = sqrt(V_t)`` (computed by the
+    caller's backend): ``M <- b1 M + c1 G``, ``V <- v``, ``W <- W + (-eta) (M / (root + eps) [+ lambda W])``."""
+    for k in range(g.shape[0]):
+        w = W[k]
+        m = _first_moment_entry(M[k], g[k], b1, c1)
+        u = m / (root[k] + eps)
+        if decay:
+            u = u + wd * w
+        M[k] = m
+        V[k] = v[k]
+        W[k] = w + neg_lr * u
+
+
+def _adam_direction_root_flat(M0, GU, root, b1, c1, eps, M):  # type: ignore[no-untyped-def]
+    """Flat views, given ``root = sqrt(V_t)``: ``M = b1 M0 + c1 G~`` (a new array) and ``U~ = M / (root + eps)``
+    over ``G~`` itself (``GU`` is read, then overwritten)."""
+    for k in range(GU.shape[0]):
+        m = _first_moment_entry(M0[k], GU[k], b1, c1)
+        M[k] = m
+        GU[k] = m / (root[k] + eps)
+
+
+def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """In place on flat views: ``W <- W + (-eta) (D + lambda W)`` for an unrotated direction ``D = P U~ Q^T``
+    (``W += delta`` of :func:`_scale_direction_flat`'s ``delta``, without writing ``D``)."""
+    for k in numba.prange(W.shape[0]):
+        w = W[k]
+        d = D[k]
+        if decay:
+            d = d + wd * w
+        W[k] = w + neg_lr * d
+
+
 def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     if numba is None:  # pragma: no cover
         return fn, fn
@@ -343,6 +396,10 @@ adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_
 adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
+apply_direction_flat, apply_direction_flat_parallel = _serial_and_parallel(_apply_direction_flat)
+adam_second_moment_flat = _jit(_adam_second_moment_flat)
+adam_apply_root_flat = _jit(_adam_apply_root_flat)
+adam_direction_root_flat = _jit(_adam_direction_root_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

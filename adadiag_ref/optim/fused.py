@@ -44,7 +44,7 @@ __all__ = ["PARALLEL_MIN_SIZE", "adam_update"]
 PARALLEL_MIN_SIZE = 1 << 18
 
 
-def _alike(*arrays: np.ndarray) -> bool:
+def alike(*arrays: np.ndarray) -> bool:
     """Same shape and strides, and contiguous: entry ``k`` of every ``ravel(order="K")`` view is the same ``(i, j)``."""
     first = arrays[0]
     if not (first.flags.c_contiguous or first.flags.f_contiguous):
@@ -52,7 +52,7 @@ def _alike(*arrays: np.ndarray) -> bool:
     return all(a.shape == first.shape and a.strides == first.strides for a in arrays[1:])
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
+def flat(a: np.ndarray) -> np.ndarray:
     """The 1-D view of a contiguous array in memory order (no copy)."""
     return a.ravel(order="K")
 
@@ -84,7 +84,7 @@ def adam_update(
     if M0 is None or not _kernels.usable(xp, g_rot, M0, V0, w):
         return None
     rotated = state.P is not None or state.Q is not None
-    if not _alike(g_rot, M0, V0, *(() if rotated else (w,))):
+    if not alike(g_rot, M0, V0, *(() if rotated else (w,))):
         return None
     dt = g_rot.dtype
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
@@ -100,15 +100,15 @@ def adam_update(
     if not rotated:
         D = np.empty_like(g_rot, order="K")
         kernel = _kernels.adam_delta_flat_parallel if parallel else _kernels.adam_delta_flat
-        kernel(_flat(M0), _flat(V0), _flat(g_rot), _flat(w), b1, c1, b2, c2, eps, neg_lr, wd, decay,
-               _flat(M), _flat(V), _flat(D))  # fmt: skip
+        kernel(flat(M0), flat(V0), flat(g_rot), flat(w), b1, c1, b2, c2, eps, neg_lr, wd, decay,
+               flat(M), flat(V), flat(D))  # fmt: skip
     else:
         moments = _kernels.adam_moments_over_flat_parallel if parallel else _kernels.adam_moments_over_flat
-        moments(_flat(M0), _flat(V0), _flat(g_rot), b1, c1, b2, c2, eps, _flat(M), _flat(V))
+        moments(flat(M0), flat(V0), flat(g_rot), b1, c1, b2, c2, eps, flat(M), flat(V))
         D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
-        if type(D) is np.ndarray and D.dtype == dt and _alike(D, w):
+        if type(D) is np.ndarray and D.dtype == dt and alike(D, w):
             scale = _kernels.scale_direction_flat_parallel if parallel else _kernels.scale_direction_flat
-            scale(_flat(D), _flat(w), neg_lr, wd, decay)
+            scale(flat(D), flat(w), neg_lr, wd, decay)
         else:  # pragma: no cover - BLAS outputs are contiguous; the generic expressions otherwise
             if decay:
                 D = D + cfg.weight_decay * w

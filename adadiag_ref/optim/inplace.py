@@ -32,6 +32,7 @@ from ..config import BaseConfig
 from .core import prepare_step, unrotate, update
 from .dispatch import uses_kernels
 from .families import AdamState, State
+from .fused import PARALLEL_MIN_SIZE, alike, flat
 from .layout import from_work
 from .schedules import beta_hat
 
@@ -102,6 +103,143 @@ def _adam_moments_ufuncs(
     return new_M, new_V, buf
 
 
+def _host_views(*tensors: Any) -> list[Any] | None:
+    """Zero-copy NumPy views of dense CPU torch tensors of one float32/float64 dtype (the same memory: writing a
+    view writes the tensor), or ``None`` when any tensor cannot be viewed that way; ``None`` entries stay ``None``."""
+    import numpy
+    import torch
+
+    views: list[Any] = []
+    for x in tensors:
+        if x is None:
+            views.append(None)
+            continue
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.device.type != "cpu"
+            or x.layout != torch.strided
+            or x.dtype not in (torch.float32, torch.float64)
+            or x.is_neg()  # a lazily negated view has no NumPy form
+            or x.is_conj()
+        ):
+            return None
+        try:
+            view = x.detach().numpy()
+        except (RuntimeError, TypeError):  # subclasses without host storage (fake, meta-like wrappers)
+            return None
+        if type(view) is not numpy.ndarray:
+            return None
+        views.append(view)
+    dtypes = {v.dtype for v in views if v is not None}
+    return views if len(dtypes) == 1 else None
+
+
+BLOCK = 1 << 14
+"""Entries per block of the torch CPU route: ``V_t`` and ``sqrt(V_t)`` of one block (128 KiB in float64) stay in
+the core's cache between the kernel passes and torch's ``sqrt``; and a block is below torch's parallel grain
+(32768 entries), so ``torch.sqrt`` runs on the calling thread instead of waking its OpenMP team every block."""
+
+
+def _adam_torch_cpu(
+    state: AdamState, layout: Any, t: Array, g_rot: Array, w: Array, param: Array, cfg: BaseConfig, eta: Any, xp: Any
+) -> bool:
+    """The Adam-family step of CPU torch tensors through the numba kernels, on zero-copy NumPy views.
+
+    Returns ``False``, having written nothing, when the route does not apply (``cfg.kernels == "reference"``,
+    numba missing, ``eta`` not a Python number, the parameter's dtype not the state dtype or the parameter
+    not contiguous, tensors that are not plain dense CPU float32/float64 ones or not laid out alike); the
+    caller then runs the backend ufuncs.
+
+    Bit-identical to the reference on torch: the same formulas in the same order, the coefficients
+    ``b_hat`` computed by torch as there, the same torch GEMMs, and ``sqrt(V_t)`` by ``torch.sqrt`` itself
+    (torch's CPU square root is not always the correctly rounded one, so the kernels must not use their
+    own); kernels compiled without fastmath.  The flat arrays are processed in blocks of :data:`BLOCK`
+    entries: a kernel writes ``V_t`` of the block into scratch, ``torch.sqrt`` takes its root, a second
+    kernel finishes the block, so each array crosses memory about once.
+
+    * no rotation: ``M``, ``V`` and ``W <- W + (-eta) (U + lambda W)`` are written in place, block by block;
+      nothing of the parameter's size is allocated (the embedding and LM head of a language model: fresh
+      arrays of their size cost page faults of the order of the arithmetic).  Everything that can fail is
+      checked before the first block; the blocks run only kernels and ``torch.sqrt`` into scratch.
+    * with rotation: ``M_t``, ``V_t`` go into two new tensors and ``U~`` over ``G~`` (this call's own GEMM
+      output), ``D = P U~ Q^T`` (torch GEMM, new), one pass ``W <- W + (-eta) (D + lambda W)``, then ``M``
+      and ``V`` adopt the new tensors' storage (``Tensor.set_``): the state is written only after the GEMM.
+    """
+    if (
+        cfg.kernels == "reference"
+        or not _kernels.AVAILABLE
+        or isinstance(eta, bool)
+        or not isinstance(eta, int | float)
+    ):
+        return False
+    M, V = state.M, state.V
+    if param.dtype != M.dtype or not param.is_contiguous() or w.data_ptr() != param.data_ptr():
+        return False  # W must be the parameter's own memory, in the state dtype, to be written in place
+    rotated = state.P is not None or state.Q is not None
+    views = _host_views(g_rot, w, M, V)
+    if views is None:
+        return False
+    g_np, w_np, M_np, V_np = views
+    if not alike(g_np, M_np, V_np, *(() if rotated else (w_np,))):
+        return False
+    dt = M_np.dtype
+    # torch's own b_hat (as the reference computes them), read from host memory; 1 - b rounded in the state dtype
+    b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
+    b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+    coefficients = _host_views(b1_t, b2_t)
+    if coefficients is None:
+        return False
+    b1, c1, b2, c2 = _kernels.adam_coefficients(coefficients[0], coefficients[1], dt)
+    eps, neg_lr, wd = (_kernels.scalar(x, dt) for x in (cfg.eps, -eta, cfg.weight_decay))
+    decay = bool(cfg.weight_decay)
+    import torch
+
+    size = M_np.size
+    block = min(BLOCK, size)
+    scratch = torch.empty((2, block), dtype=M.dtype)  # V_t and sqrt(V_t) of one block
+    v_t, root_t = scratch[0], scratch[1]
+    v_np, root_np = scratch.numpy()
+    fg, fM, fV = flat(g_np), flat(M_np), flat(V_np)
+    if not rotated:
+        fw = flat(w_np)
+        for start in range(0, size, block):
+            stop = min(start + block, size)
+            k = stop - start
+            _kernels.adam_second_moment_flat(fV[start:stop], fg[start:stop], b2, c2, v_np[:k])
+            torch.sqrt(v_t[:k], out=root_t[:k])
+            _kernels.adam_apply_root_flat(fw[start:stop], fg[start:stop], fM[start:stop], fV[start:stop],
+                                          v_np[:k], root_np[:k], b1, c1, eps, neg_lr, wd, decay)  # fmt: skip
+        return True
+    new_M, new_V = torch.empty_like(M), torch.empty_like(V)  # dense inputs: the same strides
+    new_views = _host_views(new_M, new_V)
+    if new_views is None or not alike(M_np, *new_views):  # pragma: no cover - empty_like keeps dense strides
+        return False
+    fnM, fnV = (flat(v) for v in new_views)
+    tnV = torch.from_numpy(fnV)  # the new V in memory order, as a tensor for torch.sqrt
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        k = stop - start
+        _kernels.adam_second_moment_flat(fV[start:stop], fg[start:stop], b2, c2, fnV[start:stop])
+        torch.sqrt(tnV[start:stop], out=root_t[:k])
+        _kernels.adam_direction_root_flat(fM[start:stop], fg[start:stop], root_np[:k], b1, c1, eps, fnM[start:stop])
+    D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)  # U~ lives in G~'s buffer now
+    D_views = _host_views(D)
+    if D_views is not None and alike(D_views[0], w_np):
+        apply = (
+            _kernels.apply_direction_flat_parallel
+            if size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
+            else _kernels.apply_direction_flat
+        )
+        apply(flat(w_np), flat(D_views[0]), neg_lr, wd, decay)  # commit: nothing below can fail
+    else:  # pragma: no cover - torch GEMM outputs are dense in G~'s order; the reference expressions otherwise
+        if decay:
+            D = D + cfg.weight_decay * w
+        param += from_work(D * -eta, layout, xp)
+    M.set_(new_M)
+    V.set_(new_V)
+    return True
+
+
 def update_in_place(
     state: State,
     grad: Array,
@@ -142,6 +280,10 @@ def update_in_place(
     layout, t, g, w, g_rot = prepare_step(state, grad, cfg, param, refreshed, xp)
     owned = g_rot is not g  # a fresh GEMM output may serve as scratch space
 
+    if is_torch_namespace(xp) and _adam_torch_cpu(
+        state, layout, t, g_rot, w, param, cfg, cfg.lr if lr is None else lr, xp
+    ):
+        return state._replace(count=state.count + 1)
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
     M, V = state.M, state.V

@@ -132,13 +132,15 @@ def measure_bandwidth(n: int, reps: int) -> float:
     return 16.0 * n / t
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1, pause: float = 0.3
-) -> dict[str, float]:
-    """Median times of several functions measured in alternation (a drifting machine biases none of them).
+) -> dict[str, list[float]]:
+    """The times of ``reps`` rounds, each calling every function once in turn, after ``warmup`` calls of each.
 
-    ``pause`` seconds of sleep follow every call, so that one library's spinning thread pool (torch's
-    OpenMP threads spin for up to ~200 ms after a parallel region) does not slow the next call down."""
+    Round ``r`` of every function ran within the same stretch of time, so ratios formed round by round are
+    not biased by a machine whose load drifts.  ``pause`` seconds of sleep follow every call, so that one
+    library's spinning thread pool (torch's OpenMP threads spin for up to ~200 ms after a parallel region)
+    does not slow the next call down."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -149,7 +151,14 @@ def interleaved_medians(
             fn()
             times[name].append(time.perf_counter() - t0)
             time.sleep(pause)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1, pause: float = 0.3
+) -> dict[str, float]:
+    """Median times of several functions measured in alternation (:func:`interleaved_times`)."""
+    return {name: statistics.median(ts) for name, ts in interleaved_times(fns, reps, warmup, pause).items()}
 
 
 def measure_gemm(shapes: list[tuple[int, int]], reps: int) -> dict[tuple[int, int], float]:
@@ -229,10 +238,11 @@ def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
     return t
 
 
-def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
-    """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames.
+def torch_adadiag_step(specs: list[ParamSpec], rule: str = "paper") -> Callable[[], None]:
+    """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames: the step function.
 
-    The yardstick of the torch adapter (``bench --steady``: adapter time / this time)."""
+    The yardstick of the torch adapter (``bench --steady``: adapter time / this time).  Persistent scratch
+    ``G~`` and ``D`` per rotated matrix; unrotated parameters take AdamW's in-place ops."""
     import torch
 
     gen = torch.Generator().manual_seed(4)
@@ -265,19 +275,21 @@ def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") 
             V.mul_(b2).addcmul_(G, G, value=c2)
             W.addcdiv_(M, V.sqrt().add_(eps), value=-lr)
 
-    t = median_time(one, reps)
-    mats.clear()
-    vecs.clear()
-    return t
+    return one
 
 
-def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") -> dict[str, float]:
+def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
+    """Median time of :func:`torch_adadiag_step` (AdaDiag written directly in torch ops)."""
+    return median_time(torch_adadiag_step(specs, rule), reps)
+
+
+def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str, Callable[[], None]]:
     """The torch adapter (``adadiag_ref.adapters.pytorch.AdaDiag``) and the core called on the same tensors.
 
-    Non-refresh steps (the t = 1 refresh runs in the warm-up, Gram route).  Unrotated
-    parameters under ``rule`` are stepped by the adapter's ``AdamW`` (the unrotated baseline).
-    ``core``: ``ar.update`` + ``W.add_(delta)`` per parameter on the very tensors
-    (and states) the adapter uses, i.e. the adapter minus its own bookkeeping.
+    Returns ``{"adapter": step, "core": step}``, both after the t = 1 refresh (Gram route), so every call is a
+    non-refresh step.  Unrotated parameters under ``rule`` are stepped by the adapter's ``AdamW`` (the
+    unrotated baseline).  ``core``: ``ar.update`` + ``W.add_(delta)`` per parameter on the very tensors (and
+    states) the adapter uses, i.e. the adapter minus its own bookkeeping.
     """
     import torch
 
@@ -296,7 +308,6 @@ def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") 
             opt.step()
 
     adapter_step()  # t = 1 refreshes the bases (basis_method="auto"); every later step is a non-refresh step
-    res = {"adapter": median_time(adapter_step, reps)}
 
     work = []
     for opt in opts:
@@ -312,11 +323,36 @@ def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") 
             delta, item[1] = ar.update(state, p.grad, cfg, p, lr=1e-3)
             p.add_(delta)
 
-    res["core"] = median_time(core_step, reps)
-    work.clear()
-    opts.clear()
-    params.clear()
+    return {"adapter": adapter_step, "core": core_step}
+
+
+def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") -> dict[str, float]:
+    """Median times of :func:`torch_adapter_steps`' ``adapter`` and ``core`` steps (measured one after the other)."""
+    steps = torch_adapter_steps(specs, rule)
+    res = {"adapter": median_time(steps["adapter"], reps)}
+    res["core"] = median_time(steps["core"], reps)
     return res
+
+
+def torch_adapter_ratio(
+    specs: list[ParamSpec], reps: int, rule: str = "paper", warmup: int = 2, pause: float = 0.3
+) -> dict[str, Any]:
+    """The torch adapter against AdaDiag written directly in torch ops, measured in alternation.
+
+    Both are built once; after ``warmup`` calls of each, ``reps`` rounds call the adapter's step and the
+    direct step once each (:func:`interleaved_times`); the ratio is formed per round and its median
+    reported, so a load change on a shared machine shifts both sides of a ratio alike.  Returns
+    ``{"adapter": median s, "direct": median s, "ratio": median of the per-round ratios, "ratios": [...]}``.
+    """
+    fns = {"adapter": torch_adapter_steps(specs, rule)["adapter"], "direct": torch_adadiag_step(specs, rule)}
+    times = interleaved_times(fns, reps, warmup=warmup, pause=pause)
+    ratios = [a / d for a, d in zip(times["adapter"], times["direct"], strict=True)]
+    return {
+        "adapter": statistics.median(times["adapter"]),
+        "direct": statistics.median(times["direct"]),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+    }
 
 
 def gradient_with_spectrum(shape: tuple[int, ...], spectrum: str, rng: np.random.Generator) -> np.ndarray:
