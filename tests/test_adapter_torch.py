@@ -381,3 +381,96 @@ def test_one_host_synchronisation_per_step(name, kernels, monkeypatch):
         monkeypatch.setattr(torch.Tensor, method, counting)
     opt.step()
     assert len(reads) <= 1, reads
+
+
+# ----------------------------------------------------------------------------- issue 12: the CPU kernel route
+
+
+def _count_calls(monkeypatch, module, names):
+    """Wrap ``module.<name>`` for each name so that calls are counted; returns the counter dict."""
+    calls = dict.fromkeys(names, 0)
+    for attr in names:
+        original = getattr(module, attr)
+
+        def counted(*args, _attr=attr, _original=original, **kwargs):
+            calls[_attr] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, counted)
+    return calls
+
+
+# (130, 300) has 39000 entries: three blocks of the route, the last one partial
+ROUTE_SHAPES = [(130, 300), (300, 130), (5, 7), (7, 5), (6, 2, 2), (7,)]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name, dtype, weight_decay, monkeypatch):
+    """CPU float tensors go through the numba kernels (on NumPy views of the tensors); every trajectory and state
+    equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
+    large enough that a kernel taking its own correctly rounded square root, instead of torch's, would differ."""
+    from adadiag_ref import _kernels
+
+    calls = _count_calls(monkeypatch, _kernels, ["adam_apply_root_flat", "adam_direction_root_flat"])
+    streams = [_stream(s, steps=5, dtype=dtype, seed=i) for i, s in enumerate(ROUTE_SHAPES)]
+    hyper = {"lr": 0.01, "weight_decay": weight_decay, "update_freq": 2}
+    results = {}
+    for kernels in ("reference", "auto"):
+        params = [torch.nn.Parameter(w0.clone()) for w0, _ in streams]
+        opt = CLASSES[name](params, kernels=kernels, **hyper)
+        before = dict(calls)
+        trajs = _run(opt, params, [g for _, g in streams])
+        routed = sum(calls.values()) - sum(before.values())
+        assert (routed > 0) == (kernels == "auto"), (kernels, calls)
+        results[kernels] = (trajs, [opt.state[p] for p in params])
+    for ref, fast in zip(results["reference"][0], results["auto"][0], strict=True):
+        assert torch.equal(ref, fast)
+    for ref, fast in zip(results["reference"][1], results["auto"][1], strict=True):
+        assert set(ref) == set(fast) and all(torch.equal(ref[k], fast[k]) for k in ref)
+
+
+def test_cpu_kernel_route_keeps_the_state_tensor_objects():
+    p = torch.nn.Parameter(torch.randn(9, 4))
+    q = torch.nn.Parameter(torch.randn(50))
+    opt = at.AdaDiag([p, q], update_freq=None)
+    p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
+    opt.step()
+    ids = {k: id(v) for s in (opt.state[p], opt.state[q]) for k, v in s.items()}
+    saved = opt.state_dict()["state"]
+    opt.step()
+    assert {k: id(v) for s in (opt.state[p], opt.state[q]) for k, v in s.items()} == ids
+    assert torch.equal(saved[0]["M"], opt.state[p]["M"])  # state_dict() references stay live, as in torch.optim
+
+
+def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch):
+    """The finiteness test reduces each gradient once (a sum); ``torch.isfinite`` only sees the 0-d sums."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 32), (100,))]
+    opt = at.AdamW(params)
+    shapes = []
+    original = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda x: shapes.append(tuple(x.shape)) or original(x))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert shapes and all(len(shape) <= 1 and (not shape or shape[0] == len(params)) for shape in shapes), shapes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_sum_that_overflows_on_finite_gradients_is_no_error(dtype):
+    """Finite entries whose sum overflows to inf: the exact test clears the suspicion and the step runs."""
+    big = torch.finfo(dtype).max
+    p = torch.nn.Parameter(torch.zeros(4, 3, dtype=dtype))
+    q = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    opt = at.AdamW([p, q], lr=0.1)
+    p.grad = torch.full_like(p, big)
+    q.grad = torch.ones_like(q)
+    if dtype == torch.float16:  # summed in float32: no overflow there; the sum stays a proof
+        p.grad[0, 0] = -big
+    opt.step()
+    assert int(opt.state[p]["step"]) == 1 and int(opt.state[q]["step"]) == 1  # (G^2 overflows: V = inf, U = 0)
+    q.grad = torch.tensor([1.0, float("nan")], dtype=dtype)
+    p.grad = torch.full_like(p, big)
+    with pytest.raises(ValueError, match=r"parameter 1 of param_groups\[0\] contains NaN or Inf at step 2"):
+        opt.step()

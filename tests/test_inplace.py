@@ -30,12 +30,15 @@ def _run(name: str, w0, grads, functional: bool, **kw):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (7,), (2, 3, 2)])
-def test_torch_in_place_is_bit_identical(name: str, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3), (7,), (2, 3, 2), (150, 120)])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_in_place_is_bit_identical(name: str, shape: tuple[int, ...], dtype: str) -> None:
+    # CPU tensors of the Adam family take the numba kernels on NumPy views (with torch's own sqrt), the others
+    # torch ops; (150, 120) spans two blocks of that route
     torch = pytest.importorskip("torch")
     gen = torch.Generator().manual_seed(0)
-    w0 = torch.randn(shape, dtype=torch.float64, generator=gen)
-    grads = torch.randn((8, *shape), dtype=torch.float64, generator=gen)
+    w0 = torch.randn(shape, dtype=torch.float64, generator=gen).to(getattr(torch, dtype))
+    grads = torch.randn((8, *shape), dtype=torch.float64, generator=gen).to(getattr(torch, dtype))
     kw = dict(lr=1e-2, weight_decay=0.05, update_freq=3)
     w_f, s_f = _run(name, w0, grads, True, **kw)
     w_i, s_i = _run(name, w0, grads, False, **kw)
@@ -82,3 +85,38 @@ def test_jax_arrays_are_rejected() -> None:
     assert not ar.optim.supports_in_place(w)
     with pytest.raises(TypeError, match="mutable"):
         ar.update_in_place(ar.init(w, cfg), w, cfg, w)
+
+
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
+    """On the CPU kernel route of a rotated parameter the state is written only after the second GEMM: a failure
+    there leaves the parameter and the moments bit-identical."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.optim import inplace
+
+    if not _kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(3)
+    cfg = ar.make_config(name, lr=1e-2, weight_decay=0.1)
+    w = torch.randn(6, 9, generator=gen)
+    state = ar.init(w, cfg)
+    for _ in range(2):
+        g = torch.randn(6, 9, generator=gen)
+        state = ar.update_in_place(ar.refresh_basis(state, g, cfg), g, cfg, w, refreshed=True)
+    before = [x.clone() for x in (w, state.M, state.V)]
+    calls = []
+    original = _kernels.adam_direction_root_flat
+
+    def moments_then_fail(*args):
+        calls.append(1)
+        return original(*args)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(_kernels, "adam_direction_root_flat", moments_then_fail)
+    monkeypatch.setattr(inplace, "unrotate", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        ar.update_in_place(state, torch.randn(6, 9, generator=gen), cfg, w)
+    assert calls  # the kernel route ran its moment pass before the failure
+    assert all(torch.equal(a, b) for a, b in zip(before, (w, state.M, state.V)))

@@ -341,8 +341,8 @@ def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-d
 
 
 def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
-    """``V = b2 V0 + c2 G~^2`` on flat views (a block of the torch CPU route: its ``sqrt`` is torch's own)."""
-    for k in range(g.shape[0]):
+    """``V = b2 V0 + c2 G~^2`` on flat views (the torch CPU route: its ``sqrt`` is torch's own)."""
+    for k in numba.prange(g.shape[0]):
         V[k] = _second_moment_entry(V0[k], g[k], b2, c2)
 
 
@@ -360,13 +360,14 @@ def _adam_apply_root_flat(W, g, M, V, v, root, b1, c1, eps, neg_lr, wd, decay): 
         W[k] = w + neg_lr * u
 
 
-def _adam_direction_root_flat(M0, GU, root, b1, c1, eps, M):  # type: ignore[no-untyped-def]
-    """Flat views, given ``root = sqrt(V_t)``: ``M = b1 M0 + c1 G~`` (a new array) and ``U~ = M / (root + eps)``
-    over ``G~`` itself (``GU`` is read, then overwritten)."""
-    for k in range(GU.shape[0]):
+def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyped-def]
+    """Flat views, given ``MR = sqrt(V_t)`` (computed by the caller's backend into the new ``M``'s memory):
+    ``MR <- M_t = b1 M0 + c1 G~`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over ``G~`` itself; each entry of ``GU``
+    and ``MR`` is read before it is written, one argument per array (no aliased pointers)."""
+    for k in numba.prange(GU.shape[0]):
         m = _first_moment_entry(M0[k], GU[k], b1, c1)
-        M[k] = m
-        GU[k] = m / (root[k] + eps)
+        GU[k] = m / (MR[k] + eps)
+        MR[k] = m
 
 
 def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
@@ -397,9 +398,9 @@ adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_ad
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_flat, apply_direction_flat_parallel = _serial_and_parallel(_apply_direction_flat)
-adam_second_moment_flat = _jit(_adam_second_moment_flat)
+adam_second_moment_flat, adam_second_moment_flat_parallel = _serial_and_parallel(_adam_second_moment_flat)
 adam_apply_root_flat = _jit(_adam_apply_root_flat)
-adam_direction_root_flat = _jit(_adam_direction_root_flat)
+adam_direction_root_flat, adam_direction_root_flat_parallel = _serial_and_parallel(_adam_direction_root_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

@@ -195,12 +195,13 @@ def _adam_torch_cpu(
     import torch
 
     size = M_np.size
-    block = min(BLOCK, size)
-    scratch = torch.empty((2, block), dtype=M.dtype)  # V_t and sqrt(V_t) of one block
-    v_t, root_t = scratch[0], scratch[1]
-    v_np, root_np = scratch.numpy()
+    parallel = size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
     fg, fM, fV = flat(g_np), flat(M_np), flat(V_np)
     if not rotated:
+        block = min(BLOCK, size)
+        scratch = torch.empty((2, block), dtype=M.dtype)  # V_t and sqrt(V_t) of one block
+        v_t, root_t = scratch[0], scratch[1]
+        v_np, root_np = scratch.numpy()
         fw = flat(w_np)
         for start in range(0, size, block):
             stop = min(start + block, size)
@@ -210,26 +211,25 @@ def _adam_torch_cpu(
             _kernels.adam_apply_root_flat(fw[start:stop], fg[start:stop], fM[start:stop], fV[start:stop],
                                           v_np[:k], root_np[:k], b1, c1, eps, neg_lr, wd, decay)  # fmt: skip
         return True
+    # rotated: three whole-array passes into the new moments (no blocks: G~ and the new M, V are this call's own
+    # memory, and the passes run on every core); sqrt(V_t) is parked in the new M's memory until M_t overwrites it
     new_M, new_V = torch.empty_like(M), torch.empty_like(V)  # dense inputs: the same strides
     new_views = _host_views(new_M, new_V)
     if new_views is None or not alike(M_np, *new_views):  # pragma: no cover - empty_like keeps dense strides
         return False
     fnM, fnV = (flat(v) for v in new_views)
-    tnV = torch.from_numpy(fnV)  # the new V in memory order, as a tensor for torch.sqrt
-    for start in range(0, size, block):
-        stop = min(start + block, size)
-        k = stop - start
-        _kernels.adam_second_moment_flat(fV[start:stop], fg[start:stop], b2, c2, fnV[start:stop])
-        torch.sqrt(tnV[start:stop], out=root_t[:k])
-        _kernels.adam_direction_root_flat(fM[start:stop], fg[start:stop], root_np[:k], b1, c1, eps, fnM[start:stop])
+    second, direction = (
+        (_kernels.adam_second_moment_flat_parallel, _kernels.adam_direction_root_flat_parallel)
+        if parallel
+        else (_kernels.adam_second_moment_flat, _kernels.adam_direction_root_flat)
+    )
+    second(fV, fg, b2, c2, fnV)
+    torch.sqrt(torch.from_numpy(fnV), out=torch.from_numpy(fnM))
+    direction(fM, fg, fnM, b1, c1, eps)
     D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)  # U~ lives in G~'s buffer now
     D_views = _host_views(D)
     if D_views is not None and alike(D_views[0], w_np):
-        apply = (
-            _kernels.apply_direction_flat_parallel
-            if size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
-            else _kernels.apply_direction_flat
-        )
+        apply = _kernels.apply_direction_flat_parallel if parallel else _kernels.apply_direction_flat
         apply(flat(w_np), flat(D_views[0]), neg_lr, wd, decay)  # commit: nothing below can fail
     else:  # pragma: no cover - torch GEMM outputs are dense in G~'s order; the reference expressions otherwise
         if decay:

@@ -299,7 +299,7 @@ def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str
     params = _torch_params(specs, torch)
     rotated = [p for p, s in zip(params, specs) if is_rotated(s, rule)]
     others = [p for p, s in zip(params, specs) if not is_rotated(s, rule)]
-    opts = [pytorch.AdaDiag(rotated, lr=1e-3, update_freq=None)]
+    opts = [pytorch.AdaDiag(rotated, lr=1e-3, update_freq=None)] if rotated else []
     if others:
         opts.append(pytorch.AdamW(others, lr=1e-3, update_freq=None))
 
