@@ -103,8 +103,12 @@ class BaseConfig:
             which compute the same formulas in the same order and agree with the
             reference to rounding (tested at ``rtol = 1e-12`` in float64); needs
             numba installed (``ValueError`` otherwise).  ``"auto"`` (default):
-            ``"numba"`` when numba is importable, else ``"reference"``.  Other
-            backends (JAX, CuPy, torch) always take the reference code.  An
+            ``"numba"`` when numba is importable, else ``"reference"``.  On
+            float32/float64 CPU torch tensors ``update_in_place`` (the torch
+            adapter's step) runs the Adam family through the kernels too, on
+            NumPy views of the tensors and with torch's own ``sqrt``, bit for bit
+            the torch reference.  Other backends (JAX, CuPy, CUDA torch) always
+            take the reference code.  An
             execution choice, not a hyperparameter: golden files do not record it.
     """
 

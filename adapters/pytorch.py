@@ -11,7 +11,9 @@ The adapter owns no math.  For every parameter with a gradient, one call of
                                                   # bit-identical to update(), moments overwritten in place
 
 The core resolves the torch namespace itself (``array_api_compat``); nothing is
-copied to NumPy.
+copied to NumPy.  On float32/float64 CPU tensors of the Adam family (and
+``kernels`` not ``"reference"``) ``update_in_place`` runs numba kernels on
+zero-copy NumPy views of the very tensors, bit-identical to the torch ops.
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -168,7 +170,8 @@ class CoreOptimizer(torch.optim.Optimizer):
     mismatched shape or dtype raises ``ValueError``.  Everything is validated
     before anything is updated, so on an error no parameter and no state has
     changed.  A ``step()`` without a basis refresh synchronises with the device
-    once (one fused finiteness test of all gradients); a refresh step also
+    once (the finiteness of one sum per gradient, all tested together; only a
+    non-finite sum leads to the exact per-entry test); a refresh step also
     copies the gradients it decomposes to the host.
     """
 
@@ -261,7 +264,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss.
 
         Phase 1 validates everything (hyperparameters, gradient layout, shapes,
-        dtypes, one fused finiteness test); phase 2 computes the new bases of
+        dtypes, finiteness: one sum per gradient, one synchronisation); phase 2 computes the new bases of
         the parameters due for a refresh (new tensors); only phase 3 writes, so a
         failure in phase 1 or 2 leaves every parameter and state bit-identical.
         """

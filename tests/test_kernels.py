@@ -179,6 +179,19 @@ def test_bench_torch_adapter_row_runs_from_the_repository_root() -> None:
     assert res["adapter"] > 0 and res["core"] > 0
 
 
+def test_bench_torch_adapter_ratio_is_a_median_of_per_round_ratios() -> None:
+    # Not timed: checks the bookkeeping of the interleaved measurement (one ratio per round, their median).
+    pytest.importorskip("torch")
+    import statistics
+
+    from adadiag_ref.memory import llama_parameters
+    from adadiag_ref.perf import bench
+
+    res = bench.torch_adapter_ratio(llama_parameters(bench.QUICK), reps=3, warmup=1, pause=0.0)
+    assert len(res["ratios"]) == 3 and res["ratio"] == statistics.median(res["ratios"])
+    assert res["adapter"] > 0 and res["direct"] > 0
+
+
 def test_bench_paper_rule_rotates_only_block_matrices() -> None:
     from adadiag_ref.memory import llama_parameters
     from adadiag_ref.perf.engine import is_rotated

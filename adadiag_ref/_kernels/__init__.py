@@ -12,10 +12,12 @@ Two layers live here:
   rounding (tested at ``rtol = 1e-12`` in float64): the same formulas in the
   same order; only the positive sums ``sum(G~^2 + eps)`` and ``sum(U^2)`` are
   accumulated sequentially instead of pairwise.
-* **In-place kernels** (``*_inplace``) used by the benchmark's in-place
-  "engine" (``adadiag_ref.perf.engine``), the fast embedding path: they mutate
-  preallocated moment buffers and write the direction into a preallocated
-  output, so a whole step moves each array once.
+* **In-place kernels** (``*_inplace``, ``*_flat``) used by the benchmark's in-place
+  "engine" (``adadiag_ref.perf.engine``), the fast embedding path, and by
+  ``update_in_place`` on CPU torch tensors (the torch adapter, on NumPy views of
+  the tensors; there ``sqrt(V_t)`` comes from ``torch.sqrt`` between two passes,
+  ``*_root_flat``): they mutate preallocated moment buffers and write the
+  direction into a preallocated output, so a whole step moves each array once.
 
 This module only computes; it never decides.  Which path runs is chosen by
 configuration (``make_config(..., kernels=...)``), never by the environment.

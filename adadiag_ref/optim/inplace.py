@@ -12,7 +12,13 @@ arithmetic is exactly commutative (``b * M`` vs ``M * b``), so results are
 identical; the tests compare with ``array_equal``.  On NumPy arrays, when the
 config's ``kernels`` option selects numba (:mod:`adadiag_ref.optim.dispatch`),
 the moments and ``U~`` come from the fused kernel that also serves the
-functional Adam direction, in one pass.  The Adafactor and Hfac families use the
+functional Adam direction, in one pass.  On float32/float64 CPU torch tensors
+(the torch adapter) the same config option sends the Adam family through numba
+kernels on zero-copy NumPy views of the tensors, with ``sqrt(V_t)`` taken by
+``torch.sqrt`` (torch's CPU square root is not always correctly rounded, and the
+result must equal the torch reference bit for bit): no parameter-sized array is
+allocated for an unrotated parameter, and each array crosses memory about once
+(:func:`_adam_torch_cpu`).  The Adafactor and Hfac families use the
 functional update (kernel or reference, as ``kernels`` says) and copy its
 results into the buffers.
 
@@ -257,13 +263,18 @@ def update_in_place(
     refreshes the basis and does not validate finiteness (see ``check_inputs``):
     NaN or Inf in ``G`` propagate into the moments and ``W`` as in Adam.
 
-    All or nothing: every new value is computed into scratch buffers first and
-    written to ``W``, ``M`` and ``V`` only at the end, after a check that they
-    are writable; a call that raises leaves the parameter and the state bit-identical.
-    On PyTorch the Adam family's ``M`` and ``V`` take over their scratch tensors'
-    storage (``Tensor.set_``) instead of copying it: the same tensor objects, the
-    same values, one pass over memory less each (views taken of them earlier keep
-    the old values).
+    All or nothing: everything that can fail (shapes, writability, GEMMs,
+    allocations) runs before the first write to ``W``, ``M`` and ``V``; a call
+    that raises leaves the parameter and the state bit-identical.  Every route
+    but one computes the new values into scratch buffers and writes them at the
+    end; the CPU torch route of an unrotated parameter (:func:`_adam_torch_cpu`)
+    writes ``W``, ``M`` and ``V`` in place block by block, running only numba
+    kernels and ``torch.sqrt`` into a preallocated block between its writes.
+    On PyTorch the Adam family's ``M`` and ``V`` otherwise take over their scratch
+    tensors' storage (``Tensor.set_``) instead of copying it: the same tensor
+    objects, the same values, one pass over memory less each (views taken of
+    them earlier keep the old values; on the in-place CPU route they see the new ones,
+    as with ``torch.optim.AdamW``).
     """
     xp = namespace(grad, param, xp=xp)
     native = _native(xp)

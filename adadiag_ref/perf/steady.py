@@ -14,7 +14,8 @@ AdaDiag ``ar.update`` (functional)              ``4 m^2 n`` flops / peak + 9 (ro
 engine, AdaDiag elementwise part                9 / 7 arrays per element / bandwidth              <= 1.3
 engine, AdaDiag whole step                      GEMM + bytes                                      <= 1.15
 torch adapter ``opt.step``                      AdaDiag written directly in torch ops (not a      <= 1.1
-                                                bound: a ratio of two measured times)
+                                                bound: both called in alternation, a ratio per
+                                                round, the median)
 ==============================================  ================================================  ======
 
 ``replay`` runs ``K`` steps with ``update_freq=None``: the step-1 refresh (an
