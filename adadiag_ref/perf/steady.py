@@ -173,8 +173,7 @@ def _run(
             rounds.setdefault(key, []).append(t / bounds[key])
         out(f"  round {r + 1}/{reps}: triad {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.1f} GFLOP/s, "
             f"AdaDiag bound {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
-    eng.items.clear()
-    eng.vectors.clear()
+    eng.close()
     adamw.close()
     adadiag.close()
     med = {key: statistics.median(v) for key, v in times.items()}
