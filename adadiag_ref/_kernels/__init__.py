@@ -495,5 +495,15 @@ def pivoted_cholesky_columns(A: np.ndarray, count: int, rtol: float) -> np.ndarr
     if done < count:
         return None
     columns = np.empty((m, count), dtype=work.dtype)
-    columns[perm] = np.tril(work[:, :count])
+    _unpermute_lower(work, perm, columns)
     return columns
+
+
+@_jit
+def _unpermute_lower(A, perm, out):  # type: ignore[no-untyped-def]
+    """``out[perm[i], k] = A[i, k]`` on and below the diagonal, ``0`` above (the factor's rows in original order)."""
+    m, count = out.shape
+    for i in range(m):
+        row = out[perm[i]]
+        for k in range(count):
+            row[k] = A[i, k] if k <= i else 0.0
