@@ -527,10 +527,11 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
     reversed) are the left singular vectors and ``sigma = sqrt(max(lambda, 0))``.
     The result goes through :func:`canonicalize_svd` with the input's dtype, so
     the order, rank, cluster, completion and sign rules are those of the SVD
-    route (its pivoted Gram-Schmidt steps computed by :func:`_pivoted_gram_schmidt`
-    with ``fast=True``).  Accuracy: forming ``A`` in float64 resolves singular
-    values down to ``sqrt(eps64) sigma_max ~ 1.5e-8 sigma_max``, below the float32
-    rank tolerance ``max(m, n) eps32 sigma_max``, and each vector is accurate to
+    route (computed with ``fast=True``: wide clusters and the completion by the
+    pivoted Cholesky factorisation of their projector, :func:`_projector_columns`).
+    Accuracy: forming ``A`` in float64 resolves singular values down to
+    ``sqrt(eps64) sigma_max ~ 1.5e-8 sigma_max``, below the float32 rank tolerance
+    ``max(m, n) eps32 sigma_max``, and each vector is accurate to
     ``~eps64 sigma_max^2 / gap(sigma^2)``, better than float32's own SVD, whose
     vectors carry ``~eps32 sigma_max / gap(sigma)``.  The two routes agree on the
     leading half of the spectrum to 1e-3 (``tests/test_fast_refresh.py``); they
