@@ -200,15 +200,19 @@ def _complement(B: Array, null: Array | None, size: int, rtol: float, xp: Namesp
     A full basis (``r == size``) has an empty completion, returned before any
     product.  On the fast routes (NumPy with numba) the columns come from the
     pivoted Cholesky factorisation of the complement's projector
-    (:func:`_projector_columns`), formed from ``null`` when it is the narrower side.
+    (:func:`_projector_columns`), formed from ``null`` when it is the narrower
+    side, else from ``I - B B^T`` when the completion has at least
+    ``_CHOLESKY_MIN_COUNT`` columns; a narrower one without ``null`` takes the
+    in-place Gram-Schmidt.
     """
     r = B.shape[1]
     count = size - r
     if count == 0:
         return xp.zeros((size, 0), dtype=B.dtype, device=creation_device(B))
     C = None
-    if fast and count >= 1 and type(B) is np.ndarray and B.dtype in (np.float32, np.float64):
-        from_null = null is not None and count <= r
+    from_null = null is not None and count <= r
+    wide = from_null or count >= _CHOLESKY_MIN_COUNT  # else I - B B^T costs more than the in-place loop
+    if fast and wide and type(B) is np.ndarray and B.dtype in (np.float32, np.float64):
         columns = _projector_columns(
             np.asarray(null) if from_null else None, None if from_null else B, size, count, rtol
         )

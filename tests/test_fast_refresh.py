@@ -284,19 +284,26 @@ def test_projector_cholesky_equals_the_gram_schmidt_loop() -> None:
         np.testing.assert_allclose(fast, ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("rank", [200, 170, 30])
-def test_fast_canonicalisation_of_a_wide_cluster_and_its_completion(rank: int) -> None:
-    # canonicalize_svd(fast=True) on a wide trailing cluster (full rank: the cluster is the complement of the
-    # leading columns), on a cluster followed by a completion narrower than the rank (built from the null
-    # basis), and on a completion wider than the rank (from I - B B^T): the reference's columns, P and Q.
+@pytest.mark.parametrize(("rank", "n"), [(200, 600), (200, 2000), (170, 600), (30, 600)])
+def test_fast_canonicalisation_of_a_wide_cluster_and_its_completion(rank: int, n: int) -> None:
+    # canonicalize_svd(fast=True) against the reference loop, P and Q, on: a full-rank 1/i spectrum whose
+    # trailing cluster (tolerance n eps32) is narrower than its complement (600: ~80 of 200, projector from the
+    # cluster's own columns) or wider (2000: ~135 of 200, projector I - B B^T from the other columns); a cluster
+    # followed by a completion narrower than the rank (projector from the null-space columns); a completion
+    # wider than the rank (from I - B B^T).
     sigma = np.r_[1.0 / np.arange(1, rank + 1), np.zeros(200 - rank)]
-    G = _with_spectrum(np.random.default_rng(25), sigma, 200, 600, np.float64).astype(np.float32)
+    G = _with_spectrum(np.random.default_rng(25), sigma, 200, n, np.float64).astype(np.float32)
     U, S, Vh = np.linalg.svd(G, full_matrices=False)
-    ref = linalg.canonicalize_svd(U, S, Vh, G.shape)
-    fast = linalg.canonicalize_svd(U, S, Vh, G.shape, fast=True)
+    # Q only for n = 600: the 1800-step float32 completion of a 2000 x 2000 Q meets a residual norm within float32
+    # rounding of the tie threshold (observed: 1.7e-6 above it in float64, below it in the loop's float32
+    # residual), where the two may legitimately choose differently; that case is here for P's wide cluster.
+    compute_q = n <= 600
+    ref = linalg.canonicalize_svd(U, S, Vh, G.shape, compute_q=compute_q)
+    fast = linalg.canonicalize_svd(U, S, Vh, G.shape, compute_q=compute_q, fast=True)
     assert fast.rank == ref.rank
     np.testing.assert_allclose(fast.P, ref.P, rtol=0, atol=2e-6)
-    np.testing.assert_allclose(fast.Q, ref.Q, rtol=0, atol=2e-6)
+    if compute_q:
+        np.testing.assert_allclose(fast.Q, ref.Q, rtol=0, atol=2e-6)
 
 
 def test_the_refresh_route_is_configuration_not_environment() -> None:
