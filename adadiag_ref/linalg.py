@@ -118,8 +118,6 @@ def _pivoted_gram_schmidt(
     if fast:
         from . import _kernels
 
-        if count >= _LEFT_LOOKING_MIN_COUNT and _kernels.usable(xp, X, against):
-            return _pivoted_gram_schmidt_left_looking(X, count, against, rtol)
         if _kernels.usable(xp, X, against):
             return _kernels.pivoted_gram_schmidt(X, count, against, rtol)
     residual = X
@@ -140,53 +138,50 @@ def _pivoted_gram_schmidt(
     return xp.stack(chosen, axis=1)
 
 
-_LEFT_LOOKING_MIN_COUNT = 24
-"""From this many steps on, the fast routes use the left-looking form (below it the in-place loop is as fast)."""
+_CHOLESKY_MIN_COUNT = 24
+"""Clusters this wide or wider take the projector's pivoted Cholesky on the fast routes (narrower ones the
+in-place Gram-Schmidt, cheaper there: ``~d^2 m`` flops against the projector's ``~m^2 d``)."""
 
 
-def _pivoted_gram_schmidt_left_looking(
-    X: np.ndarray, count: int, against: np.ndarray | None, rtol: float
-) -> np.ndarray:
-    """The steps of :func:`_pivoted_gram_schmidt` without forming the residual (fast routes, NumPy only).
+def _projector_columns(
+    span: np.ndarray | None, orthogonal: np.ndarray | None, size: int, count: int, rtol: float
+) -> np.ndarray | None:
+    """The ``count`` canonical columns of a subspace from its projector (fast routes, NumPy, numba).
 
-    With ``V`` the vectors chosen so far and ``W = V^T X``, the residual is
-    ``R = X - V W``: the pivot's column is ``X[:, p] - V W[:, p]`` and a new
-    vector ``v`` (orthogonal to ``V``) has ``v^T R = v^T X``, so each step reads
-    ``X`` once (a matrix-vector product) instead of rewriting the whole residual,
-    and the squared column norms are downdated, ``|r_i|^2 <- |r_i|^2 - (v^T x_i)^2``.
-    Downdating loses relative accuracy as the norms shrink (cancellation), so
-    they are recomputed exactly whenever the largest falls below ``sqrt(rtol)``
-    of its value at the last recomputation.  Same pivot rule (lowest index within
-    ``rtol`` of the largest), same normalise / re-orthogonalise twice steps; the
-    vectors agree with the loop to rounding except where a norm lies within
-    rounding of the tie threshold.
+    The subspace is ``span(span)`` (orthonormal columns ``W``, projector ``A = W W^T``)
+    or the orthogonal complement of ``span(orthogonal)`` (``A = I - B B^T``); the
+    caller passes the narrower of the two, since forming ``A`` costs
+    ``size^2 x width``.  Pivoted Gram-Schmidt over the projections ``A e_1 .. A e_size``
+    (rules 3 and 4 of the module docstring) is the pivoted Cholesky factorisation
+    of ``A``: the residual norm of ``A e_j`` after k steps is the diagonal of the
+    Schur complement ``A_k`` (the projector onto what is left), and the chosen
+    vector ``A_k e_p / sqrt((A_k)_pp)`` is column k of the factor
+    (:func:`adadiag_ref._kernels.pivoted_cholesky_columns`: same pivot rule,
+    ``~size^2 count / 2`` flops in one pass per step, against ``~4 size^2 count``
+    for Gram-Schmidt over the explicit residual).  ``A`` and the factorisation
+    are float64 whatever the input's dtype, from the basis re-orthonormalised in
+    float64 (``~4 size width^2`` flops), so that ``A`` is a projector to
+    float64 rounding: its columns are then orthonormal to the input's own
+    rounding, as the Gram-Schmidt loop's after its second pass.
+    Returns ``size x count`` in float64, or ``None`` (numba missing, or fewer than
+    ``count`` positive pivots: the caller takes the Gram-Schmidt loop).
     """
-    d, ncols = X.shape
-    V = np.zeros((d, count), dtype=X.dtype)
-    W = np.zeros((count, ncols), dtype=X.dtype)
-    norms = np.einsum("ij,ij->j", X, X)
-    reference = float(np.max(norms)) if ncols else 0.0
-    factor = 1.0 - rtol
-    for k in range(count):
-        vmax = float(np.max(norms))
-        if vmax < reference * rtol**0.5:  # cancellation in the downdates: recompute the norms exactly
-            R = X - V[:, :k] @ W[:k]
-            norms = np.einsum("ij,ij->j", R, R)
-            vmax = reference = float(np.max(norms))
-        p = int(np.argmax(norms >= vmax * factor))
-        v = X[:, p] - V[:, :k] @ W[:k, p]
-        v = v / np.sqrt(v @ v)
-        if against is not None:
-            v = v - against @ (against.T @ v)
-        if k:
-            v = v - V[:, :k] @ (V[:, :k].T @ v)
-        v = v / np.sqrt(v @ v)
-        V[:, k] = v
-        w = v @ X
-        W[k] = w
-        norms = norms - w * w
-        norms[p] = 0.0
-    return V
+    from . import _kernels
+
+    if not _kernels.AVAILABLE:
+        return None
+    basis = span if span is not None else orthogonal
+    assert basis is not None
+    # Re-orthonormalise in float64 first: a float32 basis is orthonormal only to ~1e-7, which makes W W^T a
+    # projector only to ~1e-7, and the late pivots (small Schur complements, ~1/(size - k)) would magnify that
+    # into the columns' orthogonality (observed 1.7e-5 on 600 x 600).  One Newton-Schulz step towards the polar
+    # factor, W (3 I - W^T W) / 2, squares the error (1e-7 -> 1e-14) and keeps the span (a right factor); two
+    # GEMMs, a third of the time of a QR here.
+    W = basis.astype(np.float64)
+    if W.shape[1]:
+        W = W @ (1.5 * np.eye(W.shape[1]) - 0.5 * (W.T @ W))
+    A = W @ W.T if span is not None else np.eye(size) - W @ W.T
+    return _kernels.pivoted_cholesky_columns(A, count, rtol)
 
 
 def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | None = None, fast: bool = False) -> Array:
@@ -196,12 +191,37 @@ def canonical_complement(B: Array, size: int, rtol: float, *, xp: Namespace | No
     projected on the orthogonal complement of ``span(B)``, with the sign rule applied.
     """
     xp = namespace(B, xp=xp)
+    return _complement(B, None, size, rtol, xp, fast)
+
+
+def _complement(B: Array, null: Array | None, size: int, rtol: float, xp: Namespace, fast: bool) -> Array:
+    """:func:`canonical_complement`, given (fast routes) ``null``: any orthonormal basis of the complement, or None.
+
+    A full basis (``r == size``) has an empty completion, returned before any
+    product.  On the fast routes (NumPy with numba) the columns come from the
+    pivoted Cholesky factorisation of the complement's projector
+    (:func:`_projector_columns`), formed from ``null`` when it is the narrower
+    side, else from ``I - B B^T`` when the completion has at least
+    ``_CHOLESKY_MIN_COUNT`` columns; a narrower one without ``null`` takes the
+    in-place Gram-Schmidt.
+    """
     r = B.shape[1]
-    eye = xp.eye(size, dtype=B.dtype, device=creation_device(B))
-    complement = eye - B @ xp.matrix_transpose(B) if r else eye
-    C = _pivoted_gram_schmidt(complement, size - r, B if r else None, rtol, xp, fast)
-    if C.shape[1] == 0:
-        return C
+    count = size - r
+    if count == 0:
+        return xp.zeros((size, 0), dtype=B.dtype, device=creation_device(B))
+    C = None
+    from_null = null is not None and count <= r
+    wide = from_null or count >= _CHOLESKY_MIN_COUNT  # else I - B B^T costs more than the in-place loop
+    if fast and wide and type(B) is np.ndarray and B.dtype in (np.float32, np.float64):
+        columns = _projector_columns(
+            np.asarray(null) if from_null else None, None if from_null else B, size, count, rtol
+        )
+        if columns is not None:
+            C = columns.astype(B.dtype)
+    if C is None:
+        eye = xp.eye(size, dtype=B.dtype, device=creation_device(B))
+        complement = eye - B @ xp.matrix_transpose(B) if r else eye
+        C = _pivoted_gram_schmidt(complement, count, B if r else None, rtol, xp, fast)
     return C * sign_canonical(C, rtol, xp=xp)[None, :]
 
 
@@ -214,6 +234,26 @@ def _clusters(S_host: np.ndarray, rank: int, tol: float) -> list[tuple[int, int]
             bounds.append((start, i))
             start = i
     return bounds
+
+
+def _fast_cluster_columns(U: Array, a: int, b: int, rtol: float) -> np.ndarray | None:
+    """A wide cluster's canonical columns ``U_c A`` by :func:`_projector_columns` (fast routes), or None.
+
+    The cluster's subspace is ``span(U[:, a:b])``; when ``U`` is square (the Gram
+    route's ``m x m`` eigenvectors) it is also the orthogonal complement of the
+    other columns, the narrower basis for the trailing cluster of a decaying
+    spectrum (``m - (b - a)`` columns instead of ``b - a``).
+    """
+    if type(U) is not np.ndarray or U.dtype not in (np.float32, np.float64):
+        return None
+    m, k = U.shape
+    width = b - a
+    if k == m and m - width < width:
+        others = np.concatenate([U[:, :a], U[:, b:]], axis=1)
+        columns = _projector_columns(None, others, m, width, rtol)
+    else:
+        columns = _projector_columns(U[:, a:b], None, m, width, rtol)
+    return None if columns is None else columns.astype(U.dtype)
 
 
 def canonicalize_svd(
@@ -233,7 +273,10 @@ def canonicalize_svd(
     ``None`` when ``Q`` is not requested).  Any decomposition of the same ``G``
     (another library's signs, order within a cluster or null-space basis) maps to
     the same result, up to rounding.  ``fast`` (set only by the Gram refresh route,
-    :func:`_gram_route`) runs the pivoted Gram-Schmidt steps in place (same pivots and vectors).
+    :func:`_gram_route`, for NumPy input) computes the same pivots and vectors by
+    cheaper steps: clusters of at least ``_CHOLESKY_MIN_COUNT`` values and the
+    completion by the pivoted Cholesky factorisation of their projector
+    (:func:`_projector_columns`), narrower clusters by an in-place Gram-Schmidt.
     """
     xp = namespace(U, S, xp=xp)
     m, n = shape
@@ -252,8 +295,12 @@ def canonicalize_svd(
     q_cols: list[Array] = []
     for a, b in _clusters(S_host, rank, tol):
         Uc = U[:, a:b]
+        columns = _fast_cluster_columns(U, a, b, rtol) if fast and b - a >= _CHOLESKY_MIN_COUNT else None
         if b - a == 1:
             coeff = None
+        elif columns is not None:  # G Q_c = P_c sigma needs the coefficients A = U_c^T P_c (U_c orthonormal)
+            coeff = xp.matrix_transpose(Uc) @ columns if compute_q else None
+            Uc = columns
         else:
             coeff = _pivoted_gram_schmidt(xp.matrix_transpose(Uc), b - a, None, rtol, xp, fast)
             Uc = Uc @ coeff
@@ -270,11 +317,12 @@ def canonicalize_svd(
     P = Q = None
     if compute_p:
         P_rank = Pr * signs[None, :] if signs is not None else Pr
-        P = xp.concat([P_rank, canonical_complement(P_rank, m, rtol, xp=xp, fast=fast)], axis=1)
+        null = U[:, rank:] if fast and U.shape[1] == m else None  # spans the completion: U is square
+        P = xp.concat([P_rank, _complement(P_rank, null, m, rtol, xp, fast)], axis=1)
     if compute_q:
         Qr = xp.concat(q_cols, axis=1) if q_cols else xp.zeros((n, 0), dtype=U.dtype, device=device)
         Q_rank = Qr * signs[None, :] if signs is not None else Qr
-        Q = xp.concat([Q_rank, canonical_complement(Q_rank, n, rtol, xp=xp, fast=fast)], axis=1)
+        Q = xp.concat([Q_rank, _complement(Q_rank, None, n, rtol, xp, fast)], axis=1)
     return CanonicalSVD(P=P, S=S, Q=Q, rank=rank)
 
 
@@ -483,10 +531,11 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
     reversed) are the left singular vectors and ``sigma = sqrt(max(lambda, 0))``.
     The result goes through :func:`canonicalize_svd` with the input's dtype, so
     the order, rank, cluster, completion and sign rules are those of the SVD
-    route (its pivoted Gram-Schmidt steps computed by :func:`_pivoted_gram_schmidt`
-    with ``fast=True``).  Accuracy: forming ``A`` in float64 resolves singular
-    values down to ``sqrt(eps64) sigma_max ~ 1.5e-8 sigma_max``, below the float32
-    rank tolerance ``max(m, n) eps32 sigma_max``, and each vector is accurate to
+    route (computed with ``fast=True``: wide clusters and the completion by the
+    pivoted Cholesky factorisation of their projector, :func:`_projector_columns`).
+    Accuracy: forming ``A`` in float64 resolves singular values down to
+    ``sqrt(eps64) sigma_max ~ 1.5e-8 sigma_max``, below the float32 rank tolerance
+    ``max(m, n) eps32 sigma_max``, and each vector is accurate to
     ``~eps64 sigma_max^2 / gap(sigma^2)``, better than float32's own SVD, whose
     vectors carry ``~eps32 sigma_max / gap(sigma)``.  The two routes agree on the
     leading half of the spectrum to 1e-3 (``tests/test_fast_refresh.py``); they

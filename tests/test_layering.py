@@ -13,7 +13,7 @@ Floors, from the bottom:
 1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
    core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
-3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``;
+3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``, ``perf.allocator``;
 4. framework adapters: ``adapters`` (torch, optax);
 5. applications: the command lines (``cli``, ``golden.cli``, ``ode.cli``, ``perf.cli``), ``perf.bench`` (with its
    sections ``perf.refresh`` and ``perf.steady``),
@@ -38,7 +38,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("_xp", "config", "linalg", "_kernels", "_cli"),
     ("optim", "memory", "replay"),
     ("",),  # the package's __init__ (the public facade)
-    ("golden", "testing", "ode", "perf", "perf.engine"),
+    ("golden", "testing", "ode", "perf", "perf.engine", "perf.allocator"),
     ("adapters",),
     ("cli", "golden.cli", "ode.cli", "perf.cli", "perf.bench", "perf.refresh", "perf.steady", "report", "reproduce"),
 )

@@ -32,6 +32,7 @@ small machines (docs/performance.md).
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ __all__ = [
     "adam_direction",
     "adamw_inplace",
     "hfac_direction",
+    "pivoted_cholesky_columns",
     "pivoted_gram_schmidt",
     "usable",
 ]
@@ -383,12 +385,31 @@ def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-d
         W[k] = w + neg_lr * d
 
 
+def _renamed(fn: Any, suffix: str) -> Any:
+    """A copy of ``fn`` (same code, globals and closure) whose ``__qualname__`` ends in ``suffix``.
+
+    numba's on-disk cache names its files after the function's qualified name and keys its index by the type
+    signature only, not by the compile options (numba issue 6845): a serial and a parallel compile of one
+    function share one cache entry, so whichever was compiled first is loaded for both.  Measured here: the
+    serial AdamW kernel loaded as the parallel compile took 11 ms per call on 64 entries (a thread-pool launch)
+    against 1.3 us compiled serially, which made the functional path spend ~0.8 s per LLaMA-60M step in
+    launches.  Distinct names give each variant its own cache entry.
+    """
+    clone = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = fn.__qualname__ + suffix
+    clone.__doc__, clone.__module__ = fn.__doc__, fn.__module__
+    return clone
+
+
 def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
+    """``fn`` compiled twice, serial and parallel (``prange`` on numba's pool), each with its own cache entry."""
     if numba is None:  # pragma: no cover
         return fn, fn
     return (
         numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn),
-        numba.njit(cache=True, nogil=True, parallel=True, fastmath=False, error_model="numpy")(fn),
+        numba.njit(cache=True, nogil=True, parallel=True, fastmath=False, error_model="numpy")(
+            _renamed(fn, "_parallel")
+        ),
     )
 
 
@@ -462,3 +483,107 @@ def pivoted_gram_schmidt(X: np.ndarray, count: int, against: np.ndarray | None, 
             residual = np.empty((d, ncols), dtype=dt)
         _project_out(source, v, w, residual, norms)
     return chosen
+
+
+@_jit
+def _pivoted_cholesky_lower(A, count, rtol, perm, column):  # type: ignore[no-untyped-def]
+    """``count`` steps of pivoted Cholesky of the symmetric ``A`` (lower triangle, C order) in place.
+
+    Step k: among the trailing positions ``q >= k`` whose diagonal ``A_qq`` lies within ``rtol`` of the
+    largest, the one of lowest original index ``perm[q]`` is swapped to position k (rows and columns of
+    the lower triangle, and the rows of the columns already computed, as LAPACK's ``xPSTF2``), then
+    ``L_kk = sqrt(A_kk)``, ``L_ik = A_ik / L_kk`` and the trailing block ``A_ij -= L_ik L_jk`` (``i >= j > k``).
+    Returns the number of steps done: fewer than ``count`` when the largest trailing diagonal is not
+    positive (nothing left to choose).  Inner loops run over slices from index 0, which numba vectorises
+    (a loop starting at a variable index keeps its wraparound checks and runs scalar, ~10x slower).
+    """
+    m = A.shape[0]
+    for i in range(m):
+        perm[i] = i
+    factor = 1.0 - rtol
+    for k in range(count):
+        vmax = A[k, k]
+        for q in range(k + 1, m):
+            if A[q, q] > vmax:
+                vmax = A[q, q]
+        if not vmax > 0.0:
+            return k
+        threshold = vmax * factor
+        best = k
+        lowest = m
+        for q in range(k, m):
+            if A[q, q] >= threshold and perm[q] < lowest:
+                best = q
+                lowest = perm[q]
+        if best != k:
+            q = best
+            t = A[k, k]
+            A[k, k] = A[q, q]
+            A[q, q] = t
+            for j in range(k):  # the rows of L computed so far
+                t = A[k, j]
+                A[k, j] = A[q, j]
+                A[q, j] = t
+            for j in range(k + 1, q):  # A[j, k] (below the diagonal in column k) <-> A[q, j] (row q)
+                t = A[j, k]
+                A[j, k] = A[q, j]
+                A[q, j] = t
+            for i in range(q + 1, m):  # columns k and q below row q
+                t = A[i, k]
+                A[i, k] = A[i, q]
+                A[i, q] = t
+            p = perm[k]
+            perm[k] = perm[q]
+            perm[q] = p
+        pivot = math.sqrt(A[k, k])
+        A[k, k] = pivot
+        inverse = 1.0 / pivot
+        for i in range(k + 1, m):
+            value = A[i, k] * inverse
+            A[i, k] = value
+            column[i] = value
+        tail = column[k + 1 :]
+        for i in range(k + 1, m):
+            li = column[i]
+            row = A[i, k + 1 : i + 1]
+            for j in range(i - k):
+                row[j] -= li * tail[j]
+    return count
+
+
+def pivoted_cholesky_columns(A: np.ndarray, count: int, rtol: float) -> np.ndarray | None:
+    """The first ``count`` columns ``L`` of the pivoted Cholesky factorisation of a projector ``A`` (``m x m``).
+
+    For an orthogonal projector ``A = W W^T`` (``W``: orthonormal columns) the
+    diagonal ``A_jj`` is the squared norm of the projection of ``e_j`` onto
+    ``span(W)``, and after k steps the Schur complement is the projector onto the
+    part of ``span(W)`` orthogonal to the columns already chosen.  Column k of
+    ``L`` is therefore ``A_k e_p / sqrt((A_k)_pp)``: the normalised projection of
+    the pivot ``e_p``, i.e. the vector that pivoted Gram-Schmidt over the
+    projections of ``e_1 .. e_m`` chooses at step k with the same pivot rule
+    (``adadiag_ref.linalg``: lowest index within ``rtol`` of the largest).  Rows
+    come back in their original order.  Works in ``A``'s dtype; ``A`` is not
+    modified.  Returns ``None`` when fewer than ``count`` positive pivots exist
+    (the caller takes the Gram-Schmidt loop).
+    """
+    m = A.shape[0]
+    if A.shape != (m, m) or not 0 <= count <= m:
+        raise ValueError(f"need a square matrix and 0 <= count <= {m}, got shape {A.shape} and count {count}")
+    work = np.array(A, order="C", copy=True)
+    perm = np.empty(m, dtype=np.int64)
+    done = _pivoted_cholesky_lower(work, count, float(rtol), perm, np.empty(m, dtype=work.dtype))
+    if done < count:
+        return None
+    columns = np.empty((m, count), dtype=work.dtype)
+    _unpermute_lower(work, perm, columns)
+    return columns
+
+
+@_jit
+def _unpermute_lower(A, perm, out):  # type: ignore[no-untyped-def]
+    """``out[perm[i], k] = A[i, k]`` on and below the diagonal, ``0`` above (the factor's rows in original order)."""
+    m, count = out.shape
+    for i in range(m):
+        row = out[perm[i]]
+        for k in range(count):
+            row[k] = A[i, k] if k <= i else 0.0

@@ -20,6 +20,12 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f'adadiag-ref: error: bench needs {" and ".join(missing)}: pip install "adadiag-ref[bench]"',
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.retain_freed_memory:
+        from .allocator import retain_freed_memory
+
+        if not retain_freed_memory():
+            print("adadiag-ref: warning: --retain-freed-memory needs glibc; the allocator is unchanged",
+                  file=sys.stderr)  # fmt: skip
     if args.steady:
         from .steady import run as run_steady
 
@@ -88,6 +94,12 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         help="BLAS and numba threads for --refresh-routes/--refresh-scaling (default: every core)",
+    )
+    b.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="glibc keeps freed memory in the process (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1), so the "
+        "functional rows reuse pages instead of faulting fresh ones (adadiag_ref.perf.allocator)",
     )
     b.add_argument("--plot", default=None, help="save the --refresh-scaling log-log plot here (PNG)")
     b.set_defaults(func=run_bench)

@@ -91,36 +91,46 @@ def is_rotated(spec: ParamSpec, rule: str) -> bool:
 
 
 class AdaDiagEngine:
-    """AdaDiag (one-sided) with preallocated buffers; unrotated parameters take the AdamW kernel."""
+    """AdaDiag (one-sided) with preallocated buffers; unrotated parameters take the AdamW kernel.
+
+    Each kind of array (``M, V, G~, W, D`` of the rotated matrices; ``W, G, M, V`` of the unrotated
+    parameters) lives in one flat buffer, and every matrix is a view into it.  A step runs in phases: every
+    ``G~ = P^T G`` GEMM, one elementwise moments pass over all matrices, every ``D = P U~`` GEMM, one update
+    pass.  Two kernel launches instead of two per matrix: on LLaMA-60M's 56 matrices the per-launch cost of
+    numba's pool was measurable (the update pass at 2x its bandwidth bound when launched per matrix).
+    """
 
     def __init__(self, specs: list[ParamSpec], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, wd: float = 0.0, seed: int = 0, rule: str = "paper",
                  parallel_unrotated: bool = True, parallel_elementwise: bool = True) -> None:  # fmt: skip
         rng = np.random.default_rng(seed)
-        self.items: list[dict[str, np.ndarray]] = []
-        self.vectors: list[tuple[np.ndarray, ...]] = []
         self.unrotated_kernel = _kernels.adamw_inplace_parallel if parallel_unrotated else _kernels.adamw_inplace
         self.set_parallel_elementwise(parallel_elementwise)
-        for spec in specs:
-            m, n = work_shape(spec.shape)
+        shapes = [(spec, work_shape(spec.shape)) for spec in specs]
+        rotated = [(m, n) for spec, (m, n) in shapes if is_rotated(spec, rule)]
+        unrotated = [m * n for spec, (m, n) in shapes if not is_rotated(spec, rule)]
+        total = sum(m * n for m, n in rotated)
+        self.flat = {k: np.empty(total, np.float32) for k in ("W", "G", "M", "V", "Gt", "D")}
+        self.flat["M"][:] = 0.0
+        self.flat["V"][:] = 0.0
+        self.items: list[dict[str, np.ndarray]] = []
+        offset = 0
+        for spec, (m, n) in shapes:
             if not is_rotated(spec, rule):
-                n = m * n
-                buf = [rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)]
-                self.vectors.append((*buf, np.zeros(n, np.float32), np.zeros(n, np.float32)))
                 continue
             P, _ = np.linalg.qr(rng.standard_normal((m, m)).astype(np.float32))
-            self.items.append(
-                {
-                    "P": np.ascontiguousarray(P),
-                    "W": rng.standard_normal((m, n), dtype=np.float32),
-                    "G": rng.standard_normal((m, n), dtype=np.float32),
-                    "M": np.zeros((m, n), np.float32),
-                    "V": np.zeros((m, n), np.float32),
-                    "Gt": np.empty((m, n), np.float32),
-                    "D": np.empty((m, n), np.float32),
-                }
-            )
-            self.items[-1].update({f"{k}_flat": self.items[-1][k].reshape(-1) for k in ("M", "V", "Gt", "W", "D")})
+            item = {k: buf[offset : offset + m * n].reshape(m, n) for k, buf in self.flat.items()}
+            item["W"][:] = rng.standard_normal((m, n), dtype=np.float32)
+            item["G"][:] = rng.standard_normal((m, n), dtype=np.float32)
+            item["P"] = np.ascontiguousarray(P)
+            self.items.append(item)
+            offset += m * n
+        size = sum(unrotated)
+        self.vectors: list[tuple[np.ndarray, ...]] = []
+        if size:
+            # W, G random and M, V zero, one buffer each: the unrotated update is one pass over all of them
+            w, g = (rng.standard_normal(size, dtype=np.float32) for _ in range(2))
+            self.vectors.append((w, g, np.zeros(size, np.float32), np.zeros(size, np.float32)))
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
 
     def set_parallel_elementwise(self, parallel: bool) -> None:
@@ -133,18 +143,20 @@ class AdaDiagEngine:
         b1, c1, b2, c2 = coefficients(self.t, self.betas, np.float32)
         f = np.float32
         eps, lr, wd = f(self.eps), f(self.lr), f(self.wd)
+        flat = self.flat
         if elementwise:  # unrotated parameters first: no BLAS thread is awake yet to compete with numba's pool
             for W, G, M, V in self.vectors:
                 self.unrotated_kernel(W, G, M, V, b1, c1, b2, c2, eps, lr, wd)
-        for it in self.items:
-            if gemm:
+        if gemm:
+            for it in self.items:
                 np.matmul(it["P"].T, it["G"], out=it["Gt"])
-            if elementwise:  # flat views, one argument per array: the loops vectorise (see _kernels)
-                self.moments_kernel(it["M_flat"], it["V_flat"], it["Gt_flat"], b1, c1, b2, c2, eps)
-            if gemm:
+        if elementwise and self.items:  # flat buffers, one argument per array: the loops vectorise (see _kernels)
+            self.moments_kernel(flat["M"], flat["V"], flat["Gt"], b1, c1, b2, c2, eps)
+        if gemm:
+            for it in self.items:
                 np.matmul(it["P"], it["Gt"], out=it["D"])
-            if elementwise:
-                self.update_kernel(it["W_flat"], it["D_flat"], lr, wd)
+        if elementwise and self.items:
+            self.update_kernel(flat["W"], flat["D"], lr, wd)
 
     def flops(self) -> int:
         """Two ``m x m`` by ``m x n`` GEMMs per matrix."""
@@ -152,6 +164,12 @@ class AdaDiagEngine:
 
     def bytes_moved(self) -> int:
         """Elementwise lower bound: moments (read G~, M, V; write M, V, U) + update (read W, D; write W)."""
-        mats = sum(it["G"].size for it in self.items)
+        mats = self.flat["G"].size
         vecs = sum(v[0].size for v in self.vectors)
         return 4 * (9 * mats + 7 * vecs)
+
+    def close(self) -> None:
+        """Drop every buffer (the memory of a large model)."""
+        self.items.clear()
+        self.vectors.clear()
+        self.flat.clear()

@@ -233,8 +233,7 @@ def run_routes(
                 "column": column,
                 "subspace": subspace,
             }
-    engine.items.clear()
-    engine.vectors.clear()
+    engine.close()
     return res
 
 

@@ -25,12 +25,16 @@ its input), hence 10 arrays rather than 9.
 
 The functional rows are pure functions: they allocate their outputs (the new
 moments and ``delta``) on every call, and those bytes are part of the ratio.
+They time the ``ar.update`` calls only (the caller's ``W += delta`` is not part
+of ``update`` and not of its bound), in a steady state: states and inputs are
+kept across rounds and warmed up first (:class:`~adadiag_ref.perf.bench.FunctionalSteps`).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +43,10 @@ from threadpoolctl import threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, llama_parameters
 from . import bench
+from .allocator import free_page_reporting, freed_memory_retained
 from .engine import AdaDiagEngine, is_rotated
 
-__all__ = ["TARGETS", "bench_replay", "run"]
+__all__ = ["TARGETS", "bench_replay", "replay_bench", "run"]
 
 #: (key, label, target) of every ratio printed by :func:`run`, in order.
 TARGETS: tuple[tuple[str, str, float], ...] = (
@@ -55,11 +60,15 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
 
 REPLAY_SHAPE = (512, 1376)
 
+#: Seconds of sleep before each timed row (:func:`_after_pause`).
+PAUSE = 0.3
 
-def bench_replay(steps: int, reps: int) -> tuple[float, float]:
-    """``(replay time, refresh time)``: ``ar.replay("adadiag", ...)`` over ``steps`` float32 gradients of
-    :data:`REPLAY_SHAPE` with ``update_freq=None``, and one ``refresh_basis`` of the first gradient (the SVD that
-    replay's step 1 runs), both medians."""
+
+def replay_bench(steps: int) -> Callable[[], tuple[float, float]]:
+    """A function returning ``(replay time, refresh time)`` of one call each: ``ar.replay("adadiag", ...)`` over
+    ``steps`` float32 gradients of :data:`REPLAY_SHAPE` with ``update_freq=None``, and one ``refresh_basis`` of
+    the first gradient (the SVD that replay's step 1 runs).  The inputs are made once and both calls warmed
+    up once, so that rounds measure a steady state rather than first touches of fresh memory."""
     import adadiag_ref as ar
 
     rng = np.random.default_rng(6)
@@ -67,15 +76,30 @@ def bench_replay(steps: int, reps: int) -> tuple[float, float]:
     grads = rng.standard_normal((steps, *REPLAY_SHAPE), dtype=np.float32)
     cfg = ar.make_config("adadiag", update_freq=None)
     state = ar.init(w0, cfg)
-    times = bench.interleaved_medians(
-        {
-            "replay": lambda: ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=None),
-            "refresh": lambda: ar.refresh_basis(state, grads[0], cfg),
-        },
-        reps,
-        pause=0.0,
-    )
-    return times["replay"], times["refresh"]
+
+    def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=None)
+        t1 = time.perf_counter()
+        ar.refresh_basis(state, grads[0], cfg)
+        return t1 - t0, time.perf_counter() - t1
+
+    one()
+    return one
+
+
+def bench_replay(steps: int, reps: int) -> tuple[float, float]:
+    """Medians over ``reps`` calls of :func:`replay_bench`: ``(replay time, refresh time)``."""
+    one = replay_bench(steps)
+    pairs = [one() for _ in range(reps)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def _after_pause(fn: Callable[[], Any]) -> Any:
+    """``fn()`` after a short sleep: OpenBLAS's threads spin for a while after a GEMM, and on a machine with few
+    cores they would take the cores that the next row's numba passes need."""
+    time.sleep(PAUSE)
+    return fn()
 
 
 def run(
@@ -111,9 +135,17 @@ def _run(
     m, n = REPLAY_SHAPE
     out(f"adadiag-ref bench --steady: {'quick (tiny shapes)' if quick else model}, rule {rule!r}, float32")
     out(f"machine: {bench.machine_description()}; OpenBLAS threads {threads if threads is not None else '?'}")
+    reported_before = free_page_reporting()
+    out("allocator: " + ("glibc keeps freed memory (--retain-freed-memory)" if freed_memory_retained()
+                         else "the C library's defaults (fresh pages for large outputs)"))  # fmt: skip
     size = sum(math.prod(s.shape) for s in specs)
     eng = AdaDiagEngine(specs, rule=rule)
     steps = 4 if quick else 30
+    # the functional rows and replay keep their states and inputs across rounds (a steady state, as a training
+    # loop sees it); each round times one step of each
+    adamw = bench.FunctionalSteps("adamw", specs)
+    adadiag = bench.FunctionalSteps("adadiag", specs, rule)
+    replay = replay_bench(steps)
     # every round measures the roofline and then each row once: a ratio per round, the median over rounds (on a
     # shared machine the load drifts within minutes, and a roofline measured once would not match later rows)
     rounds: dict[str, list[float]] = {}
@@ -127,9 +159,9 @@ def _run(
         row = bench.interleaved_medians(
             {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
         )
-        row["adamw_functional"] = bench.bench_functional("adamw", specs, 1)
-        row["adadiag_functional"] = bench.bench_functional("adadiag", specs, 1, rule)
-        row["replay"], refresh_time = bench_replay(steps, 1)
+        row["adamw_functional"] = _after_pause(adamw)
+        row["adadiag_functional"] = _after_pause(adadiag)
+        row["replay"], refresh_time = _after_pause(replay)
         bounds = {
             "adamw_functional": 7 * 4 * size / bw,
             "adadiag_functional": gemm_bound + elem_bound,
@@ -142,8 +174,9 @@ def _run(
             rounds.setdefault(key, []).append(t / bounds[key])
         out(f"  round {r + 1}/{reps}: triad {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.1f} GFLOP/s, "
             f"AdaDiag bound {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
-    eng.items.clear()
-    eng.vectors.clear()
+    eng.close()
+    adamw.close()
+    adadiag.close()
     med = {key: statistics.median(v) for key, v in times.items()}
     ratios = {key: statistics.median(v) for key, v in rounds.items()}
     if use_torch:
@@ -153,6 +186,11 @@ def _run(
         ratios["torch_adapter"] = pair["ratio"]
         rounds["torch_adapter"] = pair["ratios"]
     res: dict[str, Any] = {"times": med, "ratios": ratios, "rounds": rounds}
+    reported_after = free_page_reporting()
+    if reported_before is not None and reported_after is not None:
+        res["reported_mib"] = (reported_after - reported_before) / 1024
+        out(f"free memory the kernel reported to its hypervisor during the run: {res['reported_mib']:.0f} MiB "
+            "(re-touching it faults; see adadiag_ref.perf.allocator)")  # fmt: skip
 
     out("")
     out(f"{'steady-state ratio (median over rounds)':48s} {'median ms':>10s} {'ratio':>6s} {'target':>7s}")
