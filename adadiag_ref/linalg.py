@@ -142,6 +142,16 @@ _CHOLESKY_MIN_COUNT = 24
 """Clusters this wide or wider take the projector's pivoted Cholesky on the fast routes (narrower ones the
 in-place Gram-Schmidt, cheaper there: ``~d^2 m`` flops against the projector's ``~m^2 d``)."""
 
+_CHOLESKY_MIN_FRACTION = 8
+"""... and at least ``m / 8`` of the side ``m``: the projector costs ``~m^2 d`` against the loop's ``~d^2 m``,
+so narrow clusters of a large side stay with the loop (measured on a 4096 x 4096 Gaussian gradient, 43 clusters
+of 24-100 values: 50 s with the projector for every one of them, the loop's cost with this bound)."""
+
+
+def _cholesky_pays(count: int, size: int) -> bool:
+    """Whether ``count`` columns of a side of ``size`` take the projector's pivoted Cholesky (fast routes)."""
+    return count >= max(_CHOLESKY_MIN_COUNT, size // _CHOLESKY_MIN_FRACTION)
+
 
 def _projector_columns(
     span: np.ndarray | None, orthogonal: np.ndarray | None, size: int, count: int, rtol: float
@@ -201,17 +211,16 @@ def _complement(B: Array, null: Array | None, size: int, rtol: float, xp: Namesp
     product.  On the fast routes (NumPy with numba) the columns come from the
     pivoted Cholesky factorisation of the complement's projector
     (:func:`_projector_columns`), formed from ``null`` when it is the narrower
-    side, else from ``I - B B^T`` when the completion has at least
-    ``_CHOLESKY_MIN_COUNT`` columns; a narrower one without ``null`` takes the
-    in-place Gram-Schmidt.
+    side, else from ``I - B B^T``, when the completion is wide enough
+    (:func:`_cholesky_pays`); a narrower one takes the in-place Gram-Schmidt.
     """
     r = B.shape[1]
     count = size - r
     if count == 0:
         return xp.zeros((size, 0), dtype=B.dtype, device=creation_device(B))
     C = None
-    from_null = null is not None and count <= r
-    wide = from_null or count >= _CHOLESKY_MIN_COUNT  # else I - B B^T costs more than the in-place loop
+    from_null = null is not None and count <= r  # the narrower basis of the complement's projector
+    wide = _cholesky_pays(count, size)  # else the projector costs more than the in-place loop
     if fast and wide and type(B) is np.ndarray and B.dtype in (np.float32, np.float64):
         columns = _projector_columns(
             np.asarray(null) if from_null else None, None if from_null else B, size, count, rtol
@@ -274,7 +283,7 @@ def canonicalize_svd(
     (another library's signs, order within a cluster or null-space basis) maps to
     the same result, up to rounding.  ``fast`` (set only by the Gram refresh route,
     :func:`_gram_route`, for NumPy input) computes the same pivots and vectors by
-    cheaper steps: clusters of at least ``_CHOLESKY_MIN_COUNT`` values and the
+    cheaper steps: clusters wide enough for :func:`_cholesky_pays` and the
     completion by the pivoted Cholesky factorisation of their projector
     (:func:`_projector_columns`), narrower clusters by an in-place Gram-Schmidt.
     """
@@ -295,7 +304,7 @@ def canonicalize_svd(
     q_cols: list[Array] = []
     for a, b in _clusters(S_host, rank, tol):
         Uc = U[:, a:b]
-        columns = _fast_cluster_columns(U, a, b, rtol) if fast and b - a >= _CHOLESKY_MIN_COUNT else None
+        columns = _fast_cluster_columns(U, a, b, rtol) if fast and _cholesky_pays(b - a, U.shape[0]) else None
         if b - a == 1:
             coeff = None
         elif columns is not None:  # G Q_c = P_c sigma needs the coefficients A = U_c^T P_c (U_c orthonormal)

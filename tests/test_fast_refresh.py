@@ -256,7 +256,7 @@ def _cluster_block(dtype: type) -> tuple[np.ndarray, int, int, float]:
     eps = float(np.finfo(dtype).eps)
     S64 = S.astype(np.float64)
     a, b = max(linalg._clusters(S64, 200, 600 * eps * S64[0]), key=lambda c: c[1] - c[0])
-    assert b - a >= linalg._CHOLESKY_MIN_COUNT  # wide enough for the projector's Cholesky to be chosen
+    assert linalg._cholesky_pays(b - a, 200)  # wide enough for the projector's Cholesky to be chosen
     return U, a, b, eps**0.5
 
 
@@ -315,3 +315,20 @@ def test_the_refresh_route_is_configuration_not_environment() -> None:
     readers = [p.name for p in package.rglob("*.py") if "ADADIAG_REF_REFRESH" in p.read_text(encoding="utf-8")]
     assert readers == []
     assert not hasattr(linalg, "set_refresh_method") and not hasattr(linalg, "refresh_method")
+
+
+def test_narrow_clusters_of_a_large_side_keep_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The projector costs ~m^2 d against the loop's ~d^2 m: a 30-wide cluster of a 512-side basis must not
+    # build the 512 x 512 projector (on a 4096 x 4096 Gaussian gradient, 43 such clusters had made the fast
+    # route 3x slower than the SVD), while the same cluster in a 200-side basis still takes it.
+    calls: list[int] = []
+    real = linalg._projector_columns
+    monkeypatch.setattr(linalg, "_projector_columns", lambda *a: calls.append(a[2]) or real(*a))
+    for side in (512, 200):
+        rng = np.random.default_rng(side)
+        U = np.linalg.qr(rng.standard_normal((side, side)))[0].astype(np.float32)
+        S = np.concatenate([np.linspace(2.0, 1.5, 20), np.full(30, 1.0), np.linspace(0.9, 0.5, side - 50)])
+        fast = linalg.canonicalize_svd(U, S.astype(np.float32), None, (side, side), compute_q=False, fast=True)
+        ref = linalg.canonicalize_svd(U, S.astype(np.float32), None, (side, side), compute_q=False)
+        np.testing.assert_allclose(np.asarray(fast.P), np.asarray(ref.P), atol=2e-5)  # float32 columns
+    assert calls == [200]
