@@ -117,6 +117,17 @@ def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
     return m, v, m / (math.sqrt(v) + eps)
 
 
+@_inline
+def _delta_entry(u, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """One entry of ``delta = (-eta) (U + lambda W)``; ``U + lambda W`` only when ``decay``: the reference adds
+    nothing when lambda = 0, so neither do the kernels, and a signed zero stays what the reference makes of it.
+
+    The one place the kernels write the update's last step (every unrotated and rotated delta kernel)."""
+    if decay:
+        u = u + wd * w
+    return neg_lr * u
+
+
 # ----------------------------------------------------------------------------- functional kernels
 
 
@@ -326,22 +337,16 @@ def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-un
 
 def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
     """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
-    ``D = (-eta) (U + lambda W)`` (``U + lambda W`` only when ``decay``; the reference adds nothing when
-    lambda = 0, so neither does this, and a signed zero stays what the reference makes of it)."""
+    ``D = (-eta) (U + lambda W)`` (:func:`_delta_entry`)."""
     for k in numba.prange(g.shape[0]):
         M[k], V[k], u = _adam_entry(M0[k], V0[k], g[k], b1, c1, b2, c2, eps)
-        if decay:
-            u = u + wd * w[k]
-        D[k] = neg_lr * u
+        D[k] = _delta_entry(u, w[k], neg_lr, wd, decay)
 
 
 def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """In place on a fresh unrotated direction ``D = P U~ Q^T``: ``D <- (-eta) (D + lambda W)``."""
     for k in numba.prange(D.shape[0]):
-        d = D[k]
-        if decay:
-            d = d + wd * w[k]
-        D[k] = neg_lr * d
+        D[k] = _delta_entry(D[k], w[k], neg_lr, wd, decay)
 
 
 def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
@@ -356,12 +361,9 @@ def _adam_apply_root_flat(W, g, M, V, v, root, b1, c1, eps, neg_lr, wd, decay): 
     for k in range(g.shape[0]):
         w = W[k]
         m = _first_moment_entry(M[k], g[k], b1, c1)
-        u = m / (root[k] + eps)
-        if decay:
-            u = u + wd * w
         M[k] = m
         V[k] = v[k]
-        W[k] = w + neg_lr * u
+        W[k] = w + _delta_entry(m / (root[k] + eps), w, neg_lr, wd, decay)
 
 
 def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyped-def]
@@ -379,10 +381,7 @@ def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-d
     (``W += delta`` of :func:`_scale_direction_flat`'s ``delta``, without writing ``D``)."""
     for k in numba.prange(W.shape[0]):
         w = W[k]
-        d = D[k]
-        if decay:
-            d = d + wd * w
-        W[k] = w + neg_lr * d
+        W[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
 
 
 def _renamed(fn: Any, suffix: str) -> Any:
