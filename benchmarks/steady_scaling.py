@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from threadpoolctl import threadpool_limits
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
-from adadiag_ref.perf.bench import _setup_threads, machine_description
+from adadiag_ref.perf.bench import _setup_threads, call_times, machine_description
 from adadiag_ref.perf.engine import coefficients
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -40,13 +39,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def _best(fn: Callable[[], Any], reps: int) -> float:
     """The fastest of ``reps`` timed calls (after one warm-up): on a shared machine other processes only ever add
     time, so the minimum estimates the cost of the work itself, which is what the exponents describe."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(call_times(fn, reps))
 
 
 class _Matrices:

@@ -95,7 +95,8 @@ def import_torch_adapter() -> Any:
     return importlib.import_module("adadiag_ref.adapters.pytorch")
 
 
-def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+def call_times(fn: Callable[[], Any], reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -103,7 +104,12 @@ def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median of :func:`call_times`."""
+    return statistics.median(call_times(fn, reps, warmup))
 
 
 # ----------------------------------------------------------------------------- roofline

@@ -46,7 +46,7 @@ from . import bench
 from .allocator import free_page_reporting, freed_memory_retained
 from .engine import AdaDiagEngine, is_rotated
 
-__all__ = ["TARGETS", "bench_replay", "replay_bench", "run"]
+__all__ = ["TARGETS", "replay_bench", "run"]
 
 #: (key, label, target) of every ratio printed by :func:`run`, in order.
 TARGETS: tuple[tuple[str, str, float], ...] = (
@@ -86,13 +86,6 @@ def replay_bench(steps: int) -> Callable[[], tuple[float, float]]:
 
     one()
     return one
-
-
-def bench_replay(steps: int, reps: int) -> tuple[float, float]:
-    """Medians over ``reps`` calls of :func:`replay_bench`: ``(replay time, refresh time)``."""
-    one = replay_bench(steps)
-    pairs = [one() for _ in range(reps)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def _after_pause(fn: Callable[[], Any]) -> Any:
