@@ -46,6 +46,17 @@ def _load_backend(name: str) -> Any:
     raise ValueError(name)
 
 
+@pytest.fixture(scope="module")
+def jax_x64() -> Any:
+    """JAX in float64 for one test module (``pytestmark = pytest.mark.usefixtures("jax_x64")``); the previous
+    setting is restored after the module."""
+    jax = pytest.importorskip("jax")
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
 BACKENDS = ["numpy", "array_api_strict", "torch", "jax", pytest.param("cupy", marks=pytest.mark.gpu)]
 
 

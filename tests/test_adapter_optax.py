@@ -29,12 +29,7 @@ STEPS, FREQ = 12, 3  # refreshes at t = 1, 4, 7, 10
 RTOL = 1e-12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for this module
 
 
 def _stream(steps=STEPS, seed=0, shapes=None):

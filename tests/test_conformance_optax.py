@@ -30,14 +30,6 @@ FREQ = 2  # the aliases refresh at t = 1, 3, 5, ...
 RTOL = 1e-12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def factory(subject):
     """The optimizer factory with a common signature (``update_freq`` only for the aliases)."""
     if subject == CONTROL:
@@ -74,7 +66,7 @@ def assert_trees_close(a, b, rtol=RTOL):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-15)
 
 
-pytestmark = pytest.mark.parametrize("subject", SUBJECTS)
+pytestmark = [pytest.mark.parametrize("subject", SUBJECTS), pytest.mark.usefixtures("jax_x64")]
 
 
 def test_train_step_compiles_once_under_jit(subject):

@@ -23,12 +23,7 @@ SHAPE = (5, 7)
 FREQ = 2  # refreshes at t = 1, 3, 5: the Inf gradient lands on the refresh step t = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for this module
 
 
 def _two_finite_steps(name: str):
