@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import reference
 
@@ -51,6 +51,7 @@ def test_library_equals_loop_reference(name, m, n, lr, b1, b2, wd, T, seed) -> N
     repeated=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(m=3, n=3, rank=2, repeated=True, seed=141)  # LAPACK split the equal pair by more than the tolerance
 def test_canonical_basis_is_independent_of_the_decomposition(m, n, rank, repeated, seed) -> None:
     """Rotating the thin SVD inside every cluster and null space never changes the canonical bases."""
     rng = np.random.default_rng(seed)
@@ -64,6 +65,11 @@ def test_canonical_basis_is_independent_of_the_decomposition(m, n, rank, repeate
     S[rank:] = 0.0
     G = (U0 * S) @ V0.T
     U, S_, Vh = np.linalg.svd(G, full_matrices=False)
+    if repeated and rank > 1:
+        # LAPACK returns equal singular values up to its own rounding, which can exceed the cluster tolerance
+        # (seed 141, 3 x 3: a gap of 1.8e-15 against 1.3e-15), and then they are two values, not one cluster, and
+        # mixing them below is no longer "another SVD of the same G": the property is about equal values
+        S_[:rank] = S_[0]
     base = canonicalize_svd(U, S_, Vh, (m, n))
     # any orthogonal mixing inside the equal-value block and inside the null block is another valid SVD
     R = np.eye(k)
