@@ -11,7 +11,7 @@ from array_api_compat import is_numpy_namespace
 from ._xp import Array, namespace
 from .config import make_config
 from .optim import init, step
-from .optim.core import step_delta
+from .optim.core import step_owned
 
 __all__ = ["replay"]
 
@@ -64,12 +64,14 @@ def replay(
     n_steps = int(grads.shape[0]) if hasattr(grads, "shape") else len(grads)
     state = init(w0, cfg, xp=xp)
     w = w0
-    if is_numpy_namespace(xp):  # W_{t+1} = W_t + delta written straight into the result: no copy, no stack
+    if is_numpy_namespace(xp):
+        # W_{t+1} written straight into the result (no copy, no stack); the state never leaves this function, so
+        # its moments may be updated in place (step_owned: the same bits as step)
         out = np.empty((n_steps, *w0.shape), dtype=w0.dtype)
         for k in range(n_steps):
             g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]
-            delta, state = step_delta(state, g, cfg, w, xp=xp)
-            w = np.add(w, delta, out=out[k, ...])
+            state = step_owned(state, g, cfg, w, out[k, ...])
+            w = out[k, ...]
         return out
     trajectory = []
     for k in range(n_steps):

@@ -94,3 +94,81 @@ def test_array_lr_takes_the_generic_code() -> None:
     lr = np.asarray(1e-2)
     assert fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, lr,
                              core.unrotate, np) is None  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- replay's owned-state route
+
+
+def _spy_owned(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    taken: list[bool] = []
+    real = fused.adam_step_owned
+
+    def spy(*args: object, **kwargs: object) -> bool:
+        taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return taken[-1]
+
+    monkeypatch.setattr(core, "fused_adam_step_owned", spy)
+    return taken
+
+
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+@pytest.mark.parametrize("shape", [(6, 9), (9, 6), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_replay_takes_the_owned_route_and_matches_step(
+    name: str, shape: tuple[int, ...], dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # replay owns its state: moments in place, W_{t+1} written into the trajectory; the same bits as a step loop
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal(shape).astype(dtype)
+    grads = rng.standard_normal((7, *shape)).astype(dtype)
+    kw = dict(lr=3e-2, betas=(0.9, 0.99), weight_decay=0.05, update_freq=3)
+    w0_copy, grads_copy = w0.copy(), grads.copy()
+    taken = _spy_owned(monkeypatch)
+    got = ar.replay(name, w0, grads, **kw)
+    assert taken == [True] * len(grads)
+    np.testing.assert_array_equal(w0, w0_copy)  # the inputs are never written
+    np.testing.assert_array_equal(grads, grads_copy)
+    cfg = ar.make_config(name, **kw)  # type: ignore[arg-type]
+    state, w = ar.init(w0, cfg), w0
+    for k, g in enumerate(grads):
+        w, state = ar.step(state, g, cfg, w)
+        np.testing.assert_array_equal(got[k], w)
+
+
+def test_owned_route_is_bit_identical_on_the_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_kernels, "pool_does_not_spin", lambda: True)  # whatever layer this process has
+    taken = _spy_owned(monkeypatch)
+    rng = np.random.default_rng(12)
+    shape = (40, fused.PARALLEL_MIN_SIZE // 40 + 3)  # above the threshold: numba's thread pool
+    w0 = rng.standard_normal(shape, dtype=np.float32)
+    grads = rng.standard_normal((3, *shape), dtype=np.float32)
+    kw = dict(lr=1e-2, weight_decay=0.1, update_freq=None)
+    fast = ar.replay("adadiag", w0, grads, **kw)
+    slow = ar.replay("adadiag", w0, grads, kernels="reference", **kw)
+    assert taken == [True] * 3
+    np.testing.assert_array_equal(fast, slow)
+
+
+def test_step_owned_updates_the_moments_in_place() -> None:
+    state, grad, cfg, w = _step_inputs("adadiag", (6, 9))
+    M, V = state.M, state.V
+    want_w, want = ar.step(state, grad, cfg, w)  # before: step_owned overwrites M and V
+    out = np.empty_like(w)
+    new = core.step_owned(state, grad, cfg, w, out)
+    assert new.M is M and new.V is V and int(new.count) == int(want.count)
+    np.testing.assert_array_equal(out, want_w)
+    np.testing.assert_array_equal(new.M, want.M)
+    np.testing.assert_array_equal(new.V, want.V)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafacdiag", "hfacdiag"])
+def test_step_owned_elsewhere_is_step(name: str) -> None:
+    # unrotated parameters and the other families: step's own route, delta added into out
+    state, grad, cfg, w = _step_inputs(name, (6, 9))
+    want_w, want = ar.step(state, grad, cfg, w)
+    out = np.empty_like(w)
+    new = core.step_owned(state, grad, cfg, w, out)
+    np.testing.assert_array_equal(out, want_w)
+    for a, b in zip(new[1:], want[1:], strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)

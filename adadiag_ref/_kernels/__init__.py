@@ -13,7 +13,8 @@ Two layers live here:
   same order; only the positive sums ``sum(G~^2 + eps)`` and ``sum(U^2)`` are
   accumulated sequentially instead of pairwise.
 * **In-place kernels** (``*_inplace``, ``*_flat``) used by the benchmark's in-place
-  "engine" (``adadiag_ref.perf.engine``), the fast embedding path, and by
+  "engine" (``adadiag_ref.perf.engine``), the fast embedding path, by ``replay``
+  (which owns its state, ``optim.fused.adam_step_owned``), and by
   ``update_in_place`` on CPU torch tensors (the torch adapter, on NumPy views of
   the tensors; there ``sqrt(V_t)`` comes from ``torch.sqrt`` between two passes,
   ``*_root_flat``): they mutate preallocated moment buffers and write the
@@ -384,6 +385,14 @@ def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-d
         W[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
 
 
+def _apply_direction_into_flat(W, D, neg_lr, wd, decay, out):  # type: ignore[no-untyped-def]
+    """On flat views: ``out = W + (-eta) (D + lambda W)`` for an unrotated direction ``D = P U~ Q^T`` (``W_{t+1}``
+    written into a separate array; ``replay``'s trajectory).  ``out`` must not overlap ``W`` or ``D``."""
+    for k in numba.prange(W.shape[0]):
+        w = W[k]
+        out[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
+
+
 def _renamed(fn: Any, suffix: str) -> Any:
     """A copy of ``fn`` (same code, globals and closure) whose ``__qualname__`` ends in ``suffix``.
 
@@ -420,6 +429,7 @@ adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_ad
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_flat, apply_direction_flat_parallel = _serial_and_parallel(_apply_direction_flat)
+apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
 adam_second_moment_flat, adam_second_moment_flat_parallel = _serial_and_parallel(_adam_second_moment_flat)
 adam_apply_root_flat = _jit(_adam_apply_root_flat)
 adam_direction_root_flat, adam_direction_root_flat_parallel = _serial_and_parallel(_adam_direction_root_flat)

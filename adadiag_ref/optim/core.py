@@ -22,6 +22,7 @@ from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
 from .dispatch import direction as family_direction
 from .families import FAMILIES, Family, State
+from .fused import adam_step_owned as fused_adam_step_owned
 from .fused import adam_update as fused_adam_update
 from .layout import Layout, from_work, layout_for, to_work
 from .rotation import rotate, unrotate
@@ -285,7 +286,13 @@ def update(
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
     """
     xp = namespace(grad, param, xp=xp)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    return _update_prepared(state, prepare_step(state, grad, cfg, param, refreshed, xp), cfg, param, lr, xp)
+
+
+def _update_prepared(
+    state: State, step_in: StepInput, cfg: BaseConfig, param: Array, lr: Any, xp: Namespace
+) -> tuple[Array, State]:
+    """:func:`update` after :func:`prepare_step`."""
     layout, t, w = step_in.layout, step_in.t, step_in.w
     if cfg.kernels != "reference":
         # NumPy + numba: the same arithmetic in fewer passes and temporaries (bit-identical, optim/fused.py)
@@ -440,9 +447,43 @@ def step_delta(
     xp = namespace(grad, param, xp=xp)
     if check:
         check_inputs(state, grad, cfg, param, name=name, xp=xp)
-    refreshed = refresh_due(int(state.count), cfg)
-    if refreshed:
-        new = refresh_basis(state, grad, cfg, name=name, xp=xp)
-        refreshed = new.P is not state.P  # a kept basis was not computed from this G: no noise floor
-        state = new
+    state, refreshed = _refresh_if_due(state, grad, cfg, name, xp)
     return update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+
+
+def _refresh_if_due(state: State, grad: Array, cfg: BaseConfig, name: str | None, xp: Namespace) -> tuple[State, bool]:
+    """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`);
+    ``refreshed`` is False when no refresh was due or a failed one kept the previous basis (not computed from
+    this ``G``: no noise floor)."""
+    if not refresh_due(int(state.count), cfg):
+        return state, False
+    new = refresh_basis(state, grad, cfg, name=name, xp=xp)
+    return new, new.P is not state.P
+
+
+def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Array) -> State:
+    """:func:`step` for a NumPy driver that owns ``state`` (``replay``): ``W_{t+1}`` written into ``out``.
+
+    Checks, refreshes and updates exactly as :func:`step` (same bits), and returns the new state.  Nobody else
+    holds ``state``'s arrays, so the Adam family's rotated route (:func:`~adadiag_ref.optim.fused.adam_step_owned`)
+    updates the moments in place and writes ``W_t + delta`` straight into ``out`` (parameter-shaped,
+    C-contiguous, not overlapping ``param``): no moment-sized allocation and three array passes fewer per step.
+    Other cases take ``step``'s route and add ``delta`` into ``out``.  If it raises, ``state`` may have been
+    partly updated: a driver that owns it discards it.
+    """
+    import numpy as np
+
+    xp = namespace(grad, param)
+    check_inputs(state, grad, cfg, param, xp=xp)
+    state, refreshed = _refresh_if_due(state, grad, cfg, None, xp)
+    if cfg.kernels != "reference" and param.dtype == _work_dtype(state, xp) and out.flags.c_contiguous:
+        step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+        out_work = to_work(out, step_in.layout, xp)
+        if fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr, unrotate,
+                                 xp, out_work):  # fmt: skip
+            return state._replace(count=state.count + 1)
+        delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
+    else:
+        delta, state = update(state, grad, cfg, param, refreshed=refreshed, xp=xp)
+    np.add(param, delta, out=out)
+    return state
