@@ -80,3 +80,14 @@ def test_steady_cli_quick_with_retained_memory() -> None:
     assert "allocator: glibc keeps freed memory" in proc.stdout or "needs glibc" in proc.stderr
     for _, label, _ in steady.TARGETS[:5]:
         assert label in proc.stdout
+
+
+def test_steady_table_shows_the_spread_over_rounds() -> None:
+    # a median of a few rounds on a noisy machine: the table prints each row's lowest and highest round beside it
+    lines: list[str] = []
+    res = steady.run(quick=True, reps=2, use_torch=False, out=lines.append)
+    header = next(i for i, line in enumerate(lines) if line.startswith("steady-state ratio"))
+    assert "rounds min-max" in lines[header]
+    for (key, label, _), line in zip(steady.TARGETS[:5], lines[header + 1 :], strict=True):
+        lo, hi = min(res["rounds"][key]), max(res["rounds"][key])
+        assert line.startswith(label) and f"{lo:.2f}-{hi:.2f}" in line, line
