@@ -172,3 +172,19 @@ def test_step_owned_elsewhere_is_step(name: str) -> None:
     for a, b in zip(new[1:], want[1:], strict=True):
         if a is not None:
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["strided", "fortran"])
+def test_replay_from_a_differently_laid_out_parameter_matches_step(layout: str) -> None:
+    # W_0 a strided view or Fortran-ordered: the owned route does not apply to the first step (W_0 and the
+    # trajectory are laid out differently), which then takes step's route; later steps read W_t from the result
+    rng = np.random.default_rng(13)
+    base = rng.standard_normal((6, 18))
+    w0 = base[:, ::2] if layout == "strided" else np.asfortranarray(base[:, :9])
+    grads = rng.standard_normal((4, 6, 9))
+    got = ar.replay("adadiag", w0, grads, lr=1e-2, update_freq=2)
+    cfg = ar.make_config("adadiag", lr=1e-2, update_freq=2)
+    state, w = ar.init(w0, cfg), w0
+    for k, g in enumerate(grads):
+        w, state = ar.step(state, g, cfg, w)
+        np.testing.assert_array_equal(got[k], w)
