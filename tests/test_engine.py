@@ -41,3 +41,68 @@ def test_adadiag_engine_equals_functional_update(parallel: bool) -> None:
         np.testing.assert_array_equal(it["W"], w)
         np.testing.assert_array_equal(it["M"], state.M)
         np.testing.assert_array_equal(it["V"], state.V)
+
+
+def _mixed_specs() -> list[ParamSpec]:
+    shapes = [(24, 40), (40, 24), (16, 16), (16, 48), (8, 30)]
+    return [ParamSpec(f"blocks.{i}.w", shape, "block") for i, shape in enumerate(shapes)]
+
+
+def test_engine_gemms_run_single_threaded_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenBLAS's workers spin ~0.1 s after a multi-threaded call and take a core from the numba pass that follows;
+    # the engine splits each GEMM phase over Python threads that call BLAS with one thread each
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    from adadiag_ref.perf.engine import AdaDiagEngine
+
+    def blas_threads() -> set[int]:
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    calls: list[tuple[int, set[int]]] = []
+    real = np.matmul
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append((threading.get_ident(), blas_threads()))
+        return real(*args, **kwargs)
+
+    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=2)
+    before = blas_threads()
+    monkeypatch.setattr(np, "matmul", spy)
+    eng.step()
+    monkeypatch.setattr(np, "matmul", real)
+    eng.close()
+    assert len(calls) == 2 * len(_mixed_specs())
+    assert len({ident for ident, _ in calls}) == 2 and threading.get_ident() not in {i for i, _ in calls}
+    assert all(threads == {1} for _, threads in calls)
+    assert blas_threads() == before  # restored after the step
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_engine_result_does_not_depend_on_gemm_threads(threads: int) -> None:
+    from adadiag_ref.perf.engine import AdaDiagEngine
+
+    one, many = AdaDiagEngine(_mixed_specs(), gemm_threads=1), AdaDiagEngine(_mixed_specs(), gemm_threads=threads)
+    for _ in range(3):
+        one.step()
+        many.step()
+    for a, b in zip(one.items, many.items, strict=True):
+        for key in ("W", "M", "V", "D"):
+            np.testing.assert_array_equal(a[key], b[key])
+    one.close()
+    many.close()
+
+
+def test_balanced_groups_share_the_gemm_work() -> None:
+    from adadiag_ref.perf.engine import AdaDiagEngine, balanced_groups
+
+    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=1)
+    work = {id(it): it["P"].shape[0] ** 2 * it["G"].shape[1] for it in eng.items}
+    for k in (1, 2, 3, 7):
+        groups = balanced_groups(eng.items, k)
+        assert sorted(id(it) for g in groups for it in g) == sorted(work)  # every matrix exactly once
+        assert len(groups) == min(k, len(eng.items))
+        loads = [sum(work[id(it)] for it in g) for g in groups]
+        assert max(loads) - min(loads) <= max(work.values())  # largest-first greedy: within one matrix
+    eng.close()

@@ -47,3 +47,18 @@ def test_scaling_report_and_plot(tmp_path: Path) -> None:
         assert np.isfinite(entry["exponent"])
     assert plot.stat().st_size > 0
     assert any("fitted p" in line for line in lines)
+
+
+def test_refresh_routes_time_the_step_on_the_routes_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the refresh share is refresh time / (T x step time): both must use the same cores (--threads 1: one)
+    seen: list[object] = []
+    real = refresh.AdaDiagEngine
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("gemm_threads"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(refresh, "_threads", lambda threads: threads)  # no process-wide thread setting in a test
+    monkeypatch.setattr(refresh, "AdaDiagEngine", spy)
+    refresh.run_routes(quick=True, reps=1, threads=1, out=lambda line: None)
+    assert seen == [1]

@@ -16,26 +16,36 @@ AdamW keeps all parameters in one flat buffer and updates them in a single
 fused, parallel pass (no BLAS runs in the step, so the numba pool does not
 compete with OpenBLAS).  ``b1, b2`` are the paper's bias-corrected beta-hats.
 
-Thread policy: BLAS (numpy's OpenBLAS) uses every core during GEMMs; the
-AdaDiag elementwise kernels and AdamW's flat pass use a numba pool (threading
-layer ``workqueue``, which does not spin) between GEMMs, never during one
-(``parallel_elementwise=False``: serial elementwise kernels, measured slower
-on the 2-core VM, docs/performance.md).  scipy's separate OpenBLAS is never
-called in a step.
+Thread policy: the GEMMs of a phase run on ``gemm_threads`` Python threads
+(every core by default), each calling BLAS single-threaded on its share of the
+matrices (balanced by flops); the AdaDiag elementwise kernels and AdamW's flat
+pass use a numba pool (threading layer ``workqueue``, which does not spin)
+between the GEMM phases.  OpenBLAS's own worker threads spin for about 0.1 s
+(2^28 cycles) after every multi-threaded call, and on a machine with few cores
+they take a core from the numba pass that follows (a 16.4M-entry AdamW pass:
+27 ms after a pause, 38 ms right after a GEMM); with BLAS single-threaded in
+the step they are never woken.  ``gemm_threads=1`` is the plain sequence of
+multi-threaded BLAS calls.  (``parallel_elementwise=False``: serial
+elementwise kernels, measured slower on the 2-core VM, docs/performance.md.)
+scipy's separate OpenBLAS is never called in a step.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from .. import _kernels
 from ..memory import ParamSpec
 from ..optim.schedules import beta_hat
 
-__all__ = ["AdaDiagEngine", "AdamWEngine", "coefficients", "is_rotated", "work_shape"]
+__all__ = ["AdaDiagEngine", "AdamWEngine", "balanced_groups", "coefficients", "is_rotated", "work_shape"]
 
 
 def work_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -81,6 +91,17 @@ class AdamWEngine:
         return 7 * 4 * self.size
 
 
+def balanced_groups(items: list[dict[str, np.ndarray]], k: int) -> list[list[dict[str, np.ndarray]]]:
+    """The matrices in ``k`` groups of near-equal GEMM work (``m^2 n`` each): largest first, to the lightest group."""
+    groups: list[list[dict[str, np.ndarray]]] = [[] for _ in range(k)]
+    load = [0] * k
+    for it in sorted(items, key=lambda it: -(it["P"].shape[0] ** 2) * it["G"].shape[1]):
+        j = load.index(min(load))
+        groups[j].append(it)
+        load[j] += it["P"].shape[0] ** 2 * it["G"].shape[1]
+    return [g for g in groups if g]
+
+
 def is_rotated(spec: ParamSpec, rule: str) -> bool:
     """Whether AdaDiag rotates ``spec``: ``rule="paper"`` rotates only the transformer blocks' matrices
     (embedding and LM head take the unrotated baseline, as in the paper's memory table, see
@@ -102,7 +123,8 @@ class AdaDiagEngine:
 
     def __init__(self, specs: list[ParamSpec], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, wd: float = 0.0, seed: int = 0, rule: str = "paper",
-                 parallel_unrotated: bool = True, parallel_elementwise: bool = True) -> None:  # fmt: skip
+                 parallel_unrotated: bool = True, parallel_elementwise: bool = True,
+                 gemm_threads: int | None = None) -> None:  # fmt: skip
         rng = np.random.default_rng(seed)
         self.unrotated_kernel = _kernels.adamw_inplace_parallel if parallel_unrotated else _kernels.adamw_inplace
         self.set_parallel_elementwise(parallel_elementwise)
@@ -132,6 +154,24 @@ class AdaDiagEngine:
             w, g = (rng.standard_normal(size, dtype=np.float32) for _ in range(2))
             self.vectors.append((w, g, np.zeros(size, np.float32), np.zeros(size, np.float32)))
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
+        threads = max(1, min(os.cpu_count() or 1 if gemm_threads is None else gemm_threads, len(self.items)))
+        self.gemm_groups = balanced_groups(self.items, threads)
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="engine-gemm") if threads > 1 else None
+        self._blas = ThreadpoolController().select(user_api="blas") if threads > 1 else None
+
+    def _gemm_phase(self, gemm: Callable[[dict[str, np.ndarray]], Any]) -> None:
+        """``gemm`` on every matrix: each group on its own thread (BLAS single-threaded there), or in sequence."""
+        if self._executor is None:
+            for it in self.items:
+                gemm(it)
+            return
+
+        def run(group: list[dict[str, np.ndarray]]) -> None:
+            for it in group:
+                gemm(it)
+
+        for _ in self._executor.map(run, self.gemm_groups):  # re-raises a thread's exception here
+            pass
 
     def set_parallel_elementwise(self, parallel: bool) -> None:
         """Run the moments and update passes between GEMMs on numba's pool (True) or on one thread."""
@@ -139,22 +179,27 @@ class AdaDiagEngine:
         self.update_kernel = _kernels.apply_update_inplace_parallel if parallel else _kernels.apply_update_inplace
 
     def step(self, *, elementwise: bool = True, gemm: bool = True) -> None:
+        if gemm and self._blas is not None:
+            with self._blas.limit(limits=1):  # one BLAS thread per GEMM thread; restored after the step
+                self._step(elementwise, gemm)
+        else:
+            self._step(elementwise, gemm)
+
+    def _step(self, elementwise: bool, gemm: bool) -> None:
         self.t += 1
         b1, c1, b2, c2 = coefficients(self.t, self.betas, np.float32)
         f = np.float32
         eps, lr, wd = f(self.eps), f(self.lr), f(self.wd)
         flat = self.flat
-        if elementwise:  # unrotated parameters first: no BLAS thread is awake yet to compete with numba's pool
+        if elementwise:
             for W, G, M, V in self.vectors:
                 self.unrotated_kernel(W, G, M, V, b1, c1, b2, c2, eps, lr, wd)
         if gemm:
-            for it in self.items:
-                np.matmul(it["P"].T, it["G"], out=it["Gt"])
+            self._gemm_phase(lambda it: np.matmul(it["P"].T, it["G"], out=it["Gt"]))
         if elementwise and self.items:  # flat buffers, one argument per array: the loops vectorise (see _kernels)
             self.moments_kernel(flat["M"], flat["V"], flat["Gt"], b1, c1, b2, c2, eps)
         if gemm:
-            for it in self.items:
-                np.matmul(it["P"], it["Gt"], out=it["D"])
+            self._gemm_phase(lambda it: np.matmul(it["P"], it["Gt"], out=it["D"]))
         if elementwise and self.items:
             self.update_kernel(flat["W"], flat["D"], lr, wd)
 
@@ -169,7 +214,11 @@ class AdaDiagEngine:
         return 4 * (9 * mats + 7 * vecs)
 
     def close(self) -> None:
-        """Drop every buffer (the memory of a large model)."""
+        """Drop every buffer (the memory of a large model) and stop the GEMM threads."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        self.gemm_groups = []
         self.items.clear()
         self.vectors.clear()
         self.flat.clear()

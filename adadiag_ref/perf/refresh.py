@@ -187,7 +187,7 @@ def run_routes(
     specs = llama_parameters(config)
     rotated = [s for s in specs if is_rotated(s, "paper")]
     shapes = Counter(work_shape(s.shape) for s in rotated)
-    engine = AdaDiagEngine(specs, rule="paper")
+    engine = AdaDiagEngine(specs, rule="paper", gemm_threads=threads)  # as many cores as the refresh routes get
     step_before = median_time(engine.step, max(reps, 3), warmup=2)
     out(f"refresh routes: {'quick (tiny shapes)' if quick else model}, {len(rotated)} rotated matrices "
         f"({', '.join(f'{c} x {m}x{n}' for (m, n), c in sorted(shapes.items()))}), float32, T = {period}")  # fmt: skip
