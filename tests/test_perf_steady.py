@@ -91,3 +91,19 @@ def test_steady_table_shows_the_spread_over_rounds() -> None:
     for (key, label, _), line in zip(steady.TARGETS[:5], lines[header + 1 :], strict=True):
         lo, hi = min(res["rounds"][key]), max(res["rounds"][key])
         assert line.startswith(label) and f"{lo:.2f}-{hi:.2f}" in line, line
+
+
+def test_each_row_is_divided_by_the_roofline_measured_right_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a roofline per row (the VM's bandwidth drifts within seconds): made-up, distinct measurements show which
+    # one each ratio used
+    import math
+
+    from adadiag_ref.memory import llama_parameters
+
+    made_up = iter([(1e10, 1e11), (2e10, 2e11), (3e10, 3e11), (4e10, 4e11)])
+    monkeypatch.setattr(bench.Roofline, "measure", lambda self: next(made_up))
+    res = steady.run(quick=True, reps=1, use_torch=False, out=lambda line: None)
+    size = sum(math.prod(s.shape) for s in llama_parameters(bench.QUICK))
+    adamw = res["times"]["adamw_functional"] / (7 * 4 * size / 2e10)  # the second measurement of the round
+    assert res["ratios"]["adamw_functional"] == pytest.approx(adamw, rel=1e-12)
+    assert next(made_up, None) is None  # four measurements per round: the engine pair and three rows

@@ -126,16 +126,47 @@ def _triad_kernel() -> Any:
     return triad
 
 
-def measure_bandwidth(n: int, reps: int) -> float:
-    """In-place triad ``a += b + s c`` over three float32 arrays of ``n`` elements; bytes/s (16 n per pass).
+class Roofline:
+    """The machine's roofline, measured on demand on operands made once: the in-place triad bandwidth over three
+    float32 arrays of ``n`` entries and the float32 GEMM rate ``P^T G`` at each distinct work shape.
 
-    In place (read a, b, c; write a) like every optimizer pass, so the write costs no extra
-    read-for-ownership: STREAM's ``a = b + s c`` moves 16 bytes per element through the caches while
-    counting 12, which understates the bandwidth available to in-place kernels by a quarter."""
-    triad = _triad_kernel()
-    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
-    t = median_time(lambda: triad(a, b, c, np.float32(1e-3)), max(reps, 9), warmup=2)
-    return 16.0 * n / t
+    The triad is ``a += b + s c`` (read a, b, c; write a; 16 bytes per entry), in place like every optimizer
+    pass, so the write costs no extra read-for-ownership: STREAM's ``a = b + s c`` moves 16 bytes per element
+    through the caches while counting 12, which understates the bandwidth available to in-place kernels by a
+    quarter.  Measuring again on the same arrays costs no fresh pages, so a benchmark can take the roofline
+    right before each row it divides (on a shared VM the bandwidth moves by 2x within a minute)."""
+
+    def __init__(self, n: int, shapes: list[tuple[int, int]], reps: int) -> None:
+        self.n, self.reps = n, reps
+        self.arrays = tuple(np.ones(n, np.float32) for _ in range(3)) if n else ()
+        rng = np.random.default_rng(0)
+        self.operands = {
+            (m, k): (rng.standard_normal((m, m), dtype=np.float32), rng.standard_normal((m, k), dtype=np.float32),
+                     np.empty((m, k), np.float32))
+            for m, k in sorted(set(shapes))
+        }  # fmt: skip
+
+    def bandwidth(self) -> float:
+        """Bytes/s of the in-place triad (median of at least 9 passes after 2 warm-up passes)."""
+        triad, (a, b, c) = _triad_kernel(), self.arrays
+        return 16.0 * self.n / median_time(lambda: triad(a, b, c, np.float32(1e-3)), max(self.reps, 9), warmup=2)
+
+    def gemm_rates(self) -> dict[tuple[int, int], float]:
+        """FLOP/s of ``P^T G`` (``m x m`` times ``m x n``) for each work shape (median of at least 3 calls)."""
+        rates = {}
+        for (m, k), (P, G, out) in self.operands.items():
+            t = median_time(lambda P=P, G=G, out=out: np.matmul(P.T, G, out=out), max(self.reps, 3))  # type: ignore[misc]
+            rates[(m, k)] = 2.0 * m * m * k / t
+        return rates
+
+    def measure(self) -> tuple[float, float]:
+        """``(bandwidth, GEMM peak)``: the triad's bytes/s and the best GEMM rate over the shapes."""
+        return self.bandwidth(), max(self.gemm_rates().values())
+
+
+def measure_bandwidth(n: int, reps: int) -> float:
+    """In-place triad bandwidth over three float32 arrays of ``n`` entries, bytes/s (:class:`Roofline`)."""
+    return Roofline(n, [], reps).bandwidth()
 
 
 def interleaved_times(
@@ -168,16 +199,8 @@ def interleaved_medians(
 
 
 def measure_gemm(shapes: list[tuple[int, int]], reps: int) -> dict[tuple[int, int], float]:
-    """FLOP/s of ``P^T G`` (``m x m`` times ``m x n``, float32) for each distinct work shape."""
-    rng = np.random.default_rng(0)
-    rates = {}
-    for m, n in sorted(set(shapes)):
-        P = rng.standard_normal((m, m), dtype=np.float32)
-        G = rng.standard_normal((m, n), dtype=np.float32)
-        out = np.empty((m, n), np.float32)
-        t = median_time(lambda P=P, G=G, out=out: np.matmul(P.T, G, out=out), max(reps, 3))  # type: ignore[misc]
-        rates[(m, n)] = 2.0 * m * m * n / t
-    return rates
+    """FLOP/s of ``P^T G`` (``m x m`` times ``m x n``, float32) for each distinct work shape (:class:`Roofline`)."""
+    return Roofline(0, shapes, reps).gemm_rates()
 
 
 # ----------------------------------------------------------------------------- runs

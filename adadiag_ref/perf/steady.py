@@ -1,8 +1,9 @@
 """Steady-state (non-refresh) step targets: ``adadiag-ref bench --steady``.
 
-Measures, in one process and against the roofline of the same run (float32
-GEMM peak at the model's work shapes, in-place triad bandwidth), the ratios
-that issue 12 sets targets for, each a median:
+Measures, in one process and against the roofline measured right before each
+row (float32 GEMM peak at the model's work shapes, in-place triad bandwidth;
+:class:`~adadiag_ref.perf.bench.Roofline`), the ratios that issue 12 sets
+targets for, each a median over rounds:
 
 ==============================================  ================================================  ======
 ratio                                           bound                                             target
@@ -143,30 +144,35 @@ def _run(
     # shared machine the load drifts within minutes, and a roofline measured once would not match later rows)
     rounds: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {}
+    roofline = bench.Roofline((1 << 22) if quick else (1 << 25), [*work, (m, n)], 3)
     for r in range(reps):
-        bw = bench.measure_bandwidth((1 << 22) if quick else (1 << 25), 3)
-        peak = max(bench.measure_gemm([*work, (m, n)], 3).values())
-        gemm_bound = eng.flops() / peak
-        elem_bound = eng.bytes_moved() / bw
-        step_bound = 4.0 * m * m * n / peak + 10 * 4 * m * n / bw
-        row = bench.interleaved_medians(
+        # each row is divided by the roofline measured right before it: the VM's bandwidth drifts within seconds
+        row, bounds, seen = {}, {}, []
+        bw, peak = roofline.measure()
+        seen.append((bw, peak))
+        row.update(bench.interleaved_medians(
             {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
-        )
-        row["adamw_functional"] = _after_pause(adamw)
-        row["adadiag_functional"] = _after_pause(adadiag)
-        row["replay"], refresh_time = _after_pause(replay)
-        bounds = {
-            "adamw_functional": 7 * 4 * size / bw,
-            "adadiag_functional": gemm_bound + elem_bound,
-            "replay": refresh_time + steps * step_bound,
-            "engine_elementwise": elem_bound,
-            "engine_step": gemm_bound + elem_bound,
-        }
+        ))  # fmt: skip
+        bounds["engine_elementwise"] = eng.bytes_moved() / bw
+        bounds["engine_step"] = eng.flops() / peak + eng.bytes_moved() / bw
+        for key in ("adamw_functional", "adadiag_functional", "replay"):
+            bw, peak = roofline.measure()
+            seen.append((bw, peak))
+            if key == "adamw_functional":
+                row[key] = _after_pause(adamw)
+                bounds[key] = 7 * 4 * size / bw
+            elif key == "adadiag_functional":
+                row[key] = _after_pause(adadiag)
+                bounds[key] = eng.flops() / peak + eng.bytes_moved() / bw
+            else:
+                row[key], refresh_time = _after_pause(replay)
+                bounds[key] = refresh_time + steps * (4.0 * m * m * n / peak + 10 * 4 * m * n / bw)
         for key, t in row.items():
             times.setdefault(key, []).append(t)
             rounds.setdefault(key, []).append(t / bounds[key])
-        out(f"  round {r + 1}/{reps}: triad {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.1f} GFLOP/s, "
-            f"AdaDiag bound {gemm_bound * 1e3:.1f} ms GEMM + {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
+        bws, peaks = [b for b, _ in seen], [p for _, p in seen]
+        out(f"  round {r + 1}/{reps}: triad {min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f} GB/s, GEMM peak "
+            f"{min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f} GFLOP/s (measured before each row)")  # fmt: skip
     eng.close()
     adamw.close()
     adadiag.close()
