@@ -120,3 +120,30 @@ def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
         ar.update_in_place(state, torch.randn(6, 9, generator=gen), cfg, w)
     assert calls  # the kernel route ran its moment pass before the failure
     assert all(torch.equal(a, b) for a, b in zip(before, (w, state.M, state.V)))
+
+
+@pytest.mark.parametrize("shape", [(520, 520), (1 << 18,)])
+def test_torch_kernel_route_never_uses_numba_pool(shape: tuple[int, ...], monkeypatch) -> None:
+    """torch's OpenMP threads spin after its GEMMs and square roots; a numba pool next to them ran slower than one
+    thread, so the torch CPU route calls only serial kernels, even for large arrays under the workqueue layer."""
+    torch = pytest.importorskip("torch")
+    if not _kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(_kernels, "pool_does_not_spin", lambda: True)  # the condition the functional route uses
+    calls: list[str] = []
+    for fname in [n for n in dir(_kernels) if n.endswith("_parallel") and callable(getattr(_kernels, n))]:
+        real = getattr(_kernels, fname)
+
+        def spy(*args, _real=real, _name=fname):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(_kernels, fname, spy)
+    gen = torch.Generator().manual_seed(4)
+    cfg = ar.make_config("adadiag", lr=1e-2, weight_decay=0.1)
+    w = torch.randn(*shape, generator=gen)
+    state = ar.init(w, cfg)
+    g = torch.randn(*shape, generator=gen)
+    state = ar.update_in_place(ar.refresh_basis(state, g, cfg), g, cfg, w, refreshed=True)
+    ar.update_in_place(state, torch.randn(*shape, generator=gen), cfg, w)
+    assert calls == []

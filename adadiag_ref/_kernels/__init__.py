@@ -23,11 +23,14 @@ Two layers live here:
 This module only computes; it never decides.  Which path runs is chosen by
 configuration (``make_config(..., kernels=...)``), never by the environment.
 
-Thread policy: every kernel here is serial (``parallel=False``) except the
-``*_parallel`` in-place AdamW kernel, which is only used where no BLAS call runs
-in the same step (unrotated parameters).  BLAS owns the cores during GEMMs; a
-numba thread pool spinning next to OpenBLAS's threads doubles step times on
-small machines (docs/performance.md).
+Thread policy: the callers choose.  A flat kernel that some caller runs on
+numba's pool exists twice, serial and ``*_parallel`` (separate compiles and
+cache entries, :func:`_serial_and_parallel`).  The functional route and
+``replay`` use the parallel forms for arrays of 2^18 entries or more, and only
+under numba's non-spinning ``workqueue`` layer (``optim/fused.py``); the
+engine between its GEMM phases; the torch CPU route never (torch's OpenMP
+threads spin after each parallel region).  BLAS owns the cores during GEMMs
+(docs/performance.md, "Threads").
 """
 
 from __future__ import annotations
@@ -352,7 +355,7 @@ def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-d
 
 def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
     """``V = b2 V0 + c2 G~^2`` on flat views (the torch CPU route: its ``sqrt`` is torch's own)."""
-    for k in numba.prange(g.shape[0]):
+    for k in range(g.shape[0]):
         V[k] = _second_moment_entry(V0[k], g[k], b2, c2)
 
 
@@ -371,7 +374,7 @@ def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyp
     """Flat views, given ``MR = sqrt(V_t)`` (computed by the caller's backend into the new ``M``'s memory):
     ``MR <- M_t = b1 M0 + c1 G~`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over ``G~`` itself; each entry of ``GU``
     and ``MR`` is read before it is written, one argument per array (no aliased pointers)."""
-    for k in numba.prange(GU.shape[0]):
+    for k in range(GU.shape[0]):
         m = _first_moment_entry(M0[k], GU[k], b1, c1)
         GU[k] = m / (MR[k] + eps)
         MR[k] = m
@@ -380,7 +383,7 @@ def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyp
 def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """In place on flat views: ``W <- W + (-eta) (D + lambda W)`` for an unrotated direction ``D = P U~ Q^T``
     (``W += delta`` of :func:`_scale_direction_flat`'s ``delta``, without writing ``D``)."""
-    for k in numba.prange(W.shape[0]):
+    for k in range(W.shape[0]):
         w = W[k]
         W[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
 
@@ -428,11 +431,12 @@ adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_
 adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
-apply_direction_flat, apply_direction_flat_parallel = _serial_and_parallel(_apply_direction_flat)
 apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
-adam_second_moment_flat, adam_second_moment_flat_parallel = _serial_and_parallel(_adam_second_moment_flat)
+# the torch CPU route's passes are serial only: optim/inplace.py::_adam_torch_cpu says why
+apply_direction_flat = _jit(_apply_direction_flat)
+adam_second_moment_flat = _jit(_adam_second_moment_flat)
 adam_apply_root_flat = _jit(_adam_apply_root_flat)
-adam_direction_root_flat, adam_direction_root_flat_parallel = _serial_and_parallel(_adam_direction_root_flat)
+adam_direction_root_flat = _jit(_adam_direction_root_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

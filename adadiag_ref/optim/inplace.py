@@ -38,7 +38,7 @@ from ..config import BaseConfig
 from .core import prepare_step, unrotate, update
 from .dispatch import uses_kernels
 from .families import AdamState, State
-from .fused import PARALLEL_MIN_SIZE, alike, flat
+from .fused import alike, flat
 from .layout import from_work
 from .schedules import beta_hat
 
@@ -201,7 +201,6 @@ def _adam_torch_cpu(
     import torch
 
     size = M_np.size
-    parallel = size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
     fg, fM, fV = flat(g_np), flat(M_np), flat(V_np)
     if not rotated:
         block = min(BLOCK, size)
@@ -218,25 +217,22 @@ def _adam_torch_cpu(
                                           v_np[:k], root_np[:k], b1, c1, eps, neg_lr, wd, decay)  # fmt: skip
         return True
     # rotated: three whole-array passes into the new moments (no blocks: G~ and the new M, V are this call's own
-    # memory, and the passes run on every core); sqrt(V_t) is parked in the new M's memory until M_t overwrites it
+    # memory); sqrt(V_t) is parked in the new M's memory until M_t overwrites it.  The passes run on this thread,
+    # never on numba's pool: they follow torch GEMMs and torch.sqrt, whose OpenMP threads keep spinning after a
+    # parallel region, and a numba pool next to them was slower than one thread (LLaMA-60M, adapter / direct
+    # torch in alternation: 1.15-1.28 with the pool, 0.80 without, two runs each)
     new_M, new_V = torch.empty_like(M), torch.empty_like(V)  # dense inputs: the same strides
     new_views = _host_views(new_M, new_V)
     if new_views is None or not alike(M_np, *new_views):  # pragma: no cover - empty_like keeps dense strides
         return False
     fnM, fnV = (flat(v) for v in new_views)
-    second, direction = (
-        (_kernels.adam_second_moment_flat_parallel, _kernels.adam_direction_root_flat_parallel)
-        if parallel
-        else (_kernels.adam_second_moment_flat, _kernels.adam_direction_root_flat)
-    )
-    second(fV, fg, b2, c2, fnV)
+    _kernels.adam_second_moment_flat(fV, fg, b2, c2, fnV)
     torch.sqrt(torch.from_numpy(fnV), out=torch.from_numpy(fnM))
-    direction(fM, fg, fnM, b1, c1, eps)
+    _kernels.adam_direction_root_flat(fM, fg, fnM, b1, c1, eps)
     D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)  # U~ lives in G~'s buffer now
     D_views = _host_views(D)
     if D_views is not None and alike(D_views[0], w_np):
-        apply = _kernels.apply_direction_flat_parallel if parallel else _kernels.apply_direction_flat
-        apply(flat(w_np), flat(D_views[0]), neg_lr, wd, decay)  # commit: nothing below can fail
+        _kernels.apply_direction_flat(flat(w_np), flat(D_views[0]), neg_lr, wd, decay)  # commit: nothing below fails
     else:  # pragma: no cover - torch GEMM outputs are dense in G~'s order; the reference expressions otherwise
         if decay:
             D = D + cfg.weight_decay * w
