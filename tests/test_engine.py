@@ -17,6 +17,7 @@ from adadiag_ref.memory import ParamSpec
 from adadiag_ref.optim.families.adam import AdamState
 
 pytestmark = pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed")
+pytest.importorskip("threadpoolctl")  # the bench extra: the engine sets BLAS threads for its GEMM phases
 
 
 @pytest.mark.parametrize("parallel", [False, True])
