@@ -14,6 +14,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
@@ -184,6 +186,28 @@ def test_replay_from_a_differently_laid_out_parameter_matches_step(layout: str) 
     grads = rng.standard_normal((4, 6, 9))
     got = ar.replay("adadiag", w0, grads, lr=1e-2, update_freq=2)
     cfg = ar.make_config("adadiag", lr=1e-2, update_freq=2)
+    state, w = ar.init(w0, cfg), w0
+    for k, g in enumerate(grads):
+        w, state = ar.step(state, g, cfg, w)
+        np.testing.assert_array_equal(got[k], w)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(list(ar.OPTIMIZERS)),
+    shape=st.sampled_from([(1, 4), (3, 5), (5, 3), (4, 4), (2, 3, 2), (6,)]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    T=st.sampled_from([1, 2, None]),
+    wd=st.sampled_from([0.0, 0.05]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_replay_equals_a_step_loop_bit_for_bit(name, shape, dtype, T, wd, seed) -> None:
+    # whichever route replay takes per step (owned, or step's), its trajectory is the step loop's, bit for bit
+    rng = np.random.default_rng(seed)
+    w0 = rng.standard_normal(shape).astype(dtype)
+    grads = rng.standard_normal((5, *shape)).astype(dtype)
+    got = ar.replay(name, w0, grads, lr=1e-2, weight_decay=wd, update_freq=T)
+    cfg = ar.make_config(name, lr=1e-2, weight_decay=wd, update_freq=T)
     state, w = ar.init(w0, cfg), w0
     for k, g in enumerate(grads):
         w, state = ar.step(state, g, cfg, w)
