@@ -476,14 +476,16 @@ def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Ar
     xp = namespace(grad, param)
     check_inputs(state, grad, cfg, param, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, None, xp)
-    if cfg.kernels != "reference" and param.dtype == _work_dtype(state, xp) and out.flags.c_contiguous:
-        step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
-        out_work = to_work(out, step_in.layout, xp)
-        if fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr, unrotate,
-                                 xp, out_work):  # fmt: skip
-            return state._replace(count=state.count + 1)
-        delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
-    else:
-        delta, state = update(state, grad, cfg, param, refreshed=refreshed, xp=xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    # C-contiguous: the work-frame view of ``out`` is a view, never a copy (a reshape of other layouts may copy);
+    # a parameter dtype other than the state's fails the route's own dtype check
+    if (
+        cfg.kernels != "reference"
+        and out.flags.c_contiguous
+        and fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr, unrotate,
+                                  xp, to_work(out, step_in.layout, xp))
+    ):  # fmt: skip
+        return state._replace(count=state.count + 1)
+    delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
     np.add(param, delta, out=out)
     return state
