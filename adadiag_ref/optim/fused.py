@@ -41,7 +41,7 @@ from ..config import BaseConfig
 from .families import State
 from .schedules import beta_hat
 
-__all__ = ["PARALLEL_MIN_SIZE", "adam_step_owned", "adam_update"]
+__all__ = ["PARALLEL_MIN_SIZE", "adam_step_owned", "adam_update", "kernel_scalars"]
 
 #: Arrays with at least this many entries use the parallel kernels (smaller ones: the pool's start-up dominates).
 PARALLEL_MIN_SIZE = 1 << 18
@@ -87,15 +87,22 @@ def _applies(
     rotated = state.P is not None or state.Q is not None
     if not alike(g_rot, M0, V0, *(() if rotated else (w,))):
         return None
-    dt = g_rot.dtype
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
-    # the generic code's scalars: b * old + (1 - b) * new with 1 - b rounded in the state dtype; the Python numbers
-    # eps, lambda and -eta enter its array arithmetic rounded to the state dtype (NumPy's weak scalars)
-    b1, c1, b2, c2 = _kernels.adam_coefficients(b1_t, b2_t, dt)
-    eps, neg_lr, wd = (_kernels.scalar(x, dt) for x in (cfg.eps, -lr, cfg.weight_decay))
     parallel = g_rot.size >= PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
-    return _Scalars(b1, c1, b2, c2, eps, neg_lr, wd, bool(cfg.weight_decay), parallel, rotated)
+    return _Scalars(*kernel_scalars(b1_t, b2_t, cfg, lr, g_rot.dtype), parallel, rotated)
+
+
+def kernel_scalars(
+    b1_t: Any, b2_t: Any, cfg: BaseConfig, lr: Any, dtype: Any
+) -> tuple[Any, Any, Any, Any, Any, Any, Any, bool]:
+    """``(b1, 1 - b1, b2, 1 - b2, eps, -eta, lambda, decay)`` for the Adam kernels, rounded as the generic code
+    rounds them: ``b * old + (1 - b) * new`` with ``1 - b`` in the state dtype, and the Python numbers eps,
+    lambda and -eta entering its array arithmetic in the state dtype (NumPy's weak scalars); ``decay`` is
+    ``lambda != 0``.  ``b1_t``, ``b2_t`` are the step's beta-hats (:func:`~adadiag_ref.optim.schedules.beta_hat`)."""
+    b1, c1, b2, c2 = _kernels.adam_coefficients(b1_t, b2_t, dtype)
+    eps, neg_lr, wd = (_kernels.scalar(x, dtype) for x in (cfg.eps, -lr, cfg.weight_decay))
+    return b1, c1, b2, c2, eps, neg_lr, wd, bool(cfg.weight_decay)
 
 
 def adam_update(

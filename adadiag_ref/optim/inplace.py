@@ -38,7 +38,7 @@ from ..config import BaseConfig
 from .core import prepare_step, unrotate, update
 from .dispatch import uses_kernels
 from .families import AdamState, State
-from .fused import alike, flat
+from .fused import alike, flat, kernel_scalars
 from .layout import from_work
 from .schedules import beta_hat
 
@@ -147,7 +147,15 @@ the core's cache between the kernel passes and torch's ``sqrt``; and a block is 
 
 
 def _adam_torch_cpu(
-    state: AdamState, layout: Any, t: Array, g_rot: Array, w: Array, param: Array, cfg: BaseConfig, eta: Any, xp: Any
+    state: AdamState,
+    layout: Any,
+    betas_t: tuple[Array, Array],
+    g_rot: Array,
+    w: Array,
+    param: Array,
+    cfg: BaseConfig,
+    eta: Any,
+    xp: Any,
 ) -> bool:
     """The Adam-family step of CPU torch tensors through the numba kernels, on zero-copy NumPy views.
 
@@ -188,16 +196,11 @@ def _adam_torch_cpu(
     g_np, w_np, M_np, V_np = views
     if not alike(g_np, M_np, V_np, *(() if rotated else (w_np,))):
         return False
-    dt = M_np.dtype
-    # torch's own b_hat (as the reference computes them), read from host memory; 1 - b rounded in the state dtype
-    b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
-    b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
-    coefficients = _host_views(b1_t, b2_t)
+    # torch's own b_hat (as the reference computes them), read from host memory
+    coefficients = _host_views(*betas_t)
     if coefficients is None:
         return False
-    b1, c1, b2, c2 = _kernels.adam_coefficients(coefficients[0], coefficients[1], dt)
-    eps, neg_lr, wd = (_kernels.scalar(x, dt) for x in (cfg.eps, -eta, cfg.weight_decay))
-    decay = bool(cfg.weight_decay)
+    b1, c1, b2, c2, eps, neg_lr, wd, decay = kernel_scalars(coefficients[0], coefficients[1], cfg, eta, M_np.dtype)
     import torch
 
     size = M_np.size
@@ -287,12 +290,12 @@ def update_in_place(
     layout, t, g, w, g_rot = prepare_step(state, grad, cfg, param, refreshed, xp)
     owned = g_rot is not g  # a fresh GEMM output may serve as scratch space
 
-    if is_torch_namespace(xp) and _adam_torch_cpu(
-        state, layout, t, g_rot, w, param, cfg, cfg.lr if lr is None else lr, xp
-    ):
-        return state._replace(count=state.count + 1)
     b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
     b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+    if is_torch_namespace(xp) and _adam_torch_cpu(
+        state, layout, (b1_t, b2_t), g_rot, w, param, cfg, cfg.lr if lr is None else lr, xp
+    ):
+        return state._replace(count=state.count + 1)
     M, V = state.M, state.V
     if uses_kernels(cfg, xp, g_rot, M, V):  # one fused pass: the kernel of the functional Adam direction
         buf = native.empty_like(M)
