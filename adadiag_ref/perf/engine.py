@@ -154,24 +154,23 @@ class AdaDiagEngine:
             w, g = (rng.standard_normal(size, dtype=np.float32) for _ in range(2))
             self.vectors.append((w, g, np.zeros(size, np.float32), np.zeros(size, np.float32)))
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
-        threads = max(1, min(os.cpu_count() or 1 if gemm_threads is None else gemm_threads, len(self.items)))
+        threads = max(1, min((os.cpu_count() or 1) if gemm_threads is None else gemm_threads, len(self.items)))
         self.gemm_groups = balanced_groups(self.items, threads)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="engine-gemm") if threads > 1 else None
         self._blas = ThreadpoolController().select(user_api="blas") if threads > 1 else None
 
     def _gemm_phase(self, gemm: Callable[[dict[str, np.ndarray]], Any]) -> None:
         """``gemm`` on every matrix: each group on its own thread (BLAS single-threaded there), or in sequence."""
-        if self._executor is None:
-            for it in self.items:
-                gemm(it)
-            return
 
         def run(group: list[dict[str, np.ndarray]]) -> None:
             for it in group:
                 gemm(it)
 
-        for _ in self._executor.map(run, self.gemm_groups):  # re-raises a thread's exception here
-            pass
+        if self._executor is None:
+            run(self.items)
+        else:
+            for _ in self._executor.map(run, self.gemm_groups):  # re-raises a thread's exception here
+                pass
 
     def set_parallel_elementwise(self, parallel: bool) -> None:
         """Run the moments and update passes between GEMMs on numba's pool (True) or on one thread."""

@@ -89,6 +89,12 @@ def replay_bench(steps: int) -> Callable[[], tuple[float, float]]:
     return one
 
 
+def _measure(roofline: bench.Roofline, seen: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(bandwidth, GEMM peak)`` measured now, also appended to ``seen``."""
+    seen.append(roofline.measure())
+    return seen[-1]
+
+
 def _after_pause(fn: Callable[[], Any]) -> Any:
     """``fn()`` after a short sleep: OpenBLAS's threads spin for a while after a GEMM, and on a machine with few
     cores they would take the cores that the next row's numba passes need."""
@@ -140,33 +146,34 @@ def _run(
     adamw = bench.FunctionalSteps("adamw", specs)
     adadiag = bench.FunctionalSteps("adadiag", specs, rule)
     replay = replay_bench(steps)
-    # every round measures the roofline and then each row once: a ratio per round, the median over rounds (on a
-    # shared machine the load drifts within minutes, and a roofline measured once would not match later rows)
+    # every round runs each row once and divides it by the roofline measured right before it (the VM's bandwidth
+    # drifts within seconds): a ratio per row and round, the median over rounds
     rounds: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {}
     roofline = bench.Roofline((1 << 22) if quick else (1 << 25), [*work, (m, n)], 3)
+
+    def adadiag_bound(bw: float, peak: float) -> float:  # the GEMMs at the peak + the elementwise bytes
+        return eng.flops() / peak + eng.bytes_moved() / bw
+
     for r in range(reps):
-        # each row is divided by the roofline measured right before it: the VM's bandwidth drifts within seconds
-        row, bounds, seen = {}, {}, []
-        bw, peak = roofline.measure()
-        seen.append((bw, peak))
+        row: dict[str, float] = {}
+        bounds: dict[str, float] = {}
+        seen: list[tuple[float, float]] = []  # this round's rooflines, for its summary line
+        bw, peak = _measure(roofline, seen)
         row.update(bench.interleaved_medians(
             {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
         ))  # fmt: skip
         bounds["engine_elementwise"] = eng.bytes_moved() / bw
-        bounds["engine_step"] = eng.flops() / peak + eng.bytes_moved() / bw
-        for key in ("adamw_functional", "adadiag_functional", "replay"):
-            bw, peak = roofline.measure()
-            seen.append((bw, peak))
-            if key == "adamw_functional":
-                row[key] = _after_pause(adamw)
-                bounds[key] = 7 * 4 * size / bw
-            elif key == "adadiag_functional":
-                row[key] = _after_pause(adadiag)
-                bounds[key] = eng.flops() / peak + eng.bytes_moved() / bw
-            else:
-                row[key], refresh_time = _after_pause(replay)
-                bounds[key] = refresh_time + steps * (4.0 * m * m * n / peak + 10 * 4 * m * n / bw)
+        bounds["engine_step"] = adadiag_bound(bw, peak)
+        bw, peak = _measure(roofline, seen)
+        row["adamw_functional"] = _after_pause(adamw)
+        bounds["adamw_functional"] = 7 * 4 * size / bw
+        bw, peak = _measure(roofline, seen)
+        row["adadiag_functional"] = _after_pause(adadiag)
+        bounds["adadiag_functional"] = adadiag_bound(bw, peak)
+        bw, peak = _measure(roofline, seen)
+        row["replay"], refresh_time = _after_pause(replay)
+        bounds["replay"] = refresh_time + steps * (4.0 * m * m * n / peak + 10 * 4 * m * n / bw)
         for key, t in row.items():
             times.setdefault(key, []).append(t)
             rounds.setdefault(key, []).append(t / bounds[key])
