@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from array_api_compat import is_numpy_namespace
 
+from . import buffers
 from ._xp import Array, namespace
 from .config import make_config
 from .optim import init, step
@@ -67,7 +67,7 @@ def replay(
     if is_numpy_namespace(xp):
         # W_{t+1} written straight into the result (no copy, no stack); the state never leaves this function, so
         # its moments may be updated in place (step_owned: the same bits as step)
-        out = np.empty((n_steps, *w0.shape), dtype=w0.dtype)
+        out = buffers.empty((n_steps, *w0.shape), w0.dtype)
         for k in range(n_steps):
             g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]
             state = step_owned(state, g, cfg, w, out[k, ...])

@@ -8,8 +8,8 @@ Neither modules nor packages import each other in a circle.
 
 Floors, from the bottom:
 
-0. foundation: ``_xp``, ``config``, ``linalg``, ``_kernels``, ``_cli`` (array
-   namespaces, frozen configs, decompositions, numba kernels, CLI error plumbing);
+0. foundation: ``_xp``, ``config``, ``linalg``, ``_kernels``, ``buffers``, ``_cli`` (array
+   namespaces, frozen configs, decompositions, numba kernels, the output-buffer pool, CLI error plumbing);
 1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
    core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "adadiag_ref"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_xp", "config", "linalg", "_kernels", "_cli"),
+    ("_xp", "config", "linalg", "_kernels", "buffers", "_cli"),
     ("optim", "memory", "replay"),
     ("",),  # the package's __init__ (the public facade)
     ("golden", "testing", "ode", "perf", "perf.engine", "perf.allocator"),

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _kernels
+from .. import _kernels, buffers
 from .._xp import Array, Namespace
 from ..config import BaseConfig
 from .families import State
@@ -131,10 +131,10 @@ def adam_update(
         return None
     M0, V0 = state.M, state.V  # type: ignore[union-attr]
     assert M0 is not None and V0 is not None  # _applies checked
-    M = np.empty_like(g_rot, order="K")
-    V = np.empty_like(g_rot, order="K")
+    M = buffers.empty_like(g_rot)  # resident pages from the pool, not fresh ones (adadiag_ref.buffers)
+    V = buffers.empty_like(g_rot)
     if not sc.rotated:
-        D = np.empty_like(g_rot, order="K")
+        D = buffers.empty_like(g_rot)
         kernel = _kernels.adam_delta_flat_parallel if sc.parallel else _kernels.adam_delta_flat
         kernel(flat(M0), flat(V0), flat(g_rot), flat(w), sc.b1, sc.c1, sc.b2, sc.c2, sc.eps, sc.neg_lr, sc.wd,
                sc.decay, flat(M), flat(V), flat(D))  # fmt: skip

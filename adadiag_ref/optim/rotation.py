@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
+from .. import buffers
 from .._xp import Array, Namespace
 
 __all__ = ["Basis", "parameter_velocity", "rotate", "unrotate"]
+
+
+def _product(a: Array, b: Array) -> Array:
+    """``a @ b``; for NumPy matrices written into a pooled output (:func:`adadiag_ref.buffers.matmul`: the same BLAS
+    call, so the same bits, without a fresh allocation per step)."""
+    if type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2:
+        return buffers.matmul(a, b)
+    return a @ b
 
 
 class Basis(NamedTuple):
@@ -36,14 +47,14 @@ def rotate(g: Array, P: Array | None, Q: Array | None, xp: Namespace, *, transpo
     if transposed:
         gt = xp.matrix_transpose(g)
         if P is not None:
-            gt = gt @ P
+            gt = _product(gt, P)
         if Q is not None:
-            gt = xp.matrix_transpose(Q) @ gt
+            gt = _product(xp.matrix_transpose(Q), gt)
         return xp.matrix_transpose(gt)
     if P is not None:
-        g = xp.matrix_transpose(P) @ g
+        g = _product(xp.matrix_transpose(P), g)
     if Q is not None:
-        g = g @ Q
+        g = _product(g, Q)
     return g
 
 
@@ -57,14 +68,14 @@ def unrotate(u: Array, P: Array | None, Q: Array | None, xp: Namespace, *, trans
     if transposed:
         ut = xp.matrix_transpose(u)
         if P is not None:
-            ut = ut @ xp.matrix_transpose(P)
+            ut = _product(ut, xp.matrix_transpose(P))
         if Q is not None:
-            ut = Q @ ut
+            ut = _product(Q, ut)
         return xp.matrix_transpose(ut)
     if P is not None:
-        u = P @ u
+        u = _product(P, u)
     if Q is not None:
-        u = u @ xp.matrix_transpose(Q)
+        u = _product(u, xp.matrix_transpose(Q))
     return u
 
 
