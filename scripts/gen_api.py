@@ -19,7 +19,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "api.md"
-MODULES = ("adadiag_ref", "adadiag_ref.testing", "adadiag_ref.golden", "adadiag_ref.ode", "adadiag_ref.report")
+MODULES = (
+    "adadiag_ref",
+    "adadiag_ref.buffers",
+    "adadiag_ref.testing",
+    "adadiag_ref.golden",
+    "adadiag_ref.ode",
+    "adadiag_ref.report",
+)
 
 
 def _signature(obj: Any) -> str:

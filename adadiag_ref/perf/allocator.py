@@ -12,7 +12,10 @@ returns to the host and the next touch costs a hypervisor fault too: measured on
 the 2-core Firecracker VM of docs/performance.md, first-touch writes ran at
 0.6-3.5 GB/s against 6.6 GB/s for writes to resident memory.
 
-:func:`retain_freed_memory` asks glibc to serve every block from its heap and
+The library's own outputs no longer depend on this: they come from a pool of
+resident blocks (:mod:`adadiag_ref.buffers`).  What a caller's loop allocates
+itself (``W + delta``, its gradients, its temporaries) still comes from the C
+library, and for those :func:`retain_freed_memory` asks glibc to serve every block from its heap and
 not to trim it (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD,
 2^31 - 1)``), so a training loop reuses the pages of the step before.  The
 same settings can be made without code for any process:

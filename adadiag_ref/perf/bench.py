@@ -223,10 +223,10 @@ class FunctionalSteps:
     the bounds count the arrays that ``update`` itself reads and writes.
 
     The states persist between calls and ``warmup`` steps run at construction: a steady state.  The first
-    steps of a fresh process are not representative here: the outputs of every step are fresh allocations,
-    and until the allocator and the VM have backed that much memory once, the first touches of those pages
-    cost more than the arithmetic (measured: 2.0 s, 0.7 s, 0.3 s, then 0.15-0.2 s per AdamW step on
-    llama-60m).
+    steps of a fresh process are not representative here: until the output pool (:mod:`adadiag_ref.buffers`)
+    holds a step's worth of blocks and the VM has backed that memory once, the first touches of those pages
+    cost more than the arithmetic (measured before the pool: 2.0 s, 0.7 s, 0.3 s, then 0.15-0.2 s per AdamW
+    step on llama-60m).
     """
 
     def __init__(

@@ -24,8 +24,9 @@ SVD, measured on its own in the same run and counted in the bound) and ``K``
 non-refresh steps, each of which also scans ``G`` for NaN/Inf (``step`` checks
 its input), hence 10 arrays rather than 9.
 
-The functional rows are pure functions: they allocate their outputs (the new
-moments and ``delta``) on every call, and those bytes are part of the ratio.
+The functional rows are pure functions: they return new outputs (the new
+moments and ``delta``) on every call, and those bytes are part of the ratio;
+the outputs come from :mod:`adadiag_ref.buffers`'s pool, as in any caller's loop.
 They time the ``ar.update`` calls only (the caller's ``W += delta`` is not part
 of ``update`` and not of its bound), in a steady state: states and inputs are
 kept across rounds and warmed up first (:class:`~adadiag_ref.perf.bench.FunctionalSteps`).
