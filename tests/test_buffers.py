@@ -97,21 +97,19 @@ def test_pool_property_live_memory_is_exclusive(ops: list[tuple[str, int]]) -> N
     shapes = [BIG, (256, 1024)]
     counter = 0.0
     for op, k in ops:
+        # no loop variable may hold an array: `live` is the only reference the test keeps
         if op == "alloc":
             counter += 1
-            a = buffers.empty(shapes[k % 2], np.float32, order="CF"[k // 4 % 2])
-            a[...] = counter
-            live.append((a, counter))
+            live.append((buffers.empty(shapes[k % 2], np.float32, order="CF"[k // 4 % 2]), counter))
+            live[-1][0][...] = counter
         elif op == "drop" and live:
             live.pop(k % len(live))
         elif op == "view" and live:
-            a, value = live[k % len(live)]
-            live[k % len(live)] = (a.T[::2], value)
+            i = k % len(live)
+            live[i] = (live[i][0].T[::2], live[i][1])
         gc.collect()
-        for x, value in live:
-            assert np.all(x == value)
+        assert all(np.all(array == value) for array, value in live)
     live.clear()
-    a = x = None  # type: ignore[assignment]
     gc.collect()
     assert buffers.stats().lent_bytes == 0
 
