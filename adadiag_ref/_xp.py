@@ -27,6 +27,7 @@ __all__ = [
     "Array",
     "Namespace",
     "array_device",
+    "count_nonfinite",
     "creation_device",
     "float_dtype_name",
     "is_float64",
@@ -41,6 +42,23 @@ def namespace(*arrays: Array, xp: Namespace | None = None) -> Namespace:
     if xp is not None:
         return xp
     return array_namespace(*(a for a in arrays if a is not None))
+
+
+def count_nonfinite(x: Array, xp: Namespace) -> int:
+    """The number of NaN or Inf entries of ``x``: ``sum(~isfinite(x))`` (``0`` for a finite array).
+
+    The guard of every input check (a step's gradient, the matrix handed to LAPACK).  Float32/float64 NumPy
+    arrays are scanned by a numba kernel that only reads ``x`` (:func:`adadiag_ref._kernels.nonfinite_count`);
+    other arrays by ``all(isfinite(x))``, counted only when that fails.
+    """
+    from . import _kernels  # a sibling on the foundation floor; lazily, so that importing _xp stays light
+
+    count = _kernels.nonfinite_count(x)
+    if count is not None:
+        return count
+    if bool(xp.all(xp.isfinite(x))):
+        return 0
+    return int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
 
 
 def creation_device(x: Array) -> Any:

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._xp import Array, Namespace, creation_device, namespace, to_numpy
+from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, to_numpy
 from .config import BASIS_METHODS
 
 __all__ = [
@@ -375,7 +375,7 @@ def canonical_svd(
     if method not in REFRESH_METHODS:  # before any work: a typo must not silently select the reference
         raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
     where = f"{label} (matrix shape {(m, n)})" if label else f"matrix of shape {(m, n)}"
-    if not bool(xp.all(xp.isfinite(G))):  # the guard: LAPACK never sees NaN or Inf (it may loop on them)
+    if count_nonfinite(G, xp):  # the guard: LAPACK never sees NaN or Inf (it may loop on them)
         raise NonFiniteInputError(f"canonical_svd: the {where} contains NaN or Inf")
     if gram_route_applies(G, method, compute_q=compute_q, xp=xp):
         fast = _gram_route(G, m, n, compute_p, xp=xp)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
@@ -297,3 +299,65 @@ def test_serial_kernel_never_loads_the_parallel_compile(tmp_path: Path) -> None:
         env=env, check=True, capture_output=True, text=True,
     ).stdout.split()  # fmt: skip
     assert out == ["0", "1"]
+
+
+# ----------------------------------------------------------------------------- the input checks' finiteness scan
+
+_NONFINITE = (np.nan, np.inf, -np.inf)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    order=st.sampled_from(["C", "F"]),
+    poison=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(_NONFINITE)), max_size=6),
+)
+def test_nonfinite_count_equals_isfinite(shape: tuple[int, ...], dtype: type, order: str, poison: list) -> None:
+    """The kernel counts exactly the entries ``isfinite`` rejects, for any shape, memory order and NaN/Inf mix."""
+    from adadiag_ref._xp import count_nonfinite
+
+    a = np.asarray(np.random.default_rng(len(poison)).standard_normal(shape), dtype=dtype, order=order)
+    for position, value in poison:
+        if a.size:
+            a.reshape(-1, order=order)[position % a.size] = value  # a view: the array is contiguous in `order`
+    want = int(np.sum(~np.isfinite(a)))
+    assert _kernels.nonfinite_count(a) == want
+    assert count_nonfinite(a, np) == want
+
+
+def test_nonfinite_count_declines_what_it_cannot_scan_and_the_generic_count_takes_over() -> None:
+    from adadiag_ref._xp import count_nonfinite
+
+    a = np.arange(24.0).reshape(4, 6)
+    a[1, 2], a[3, 4] = np.nan, -np.inf
+    for other in (a[:, ::2], a.astype(np.float16), a.astype(np.float32)[::2]):  # strided, or not float32/64
+        assert _kernels.nonfinite_count(other) is None
+        assert count_nonfinite(other, np) == int(np.sum(~np.isfinite(other)))
+    assert count_nonfinite(a[:, ::2], np) == 2  # columns 2 and 4 survive the stride
+
+
+def test_finiteness_check_writes_no_gradient_sized_temporary() -> None:
+    """``step``'s input check only reads ``G`` (``all(isfinite(G))`` wrote a boolean array of G's size per call)."""
+    from adadiag_ref._xp import count_nonfinite
+
+    g = np.ones(1 << 20, dtype=np.float32)
+    count_nonfinite(g, np)  # compiled (or loaded from the cache) outside the traced window
+    tracemalloc.start()
+    assert count_nonfinite(g, np) == 0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 * 1024  # a boolean G would be 1 MiB
+
+
+def test_check_message_counts_every_nonfinite_entry() -> None:
+    w = np.zeros((6, 9))
+    cfg = ar.make_config("adadiag")
+    state = ar.init(w, cfg)
+    g = np.ones((6, 9))
+    g[0, 0], g[2, 5], g[5, 8] = np.nan, np.inf, -np.inf
+    with pytest.raises(ValueError, match=r"non-finite gradient: 3 NaN or Inf entries"):
+        ar.step(state, g, cfg, w)
+    g[2, 5] = g[5, 8] = 1.0
+    with pytest.raises(ValueError, match=r"non-finite gradient: 1 NaN or Inf entry in"):
+        ar.step(state, g, cfg, w)

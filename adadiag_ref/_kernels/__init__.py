@@ -47,6 +47,7 @@ __all__ = [
     "adam_direction",
     "adamw_inplace",
     "hfac_direction",
+    "nonfinite_count",
     "pivoted_cholesky_columns",
     "pivoted_gram_schmidt",
     "usable",
@@ -130,6 +131,31 @@ def _delta_entry(u, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     if decay:
         u = u + wd * w
     return neg_lr * u
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+@_jit
+def _nonfinite_count_flat(x):  # type: ignore[no-untyped-def]
+    """``sum(~isfinite(x))`` over a 1-D array in one read-only pass (vectorised, no temporary)."""
+    bad = 0
+    for i in range(x.size):
+        bad += not np.isfinite(x[i])
+    return bad
+
+
+def nonfinite_count(a: Any) -> int | None:
+    """The number of NaN or Inf entries of a contiguous float32/float64 NumPy array, or ``None`` when the kernel
+    does not apply (numba missing, another type or dtype, a strided view).
+
+    The generic ``all(isfinite(G))`` writes a boolean array of ``G``'s size on every call and reads it back; on
+    a step's input check that allocation (fresh pages, freed again) cost more than the scan itself (measured:
+    replay on 512 x 1376 float32 spent 19 ms of ~420 in 30 checks, and 56 ms in total with their side effects).
+    """
+    if not usable(np, a) or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        return None
+    return int(_nonfinite_count_flat(a.ravel(order="K")))
 
 
 # ----------------------------------------------------------------------------- functional kernels

@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, NamedTuple
 
-from .._xp import Array, Namespace, creation_device, float_dtype_name, namespace, state_dtype
+from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
 from .dispatch import direction as family_direction
@@ -394,8 +394,8 @@ def check_inputs(
     pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
     if pname != gname:
         raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
-    if not bool(xp.all(xp.isfinite(grad))):
-        bad = int(xp.sum(xp.astype(~xp.isfinite(grad), xp.int32)))
+    bad = count_nonfinite(grad, xp)
+    if bad:
         raise ValueError(
             f"non-finite gradient: {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'} in the gradient of "
             f"{_where(name, state, tuple(param.shape))}; the optimizer state was left unchanged"
