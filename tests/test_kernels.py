@@ -361,3 +361,58 @@ def test_check_message_counts_every_nonfinite_entry() -> None:
     g[2, 5] = g[5, 8] = 1.0
     with pytest.raises(ValueError, match=r"non-finite gradient: 1 NaN or Inf entry in"):
         ar.step(state, g, cfg, w)
+
+
+# ----------------------------------------------------------------------------- row kernels walk memory in order
+
+
+def _spy_row_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[np.ndarray, ...]]:
+    seen: list[tuple[np.ndarray, ...]] = []
+    kernel = _kernels.adam_moments_inplace
+
+    def spy(*args: object) -> object:
+        seen.append(tuple(a for a in args if isinstance(a, np.ndarray)))
+        return kernel(*args)
+
+    monkeypatch.setattr(_kernels, "adam_moments_inplace", spy)
+    return seen
+
+
+@pytest.mark.parametrize("shape", [(40, 6), (6, 40)])  # tall: its work frame is the Fortran-ordered transpose
+def test_update_in_place_row_kernel_walks_contiguous_rows(shape: tuple[int, int], monkeypatch) -> None:
+    """The row kernel gets row-contiguous views of every operand (a strided walk over a tall parameter's F-order
+    frame measured 20-30x slower), and the update keeps its bits: the same values as the functional update."""
+    rng = np.random.default_rng(11)
+    w, g = rng.standard_normal(shape), rng.standard_normal(shape)
+    for name in ("adamw", "adadiag"):
+        cfg = ar.make_config(name, lr=1e-2, weight_decay=0.1, kernels="numba")
+        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        delta, want = ar.update(state, g, cfg, w)
+        seen = _spy_row_kernel(monkeypatch)
+        w2, state2 = w.copy(), ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        state2 = ar.update_in_place(state2, g, cfg, w2)
+        monkeypatch.undo()
+        assert len(seen) == 1 and all(a.flags.c_contiguous for a in seen[0])
+        np.testing.assert_array_equal(w2, w + delta)
+        np.testing.assert_array_equal(state2.M, want.M)
+        np.testing.assert_array_equal(state2.V, want.V)
+
+
+def test_rows_in_memory_order_transposes_only_when_every_operand_is_fortran_ordered() -> None:
+    c = np.zeros((3, 5))
+    f = np.asfortranarray(c)
+    assert all(v.flags.c_contiguous and v.shape == (5, 3) for v in _kernels.rows_in_memory_order(f, f.copy(order="F")))
+    mixed = _kernels.rows_in_memory_order(f, c)
+    assert mixed[0] is f and mixed[1] is c
+    row = np.zeros((1, 4), order="F")  # both C- and F-contiguous: already walks in order
+    assert _kernels.rows_in_memory_order(row)[0] is row
+
+
+def test_adam_direction_keeps_the_memory_order_of_its_input() -> None:
+    rng = np.random.default_rng(12)
+    M0, V0, g = (np.asfortranarray(rng.random((30, 7))) for _ in range(3))
+    outs = _kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)
+    c_outs = _kernels.adam_direction(*(np.ascontiguousarray(a) for a in (M0, V0, g)), 0.9, 0.999, 1e-8)
+    for a, b in zip(outs, c_outs):
+        assert a.flags.f_contiguous and not a.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)

@@ -173,13 +173,28 @@ def adam_coefficients(b1_t: Any, b2_t: Any, dtype: Any) -> tuple[Any, Any, Any, 
     return b1[()], scalar(1.0 - b1, dtype), b2[()], scalar(1.0 - b2, dtype)
 
 
+def rows_in_memory_order(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The matrices as views whose rows are contiguous: every one transposed when all are Fortran-ordered (the
+    work frame of a tall parameter, :func:`~adadiag_ref.optim.layout.to_work`), otherwise as given.
+
+    The row kernels (:func:`adam_moments_inplace`) walk ``j`` innermost; over Fortran-ordered matrices that
+    walk strides by a column's length and does not vectorise (measured on 512 x 1376 float32: 29 ms against
+    1.1 ms; 0.73 s against 39 ms on 32000 x 512).  Each entry ``(i, j)`` of their outputs depends on entry
+    ``(i, j)`` of their inputs only, so transposing every operand changes the walk and nothing else.
+    """
+    if all(a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous for a in arrays):
+        return tuple(a.T for a in arrays)
+    return arrays
+
+
 def adam_direction(M0: np.ndarray, V0: np.ndarray, g: np.ndarray, b1_t: Any, b2_t: Any, eps: float) -> tuple:
-    """``M = b1 M0 + (1 - b1) G~``, ``V = b2 V0 + (1 - b2) G~^2``, ``U = M / (sqrt(V) + eps)`` in one pass."""
+    """``M = b1 M0 + (1 - b1) G~``, ``V = b2 V0 + (1 - b2) G~^2``, ``U = M / (sqrt(V) + eps)`` in one pass.
+
+    The outputs keep ``G~``'s memory order (like the state, which keeps the parameter's)."""
     dt = g.dtype
-    M = np.empty(g.shape, dtype=dt)
-    V = np.empty(g.shape, dtype=dt)
-    U = np.empty(g.shape, dtype=dt)
-    adam_moments_inplace(M0, V0, g, *adam_coefficients(b1_t, b2_t, dt), scalar(eps, dt), M, V, U)
+    M, V, U = np.empty_like(g), np.empty_like(g), np.empty_like(g)
+    M0, V0, g_rows, M_rows, V_rows, U_rows = rows_in_memory_order(M0, V0, g, M, V, U)
+    adam_moments_inplace(M0, V0, g_rows, *adam_coefficients(b1_t, b2_t, dt), scalar(eps, dt), M_rows, V_rows, U_rows)
     return M, V, U
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_namespace
 
-from .. import _kernels
+from .. import _kernels, buffers
 from .._xp import Array, Namespace, namespace
 from ..config import BaseConfig
 from .core import prepare_step, unrotate, update
@@ -298,11 +298,14 @@ def update_in_place(
         return state._replace(count=state.count + 1)
     M, V = state.M, state.V
     if uses_kernels(cfg, xp, g_rot, M, V):  # one fused pass: the kernel of the functional Adam direction
-        buf = native.empty_like(M)
-        new_M = g_rot if owned else native.empty_like(M)  # the kernel reads each G~_ij before writing M_ij
-        new_V = native.empty_like(V)
-        _kernels.adam_moments_inplace(M, V, g_rot, *_kernels.adam_coefficients(b1_t, b2_t, M.dtype),
-                                      _kernels.scalar(cfg.eps, M.dtype), new_M, new_V, buf)  # fmt: skip
+        # NumPy arrays (the kernels' condition); scratch for this call only, from the output pool: resident pages
+        # instead of fresh ones on every step (adadiag_ref.buffers)
+        buf = buffers.empty_like(M)
+        new_M = g_rot if owned else buffers.empty_like(M)  # the kernel reads each G~_ij before writing M_ij
+        new_V = buffers.empty_like(V)
+        rows = _kernels.rows_in_memory_order(M, V, g_rot, new_M, new_V, buf)  # a tall parameter's F-order frame
+        _kernels.adam_moments_inplace(*rows[:3], *_kernels.adam_coefficients(b1_t, b2_t, M.dtype),
+                                      _kernels.scalar(cfg.eps, M.dtype), *rows[3:])  # fmt: skip
     else:
         new_M, new_V, buf = _adam_moments_ufuncs(M, V, g_rot, owned, b1_t, b2_t, cfg.eps, native)
     direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
