@@ -94,8 +94,11 @@ class BaseConfig:
             of ``G_t``); ``"gram"``, the fast route for float32 (``P`` from the
             eigenvectors of ``G_t G_t^T`` formed in float64, same canonical rules);
             ``"auto"`` (default), the Gram route where it is both faster and
-            accurate (float32, one-sided, not JAX), the SVD everywhere else.  In
-            float64 every method is the SVD, so golden runs are exact.
+            accurate (float32, one-sided, not JAX), the SVD everywhere else.  Under
+            ``"gram"`` and ``"auto"`` an SVD is canonicalised by the numba steps
+            (equal to ``"svd"``'s reference loop to rounding; a two-sided refresh
+            completes ``Q`` 15-30x faster).  In float64 every method is the SVD,
+            so golden runs are exact to their tolerance.
         kernels: who computes the moment update and direction ``U~`` of a step
             on float32/float64 NumPy arrays.  ``"reference"``: the generic
             array-API family code (:mod:`adadiag_ref.optim.families`), always.

@@ -360,6 +360,14 @@ def canonical_svd(
     the float64 Gram matrix ``G G^T`` where :func:`gram_route_applies` (float32,
     ``Q`` not requested; ``auto`` not on JAX), else the SVD.  See :func:`_gram_route`.
 
+    Where the SVD runs under ``"gram"`` or ``"auto"`` (float64, two-sided), its canonical rules are
+    computed by the fast routes' steps with numba (``canonicalize_svd(fast=True)``; NumPy arrays, and CPU
+    torch tensors through zero-copy NumPy views of torch's factors): the same pivots
+    and vectors as the reference loop to rounding (float64: a few ulps, within the golden tolerance), and a
+    completion of ``n - m`` columns by one pivoted Cholesky of ``~n^2 (n - m) / 2`` flops instead of ``n - m``
+    rebuilds of an ``n x n`` residual (two-sided refresh of 512 x 1376: 0.6-1.0 s against 9 s in float32,
+    0.5 s against 15 s in float64).  ``"svd"`` always runs the reference loop.
+
     Failures (``docs/reliability.md``): a matrix holding NaN or Inf raises
     :class:`NonFiniteInputError` before any LAPACK call; a failing SVD walks
     :data:`DECOMPOSITION_LADDER` and raises :class:`DecompositionError` when every
@@ -382,7 +390,23 @@ def canonical_svd(
         if fast is not None:
             return fast
     U, S, Vh = _thin_svd(G, where, xp)
-    return canonicalize_svd(U, S, Vh if compute_q else None, (m, n), compute_p=compute_p, compute_q=compute_q, xp=xp)
+    fast_steps = method != "svd"  # "svd": the reference canonicalisation, step by step
+    if fast_steps and _on_torch_cpu(G, xp):  # the fast steps are NumPy + numba: on zero-copy views of the factors
+        import torch
+
+        host = canonicalize_svd(to_numpy(U), to_numpy(S), to_numpy(Vh) if compute_q else None, (m, n),
+                                compute_p=compute_p, compute_q=compute_q, fast=True)  # fmt: skip
+        back = [None if a is None else torch.from_numpy(a) for a in (host.P, host.S, host.Q)]
+        return CanonicalSVD(back[0], back[1], back[2], host.rank)
+    return canonicalize_svd(U, S, Vh if compute_q else None, (m, n), compute_p=compute_p, compute_q=compute_q, xp=xp,
+                            fast=fast_steps)  # fmt: skip
+
+
+def _on_torch_cpu(G: Array, xp: Namespace) -> bool:
+    """A float32/float64 torch tensor in CPU memory (its factors have NumPy views, no copy)."""
+    return "torch" in getattr(xp, "__name__", "") and G.device.type == "cpu" and str(G.dtype) in (
+        "torch.float32", "torch.float64",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- failures and the retry ladder
@@ -491,7 +515,7 @@ def _thin_svd(G: Array, where: str, xp: Namespace) -> tuple[Array, Array, Array]
     for index, (name, rung) in enumerate(DECOMPOSITION_LADDER):
         try:
             U, S, Vh = _call_with_budget(lambda rung=rung: rung(G, xp), _BUDGET_S)  # type: ignore[misc]
-            if not all(bool(xp.all(xp.isfinite(a))) for a in (U, S, Vh)):
+            if any(count_nonfinite(a, xp) for a in (U, S, Vh)):
                 raise np.linalg.LinAlgError("the result contains NaN or Inf")
         except (np.linalg.LinAlgError, TimeoutError, RuntimeError, ValueError, MemoryError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
