@@ -102,10 +102,10 @@ def test_array_lr_takes_the_generic_code() -> None:
 
 
 def _spy_owned(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    taken: list[bool] = []
+    taken: list[int | None] = []  # per call: None (route declined) or the count of non-finite G~ entries
     real = fused.adam_step_owned
 
-    def spy(*args: object, **kwargs: object) -> bool:
+    def spy(*args: object, **kwargs: object) -> int | None:
         taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
         return taken[-1]
 
@@ -127,7 +127,7 @@ def test_replay_takes_the_owned_route_and_matches_step(
     w0_copy, grads_copy = w0.copy(), grads.copy()
     taken = _spy_owned(monkeypatch)
     got = ar.replay(name, w0, grads, **kw)
-    assert taken == [True] * len(grads)
+    assert taken == [0] * len(grads)  # taken at every step, every G~ finite
     np.testing.assert_array_equal(w0, w0_copy)  # the inputs are never written
     np.testing.assert_array_equal(grads, grads_copy)
     cfg = ar.make_config(name, **kw)  # type: ignore[arg-type]
@@ -147,7 +147,7 @@ def test_owned_route_is_bit_identical_on_the_thread_pool(monkeypatch: pytest.Mon
     kw = dict(lr=1e-2, weight_decay=0.1, update_freq=None)
     fast = ar.replay("adadiag", w0, grads, **kw)
     slow = ar.replay("adadiag", w0, grads, kernels="reference", **kw)
-    assert taken == [True] * 3
+    assert taken == [0] * 3
     np.testing.assert_array_equal(fast, slow)
 
 
@@ -212,3 +212,62 @@ def test_replay_equals_a_step_loop_bit_for_bit(name, shape, dtype, T, wd, seed) 
     for k, g in enumerate(grads):
         w, state = ar.step(state, g, cfg, w)
         np.testing.assert_array_equal(got[k], w)
+
+
+def _count_scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record every scan of a gradient by step's check (``core.count_nonfinite``)."""
+    scans: list[int] = []
+    real = core.count_nonfinite
+
+    def spy(x: object, xp: object) -> int:
+        scans.append(1)
+        return real(x, xp)
+
+    monkeypatch.setattr(core, "count_nonfinite", spy)
+    return scans
+
+
+def test_replay_counts_nonfinite_g_in_the_moments_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A step without refresh needs no scan of G of its own: the owned route's moments pass counts G~'s NaN/Inf
+    # (a non-finite G always leaves one in G~); only the refresh steps scan G first, before LAPACK
+    rng = np.random.default_rng(13)
+    w0, grads = rng.standard_normal((6, 9)), rng.standard_normal((8, 6, 9))
+    scans = _count_scans(monkeypatch)
+    ar.replay("adadiag", w0, grads, lr=1e-2, update_freq=3)
+    assert len(scans) == 3  # steps 1, 4 and 7 refresh
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_replay_raises_steps_error_for_a_nonfinite_gradient_between_refreshes(name: str, value: float) -> None:
+    rng = np.random.default_rng(14)
+    w0, grads = rng.standard_normal((6, 9)), rng.standard_normal((6, 6, 9))
+    grads[4, 2, 3] = value  # step 5: no refresh with T = 3
+    cfg = ar.make_config(name, lr=1e-2, update_freq=3)
+    state, w = ar.init(w0, cfg), w0
+    for g in grads[:4]:
+        w, state = ar.step(state, g, cfg, w)
+    with pytest.raises(ValueError) as want:
+        ar.step(state, grads[4], cfg, w)
+    with pytest.raises(ValueError) as got:
+        ar.replay(name, w0, grads, lr=1e-2, update_freq=3)
+    assert str(got.value) == str(want.value) and "1 NaN or Inf entry" in str(got.value)
+
+
+def test_replay_continues_like_step_when_a_finite_gradient_overflows_in_the_rotation() -> None:
+    # G finite, G~ = P^T G beyond float32's range: the moments pass counts Inf, the exact check of G passes, and
+    # the step goes on as step's would (Inf and NaN flowing into the moments, bit for bit)
+    rng = np.random.default_rng(15)
+    w0 = rng.standard_normal((6, 9)).astype(np.float32)
+    grads = rng.standard_normal((3, 6, 9)).astype(np.float32)
+    grads[1, :, 0] = 3e38  # every row of column 0 near float32's maximum: P^T sums them
+    cfg = ar.make_config("adadiag", lr=1e-2, update_freq=None)
+    state = ar.refresh_basis(ar.init(w0, cfg), grads[0], cfg)
+    with np.errstate(over="ignore", invalid="ignore"):  # NumPy flags the overflow of its matmul, in both runs
+        assert not np.all(np.isfinite(core.rotate(grads[1], state.P, None, np)))  # the case is what it claims
+        got = ar.replay("adadiag", w0, grads, lr=1e-2, update_freq=None)
+        state, w, want = ar.init(w0, cfg), w0, []
+        for g in grads:
+            w, state = ar.step(state, g, cfg, w)
+            want.append(w)
+    np.testing.assert_array_equal(got, np.stack(want))

@@ -401,6 +401,21 @@ def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-un
         M[k], V[k], GU[k] = _adam_entry(M[k], V[k], GU[k], b1, c1, b2, c2, eps)
 
 
+def _adam_moments_own_counted_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
+    """:func:`_adam_moments_own_flat` that also returns the number of NaN or Inf entries of ``G~`` it read.
+
+    For ``replay``, whose gradient check then needs no pass of its own: a NaN or Inf anywhere in ``G`` makes at
+    least one entry of ``G~ = P^T G Q`` non-finite (its column times a nonzero row of the orthogonal ``P``, and
+    ``0 x Inf`` is NaN), so a count of zero proves ``G`` finite; a positive count sends the caller to the exact
+    check of ``G`` (``G~`` may also overflow from a finite ``G``)."""
+    bad = 0
+    for k in numba.prange(GU.shape[0]):
+        x = GU[k]
+        bad += not np.isfinite(x)
+        M[k], V[k], GU[k] = _adam_entry(M[k], V[k], x, b1, c1, b2, c2, eps)
+    return bad
+
+
 def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
     """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
     ``D = (-eta) (U + lambda W)`` (:func:`_delta_entry`)."""
@@ -491,6 +506,9 @@ adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam
 apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
 adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_adam_moments_over_flat)
 adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
+adam_moments_own_counted_flat, adam_moments_own_counted_flat_parallel = _serial_and_parallel(
+    _adam_moments_own_counted_flat
+)
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)

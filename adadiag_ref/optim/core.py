@@ -14,6 +14,7 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -374,6 +375,14 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
     check_orientation(state, tuple(param.shape))  # equal work frames, another parameter shape
 
 
+def _check_form(state: State, grad: Array, cfg: BaseConfig, param: Array, xp: Namespace) -> None:
+    """:func:`check_inputs` without the finiteness scan: shapes against the parameter and the state, one dtype."""
+    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
+    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
+    if pname != gname:
+        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+
+
 def check_inputs(
     state: State,
     grad: Array,
@@ -390,10 +399,7 @@ def check_inputs(
     (the message names the parameter, ``name`` when given, and the step).
     """
     xp = namespace(grad, param, xp=xp)
-    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
-    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
-    if pname != gname:
-        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+    _check_form(state, grad, cfg, param, xp)
     bad = count_nonfinite(grad, xp)
     if bad:
         raise ValueError(
@@ -469,23 +475,38 @@ def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Ar
     updates the moments in place and writes ``W_t + delta`` straight into ``out`` (parameter-shaped,
     C-contiguous, not overlapping ``param``): no moment-sized allocation and three array passes fewer per step.
     Other cases take ``step``'s route and add ``delta`` into ``out``.  If it raises, ``state`` may have been
-    partly updated: a driver that owns it discards it.
+    partly updated: a driver that owns it discards it.  The same inputs raise the same ``ValueError`` as in
+    ``step``; on a step without refresh the fused route counts ``G~``'s non-finite entries in its moments pass
+    instead of scanning ``G`` first, and scans ``G`` only when that count is positive.  NumPy's floating-point
+    warnings from that step's two products are silenced (a finite ``G`` whose ``G~`` overflows then proceeds
+    as in ``step``, without NumPy's overflow warning).
     """
     import numpy as np
 
     xp = namespace(grad, param)
-    check_inputs(state, grad, cfg, param, xp=xp)
+    _check_form(state, grad, cfg, param, xp)
+    # the scan of G runs first where a decomposition follows (LAPACK never sees NaN or Inf) or no fused pass will
+    # count G~; otherwise that pass's count replaces it
+    scanned = refresh_due(int(state.count), cfg) or cfg.kernels == "reference" or not out.flags.c_contiguous
+    if scanned:
+        check_inputs(state, grad, cfg, param, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, None, xp)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    # unscanned, a NaN or Inf in G reaches the rotation's matmul before the check below raises: NumPy's warning
+    # about it would precede step's ValueError, which step gives alone
+    with np.errstate(over="ignore", invalid="ignore") if not scanned else contextlib.nullcontext():
+        step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
     # C-contiguous: the work-frame view of ``out`` is a view, never a copy (a reshape of other layouts may copy);
     # a parameter dtype other than the state's fails the route's own dtype check
-    if (
-        cfg.kernels != "reference"
-        and out.flags.c_contiguous
-        and fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr, unrotate,
-                                  xp, to_work(out, step_in.layout, xp))
-    ):  # fmt: skip
-        return state._replace(count=state.count + 1)
+    if out.flags.c_contiguous and cfg.kernels != "reference":
+        with np.errstate(over="ignore", invalid="ignore") if not scanned else contextlib.nullcontext():
+            nonfinite = fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg,
+                                              cfg.lr, unrotate, xp, to_work(out, step_in.layout, xp))  # fmt: skip
+        if nonfinite is not None:
+            if nonfinite and not scanned:
+                check_inputs(state, grad, cfg, param, xp=xp)  # raises for a non-finite G; else G~ overflowed
+            return state._replace(count=state.count + 1)
+    if not scanned:
+        check_inputs(state, grad, cfg, param, xp=xp)
     delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
     np.add(param, delta, out=out)
     return state

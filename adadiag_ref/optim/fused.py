@@ -163,9 +163,13 @@ def adam_step_owned(
     unrotate: Callable[..., Array],
     xp: Namespace,
     out: Array,
-) -> bool:
+) -> int | None:
     """A rotated Adam-family step for a driver that owns ``state`` (``replay``): the moments updated in place and
-    ``W_{t+1} = W_t + delta`` written into ``out``; ``False`` (nothing written) when the route does not apply.
+    ``W_{t+1} = W_t + delta`` written into ``out``; ``None`` (nothing written) when the route does not apply.
+
+    Returns the number of NaN or Inf entries of ``G~`` the moments pass read (the same pass, no extra read):
+    zero proves ``G`` finite (``_kernels._adam_moments_own_counted_flat``), so the driver needs no separate scan
+    of ``G`` on a step without refresh.
 
     The same kernels' formulas as :func:`adam_update`, so the same bits: ``M, V <- b M + c G~, ...`` and ``U~``
     over ``G~``'s fresh buffer in one pass, ``D = P U~ Q^T`` (BLAS), then one pass reading ``W_t`` and ``D`` and
@@ -176,15 +180,15 @@ def adam_step_owned(
     """
     sc = _applies(state, t, g_rot, w, cfg, lr, xp)
     if sc is None or not sc.rotated or type(out) is not np.ndarray or not alike(out, w) or out.dtype != w.dtype:
-        return False
-    moments = _kernels.adam_moments_own_flat_parallel if sc.parallel else _kernels.adam_moments_own_flat
+        return None
+    moments = _kernels.adam_moments_own_counted_flat_parallel if sc.parallel else _kernels.adam_moments_own_counted_flat
     M, V = state.M, state.V  # type: ignore[union-attr]
     assert M is not None and V is not None  # _applies checked
-    moments(flat(M), flat(V), flat(g_rot), sc.b1, sc.c1, sc.b2, sc.c2, sc.eps)
+    nonfinite = int(moments(flat(M), flat(V), flat(g_rot), sc.b1, sc.c1, sc.b2, sc.c2, sc.eps))
     D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
     if type(D) is np.ndarray and D.dtype == w.dtype and alike(D, w):
         apply = _kernels.apply_direction_into_flat_parallel if sc.parallel else _kernels.apply_direction_into_flat
         apply(flat(w), flat(D), sc.neg_lr, sc.wd, sc.decay, flat(out))
     else:  # pragma: no cover - BLAS outputs are contiguous; the generic expressions otherwise
         np.add(w, -lr * (D + cfg.weight_decay * w if sc.decay else D), out=out)
-    return True
+    return nonfinite
