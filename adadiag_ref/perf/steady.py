@@ -11,7 +11,7 @@ ratio                                           bound                           
 AdamW ``ar.update`` (functional, every param)   7 arrays per element / bandwidth                  <= 3
 AdaDiag ``ar.update`` (functional)              ``4 m^2 n`` flops / peak + 9 (rotated) or 7       <= 1.4
                                                 (unrotated) arrays per element / bandwidth
-``replay`` AdaDiag, one 512 x 1376 matrix       one measured refresh + K x (GEMM + 10 arrays)     <= 1.2
+``replay`` AdaDiag, one 512 x 1376 matrix       one measured refresh + K x (GEMM + 9 arrays)      <= 1.2
 engine, AdaDiag elementwise part                9 / 7 arrays per element / bandwidth              <= 1.3
 engine, AdaDiag whole step                      GEMM + bytes                                      <= 1.15
 torch adapter ``opt.step``                      AdaDiag written directly in torch ops (not a      <= 1.1
@@ -21,8 +21,10 @@ torch adapter ``opt.step``                      AdaDiag written directly in torc
 
 ``replay`` runs ``K`` steps with ``update_freq=None``: the step-1 refresh (an
 SVD, measured on its own in the same run and counted in the bound) and ``K``
-non-refresh steps, each of which also scans ``G`` for NaN/Inf (``step`` checks
-its input), hence 10 arrays rather than 9.
+non-refresh steps of 9 arrays each: the moments pass (reads ``G~, M, V``, writes
+``M, V, U~``), which also counts ``G~``'s NaN/Inf in place of a separate scan of
+``G`` (``optim.core.step_owned``), and the write pass (reads ``W_t, P U~``, writes
+``W_{t+1}``).
 
 The functional rows are pure functions: they return new outputs (the new
 moments and ``delta``) on every call, and those bytes are part of the ratio;
@@ -174,7 +176,7 @@ def _run(
         bounds["adadiag_functional"] = adadiag_bound(bw, peak)
         bw, peak = _measure(roofline, seen)
         row["replay"], refresh_time = _after_pause(replay)
-        bounds["replay"] = refresh_time + steps * (4.0 * m * m * n / peak + 10 * 4 * m * n / bw)
+        bounds["replay"] = refresh_time + steps * (4.0 * m * m * n / peak + 9 * 4 * m * n / bw)
         for key, t in row.items():
             times.setdefault(key, []).append(t)
             rounds.setdefault(key, []).append(t / bounds[key])
