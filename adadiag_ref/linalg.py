@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from array_api_compat import is_torch_namespace
 
 from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, to_numpy
 from .config import BASIS_METHODS
@@ -404,9 +405,7 @@ def canonical_svd(
 
 def _on_torch_cpu(G: Array, xp: Namespace) -> bool:
     """A float32/float64 torch tensor in CPU memory (its factors have NumPy views, no copy)."""
-    return "torch" in getattr(xp, "__name__", "") and G.device.type == "cpu" and str(G.dtype) in (
-        "torch.float32", "torch.float64",
-    )  # fmt: skip
+    return is_torch_namespace(xp) and G.device.type == "cpu" and G.dtype in (xp.float32, xp.float64)
 
 
 # ----------------------------------------------------------------------------- failures and the retry ladder

@@ -347,7 +347,9 @@ def hfac_direction(
     phi = b1_t * (u - row_mean) / np.sqrt(r / n)
     psi = b1_t * (v - col_mean) / np.sqrt(s / m)
     U, sum_sq = _normalised(g, r, s)
-    divisor = scalar(1.0, dt) if (d := _clip_divisor(sum_sq, g.size, clip_threshold, dt)) is None else d
+    divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
+    if divisor is None:
+        divisor = scalar(1.0, dt)
     if _fortran(U):  # entry (i, j) is 0.5 (phi_i + psi_j) + U_ij / divisor either way (addition commutes)
         _hfac_combine(U.T, divisor, psi.astype(dt), phi.astype(dt))
     else:

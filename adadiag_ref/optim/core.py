@@ -485,28 +485,27 @@ def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Ar
 
     xp = namespace(grad, param)
     _check_form(state, grad, cfg, param, xp)
+    # C-contiguous: the work-frame view of ``out`` is a view, never a copy (a reshape of other layouts may copy);
+    # a parameter dtype other than the state's fails the route's own dtype check
+    fused_route = out.flags.c_contiguous and cfg.kernels != "reference"
     # the scan of G runs first where a decomposition follows (LAPACK never sees NaN or Inf) or no fused pass will
     # count G~; otherwise that pass's count replaces it
-    scanned = refresh_due(int(state.count), cfg) or cfg.kernels == "reference" or not out.flags.c_contiguous
+    scanned = refresh_due(int(state.count), cfg) or not fused_route
     if scanned:
         check_inputs(state, grad, cfg, param, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, None, xp)
-    # unscanned, a NaN or Inf in G reaches the rotation's matmul before the check below raises: NumPy's warning
+    nonfinite = None
+    # unscanned, a NaN or Inf in G reaches the rotation's products before the check below raises: NumPy's warning
     # about it would precede step's ValueError, which step gives alone
-    with np.errstate(over="ignore", invalid="ignore") if not scanned else contextlib.nullcontext():
+    with contextlib.nullcontext() if scanned else np.errstate(over="ignore", invalid="ignore"):
         step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
-    # C-contiguous: the work-frame view of ``out`` is a view, never a copy (a reshape of other layouts may copy);
-    # a parameter dtype other than the state's fails the route's own dtype check
-    if out.flags.c_contiguous and cfg.kernels != "reference":
-        with np.errstate(over="ignore", invalid="ignore") if not scanned else contextlib.nullcontext():
+        if fused_route:
             nonfinite = fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg,
                                               cfg.lr, unrotate, xp, to_work(out, step_in.layout, xp))  # fmt: skip
-        if nonfinite is not None:
-            if nonfinite and not scanned:
-                check_inputs(state, grad, cfg, param, xp=xp)  # raises for a non-finite G; else G~ overflowed
-            return state._replace(count=state.count + 1)
-    if not scanned:
-        check_inputs(state, grad, cfg, param, xp=xp)
+    if not scanned and (nonfinite is None or nonfinite):
+        check_inputs(state, grad, cfg, param, xp=xp)  # raises for a non-finite G; else G~ overflowed from a finite G
+    if nonfinite is not None:
+        return state._replace(count=state.count + 1)
     delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
     np.add(param, delta, out=out)
     return state
