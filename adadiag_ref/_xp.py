@@ -32,6 +32,7 @@ __all__ = [
     "float_dtype_name",
     "is_float64",
     "namespace",
+    "native_module",
     "state_dtype",
     "to_numpy",
 ]
@@ -42,6 +43,22 @@ def namespace(*arrays: Array, xp: Namespace | None = None) -> Namespace:
     if xp is not None:
         return xp
     return array_namespace(*(a for a in arrays if a is not None))
+
+
+def native_module(xp: Namespace) -> Any:
+    """The backend module whose ufuncs take ``out=`` (numpy, cupy or torch), for in-place arithmetic; a
+    ``TypeError`` for a backend whose arrays are immutable (JAX, ``array_api_strict``)."""
+    if is_numpy_namespace(xp):
+        return np
+    if is_cupy_namespace(xp):
+        import cupy
+
+        return cupy
+    if is_torch_namespace(xp):
+        import torch
+
+        return torch
+    raise TypeError(f"update_in_place needs mutable arrays (numpy, cupy, torch), not {xp.__name__}")
 
 
 def count_nonfinite(x: Array, xp: Namespace) -> int:

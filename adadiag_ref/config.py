@@ -29,7 +29,7 @@ import functools
 import importlib.util
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 __all__ = [
     "BASIS_METHODS",
@@ -39,6 +39,7 @@ __all__ = [
     "AdamConfig",
     "BaseConfig",
     "HfacConfig",
+    "OptimizerSpec",
     "default_eps",
     "make_config",
 ]
@@ -260,16 +261,32 @@ class HfacConfig(BaseConfig):
         )
 
 
-OPTIMIZERS: dict[str, tuple[type[BaseConfig], int]] = {
-    "adamw": (AdamConfig, 0),
-    "adadiag": (AdamConfig, 1),
-    "adadiag_pp": (AdamConfig, 2),
-    "adafactor": (AdafactorConfig, 0),
-    "adafacdiag": (AdafactorConfig, 1),
-    "adafacdiag_pp": (AdafactorConfig, 2),
-    "hfac": (HfacConfig, 0),
-    "hfacdiag": (HfacConfig, 1),
+class OptimizerSpec(NamedTuple):
+    """One optimizer of the registry: a family's config type with a number of rotated sides.
+
+    Attributes:
+        config_type: the family's config class (its ``family`` field names the family).
+        sides: 0 (the baseline, identity basis), 1 (``G~ = P^T G``) or 2 (``G~ = P^T G Q``).
+        class_name: the torch adapter's class name (``AdaDiagPP`` for ``adadiag_pp``).
+    """
+
+    config_type: type[BaseConfig]
+    sides: int
+    class_name: str
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(AdamConfig, 0, "AdamW"),
+    "adadiag": OptimizerSpec(AdamConfig, 1, "AdaDiag"),
+    "adadiag_pp": OptimizerSpec(AdamConfig, 2, "AdaDiagPP"),
+    "adafactor": OptimizerSpec(AdafactorConfig, 0, "Adafactor"),
+    "adafacdiag": OptimizerSpec(AdafactorConfig, 1, "AdafacDiag"),
+    "adafacdiag_pp": OptimizerSpec(AdafactorConfig, 2, "AdafacDiagPP"),
+    "hfac": OptimizerSpec(HfacConfig, 0, "Hfac"),
+    "hfacdiag": OptimizerSpec(HfacConfig, 1, "HfacDiag"),
 }
+"""The optimizer registry, by name: the library's eight, then any added by
+:func:`adadiag_ref.optim.families.register_family` (which adds the family's entry beside it)."""
 
 
 def default_eps(name: str) -> float:
@@ -280,7 +297,8 @@ def default_eps(name: str) -> float:
 
 def _lookup(name: str) -> tuple[type[BaseConfig], int]:
     try:
-        return OPTIMIZERS[name]
+        entry = OPTIMIZERS[name]
+        return entry.config_type, entry.sides
     except KeyError:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}") from None
 
@@ -293,7 +311,7 @@ def make_config(name: str, **options: Any) -> BaseConfig:
     """
     cls, sides = _lookup(name)
     if "momentum" in options:
-        if cls is not AdafactorConfig:
+        if not issubclass(cls, AdafactorConfig):
             raise ValueError(f"'momentum' is an option of the Adafactor family only, not of {name!r}")
         options["momentum_enabled"] = options.pop("momentum")
     if options.get("eps", 0.0) is None:

@@ -11,7 +11,6 @@ from . import buffers
 from ._xp import Array, namespace
 from .config import make_config
 from .optim import init, step
-from .optim.core import step_owned
 
 __all__ = ["replay"]
 
@@ -66,12 +65,11 @@ def replay(
     w = w0
     if is_numpy_namespace(xp):
         # W_{t+1} written straight into the result (no copy, no stack); the state never leaves this function, so
-        # its moments may be updated in place (step_owned: the same bits as step)
+        # its moments may be updated in place (step's out=: the same bits)
         out = buffers.empty((n_steps, *w0.shape), w0.dtype)
         for k in range(n_steps):
             g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]
-            state = step_owned(state, g, cfg, w, out[k, ...])
-            w = out[k, ...]
+            w, state = step(state, g, cfg, w, out=out[k, ...])
         return out
     trajectory = []
     for k in range(n_steps):

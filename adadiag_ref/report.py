@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from . import OPTIMIZERS, init, make_config, refresh_due, step
 from ._xp import to_numpy
+from .optim.families import family_of
 
 __all__ = [
     "BACKENDS",
@@ -53,7 +54,6 @@ __all__ = [
     "run_report",
 ]
 
-DEFAULT_LR = {"adam": 3e-2, "adafactor": 3e-2, "hfac": 1e-2}
 UPDATE_FREQ = 20
 """Refresh period T of the report's runs: refreshes at t = 1, 21, 41, ..."""
 BACKENDS = ("numpy", "torch", "jax", "array_api_strict", "cupy")
@@ -168,7 +168,7 @@ def _median_ms(times: Sequence[float]) -> float:
 
 
 def _run_one(name: str, problem: LeastSquares, xp: Any, steps: int, checkpoints: Sequence[int]) -> ReportRow:
-    cfg = make_config(name, lr=DEFAULT_LR[make_config(name).family], update_freq=UPDATE_FREQ)
+    cfg = make_config(name, lr=family_of(make_config(name)).report_lr, update_freq=UPDATE_FREQ)
     A, B, C = (xp.asarray(a) for a in (problem.A, problem.B, problem.C))
     W = xp.asarray(problem.W0)
 

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig
+from adadiag_ref.optim.families import family_of
 
 __all__ = [
     "AdaDiag",
@@ -62,8 +63,6 @@ __all__ = [
     "to_core_state",
 ]
 
-_STATE_TYPES: dict[str, type] = {"adam": ar.AdamState, "adafactor": ar.AdafactorState, "hfac": ar.HfacState}
-
 
 def from_core_state(state: Any) -> dict[str, torch.Tensor]:
     """Flatten a core NamedTuple state into torch's per-parameter dict (``count`` -> ``"step"``)."""
@@ -77,7 +76,7 @@ def from_core_state(state: Any) -> dict[str, torch.Tensor]:
 
 def to_core_state(flat: Mapping[str, torch.Tensor], cfg: BaseConfig) -> Any:
     """Rebuild the core NamedTuple state of ``cfg``'s family from the flat dict (absent fields are ``None``)."""
-    state_type = _STATE_TYPES[cfg.family]
+    state_type = family_of(cfg).state_type
     fields = state_type._fields  # type: ignore[attr-defined]
     unknown = sorted(set(flat) - {"step", *fields[1:]})
     if unknown or "step" not in flat:
@@ -214,7 +213,7 @@ class CoreOptimizer(torch.optim.Optimizer):
     @property
     def _config_fields(self) -> frozenset[str]:
         """Group entries that are core config fields (lr is passed to ``update`` at each step instead)."""
-        cls, _ = ar.OPTIMIZERS[self.core_name]
+        cls = ar.OPTIMIZERS[self.core_name].config_type
         return frozenset({f.name for f in dataclasses.fields(cls) if f.init} - {"name", "sides", "lr"} | {"momentum"})
 
     def __getstate__(self) -> dict[str, Any]:

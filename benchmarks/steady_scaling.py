@@ -30,6 +30,7 @@ from threadpoolctl import threadpool_limits
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
+from adadiag_ref.optim.families.adam import numba_route as adam_kernels
 from adadiag_ref.perf.bench import _setup_threads, call_times, machine_description
 from adadiag_ref.perf.engine import coefficients
 
@@ -64,7 +65,7 @@ class _Matrices:
             if gemm:
                 np.matmul(P.T, G, out=Gt)
             if elementwise:
-                _kernels.adam_moments_own_flat_parallel(M.reshape(-1), V.reshape(-1), Gt.reshape(-1),
+                adam_kernels.adam_moments_own_flat_parallel(M.reshape(-1), V.reshape(-1), Gt.reshape(-1),
                                                         b1, c1, b2, c2, f(1e-8))  # fmt: skip
             if gemm:
                 np.matmul(P, Gt, out=D)

@@ -70,3 +70,17 @@ def to_np(x: Any) -> np.ndarray:
     from adadiag_ref._xp import to_numpy
 
     return to_numpy(x)
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored() -> Any:
+    """Whatever a test (or a docs snippet, ``docs/extending.md``) registers is gone after it: the optimizer and
+    family tables are the library's own again, so later tests in the same worker see the eight optimizers."""
+    from adadiag_ref.config import OPTIMIZERS
+    from adadiag_ref.optim.families import FAMILIES
+
+    saved = dict(OPTIMIZERS), dict(FAMILIES)
+    yield
+    for table, contents in zip((OPTIMIZERS, FAMILIES), saved, strict=True):
+        table.clear()
+        table.update(contents)  # type: ignore[attr-defined]

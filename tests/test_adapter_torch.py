@@ -411,9 +411,9 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name
     """CPU float tensors go through the numba kernels (on NumPy views of the tensors); every trajectory and state
     equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
     large enough that a kernel taking its own correctly rounded square root, instead of torch's, would differ."""
-    from adadiag_ref import _kernels
+    from adadiag_ref.optim.families.adam import numba_route
 
-    calls = _count_calls(monkeypatch, _kernels, ["adam_apply_root_flat", "adam_direction_root_flat"])
+    calls = _count_calls(monkeypatch, numba_route, ["adam_apply_root_flat", "adam_direction_root_flat"])
     streams = [_stream(s, steps=5, dtype=dtype, seed=i) for i, s in enumerate(ROUTE_SHAPES)]
     hyper = {"lr": 0.01, "weight_decay": weight_decay, "update_freq": 2}
     results = {}

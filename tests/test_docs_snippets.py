@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
+import types
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,9 @@ def test_python_blocks_run_as_written(path: Path, tmp_path: Path, monkeypatch: p
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
     (tmp_path / "docs").symlink_to(ROOT / "docs")  # and read the committed results as from the repository root
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    namespace: dict[str, object] = {"__name__": "__docs__"}
+    module = types.ModuleType("__docs__")  # a real module: dataclasses defined in a snippet look theirs up
+    monkeypatch.setitem(sys.modules, "__docs__", module)
+    namespace: dict[str, object] = module.__dict__
     rel = path.relative_to(ROOT)
     for line, source in blocks:
         try:

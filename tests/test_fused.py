@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
-from adadiag_ref.optim import core, fused
+from adadiag_ref.optim import core
+from adadiag_ref.optim.families import FAMILIES
+from adadiag_ref.optim.families.adam import numba_route as fused
 
 pytestmark = pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed")
 
@@ -58,7 +60,7 @@ def _step_inputs(name: str, shape: tuple[int, ...], dtype: type = np.float64) ->
 def test_fused_route_is_taken_and_leaves_inputs_untouched(name: str, shape: tuple[int, ...]) -> None:
     state, grad, cfg, w = _step_inputs(name, shape)
     step_in = core.prepare_step(state, grad, cfg, w, False, np)
-    taken = fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr,
+    taken = fused.update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, cfg.lr,
                               core.unrotate, np)  # fmt: skip
     assert taken is not None  # otherwise the bit-identity test above compares the generic code with itself
     before = [np.copy(a) for a in (grad, w, *state[1:]) if a is not None]
@@ -80,7 +82,7 @@ def test_fused_route_keeps_the_state_memory_order() -> None:
 @pytest.mark.parametrize("name", ["adamw", "adadiag"])
 def test_parallel_kernels_are_bit_identical(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_kernels, "pool_does_not_spin", lambda: True)  # whatever layer this process has
-    shape = (512, fused.PARALLEL_MIN_SIZE // 512 + 3)  # above the threshold: numba's thread pool
+    shape = (512, _kernels.PARALLEL_MIN_SIZE // 512 + 3)  # above the threshold: numba's thread pool
     state, grad, cfg, w = _step_inputs(name, shape, np.float32)
     fast = ar.update(state, grad, cfg, w)
     slow = ar.update(state, grad, dataclasses.replace(cfg, kernels="reference"), w)
@@ -94,7 +96,7 @@ def test_array_lr_takes_the_generic_code() -> None:
     state, grad, cfg, w = _step_inputs("adadiag", (6, 9))
     step_in = core.prepare_step(state, grad, cfg, w, False, np)
     lr = np.asarray(1e-2)
-    assert fused.adam_update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, lr,
+    assert fused.update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, lr,
                              core.unrotate, np) is None  # fmt: skip
 
 
@@ -103,13 +105,14 @@ def test_array_lr_takes_the_generic_code() -> None:
 
 def _spy_owned(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     taken: list[int | None] = []  # per call: None (route declined) or the count of non-finite G~ entries
-    real = fused.adam_step_owned
+    real = fused.step_owned
 
     def spy(*args: object, **kwargs: object) -> int | None:
         taken.append(real(*args, **kwargs))  # type: ignore[arg-type]
         return taken[-1]
 
-    monkeypatch.setattr(core, "fused_adam_step_owned", spy)
+    spec = FAMILIES["adam"]
+    monkeypatch.setitem(FAMILIES, "adam", dataclasses.replace(spec, routes=spec.routes._replace(step_owned=(spy,))))
     return taken
 
 
@@ -141,7 +144,7 @@ def test_owned_route_is_bit_identical_on_the_thread_pool(monkeypatch: pytest.Mon
     monkeypatch.setattr(_kernels, "pool_does_not_spin", lambda: True)  # whatever layer this process has
     taken = _spy_owned(monkeypatch)
     rng = np.random.default_rng(12)
-    shape = (40, fused.PARALLEL_MIN_SIZE // 40 + 3)  # above the threshold: numba's thread pool
+    shape = (40, _kernels.PARALLEL_MIN_SIZE // 40 + 3)  # above the threshold: numba's thread pool
     w0 = rng.standard_normal(shape, dtype=np.float32)
     grads = rng.standard_normal((3, *shape), dtype=np.float32)
     kw = dict(lr=1e-2, weight_decay=0.1, update_freq=None)
@@ -151,12 +154,13 @@ def test_owned_route_is_bit_identical_on_the_thread_pool(monkeypatch: pytest.Mon
     np.testing.assert_array_equal(fast, slow)
 
 
-def test_step_owned_updates_the_moments_in_place() -> None:
+def test_step_with_out_updates_the_moments_in_place() -> None:
     state, grad, cfg, w = _step_inputs("adadiag", (6, 9))
     M, V = state.M, state.V
-    want_w, want = ar.step(state, grad, cfg, w)  # before: step_owned overwrites M and V
+    want_w, want = ar.step(state, grad, cfg, w)  # before: step(out=) overwrites M and V
     out = np.empty_like(w)
-    new = core.step_owned(state, grad, cfg, w, out)
+    got, new = ar.step(state, grad, cfg, w, out=out)
+    assert got is out
     assert new.M is M and new.V is V and int(new.count) == int(want.count)
     np.testing.assert_array_equal(out, want_w)
     np.testing.assert_array_equal(new.M, want.M)
@@ -164,12 +168,12 @@ def test_step_owned_updates_the_moments_in_place() -> None:
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafacdiag", "hfacdiag"])
-def test_step_owned_elsewhere_is_step(name: str) -> None:
+def test_step_with_out_elsewhere_is_step(name: str) -> None:
     # unrotated parameters and the other families: step's own route, delta added into out
     state, grad, cfg, w = _step_inputs(name, (6, 9))
     want_w, want = ar.step(state, grad, cfg, w)
     out = np.empty_like(w)
-    new = core.step_owned(state, grad, cfg, w, out)
+    _, new = ar.step(state, grad, cfg, w, out=out)
     np.testing.assert_array_equal(out, want_w)
     for a, b in zip(new[1:], want[1:], strict=True):
         if a is not None:

@@ -92,7 +92,8 @@ def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
     """On the CPU kernel route of a rotated parameter the state is written only after the second GEMM: a failure
     there leaves the parameter and the moments bit-identical."""
     torch = pytest.importorskip("torch")
-    from adadiag_ref.optim import inplace
+    from adadiag_ref.optim.families.adam import numba_route as adam_kernels
+    from adadiag_ref.optim.families.adam import torch_route
 
     if not _kernels.AVAILABLE:
         pytest.skip("numba is not installed")
@@ -105,7 +106,7 @@ def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
         state = ar.update_in_place(ar.refresh_basis(state, g, cfg), g, cfg, w, refreshed=True)
     before = [x.clone() for x in (w, state.M, state.V)]
     calls = []
-    original = _kernels.adam_direction_root_flat
+    original = adam_kernels.adam_direction_root_flat
 
     def moments_then_fail(*args):
         calls.append(1)
@@ -114,8 +115,8 @@ def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_kernels, "adam_direction_root_flat", moments_then_fail)
-    monkeypatch.setattr(inplace, "unrotate", boom)
+    monkeypatch.setattr(adam_kernels, "adam_direction_root_flat", moments_then_fail)
+    monkeypatch.setattr(torch_route, "unrotate", boom)
     with pytest.raises(RuntimeError, match="injected"):
         ar.update_in_place(state, torch.randn(6, 9, generator=gen), cfg, w)
     assert calls  # the kernel route ran its moment pass before the failure
@@ -130,15 +131,18 @@ def test_torch_kernel_route_never_uses_numba_pool(shape: tuple[int, ...], monkey
     if not _kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     monkeypatch.setattr(_kernels, "pool_does_not_spin", lambda: True)  # the condition the functional route uses
+    from adadiag_ref.optim.families.adam import numba_route as adam_kernels
+
     calls: list[str] = []
-    for fname in [n for n in dir(_kernels) if n.endswith("_parallel") and callable(getattr(_kernels, n))]:
-        real = getattr(_kernels, fname)
+    for module in (_kernels, adam_kernels):
+        for fname in [n for n in dir(module) if n.endswith("_parallel") and callable(getattr(module, n))]:
+            real = getattr(module, fname)
 
-        def spy(*args, _real=real, _name=fname):
-            calls.append(_name)
-            return _real(*args)
+            def spy(*args, _real=real, _name=fname):
+                calls.append(_name)
+                return _real(*args)
 
-        monkeypatch.setattr(_kernels, fname, spy)
+            monkeypatch.setattr(module, fname, spy)
     gen = torch.Generator().manual_seed(4)
     cfg = ar.make_config("adadiag", lr=1e-2, weight_decay=0.1)
     w = torch.randn(*shape, generator=gen)

@@ -26,6 +26,9 @@ from hypothesis import strategies as st
 import adadiag_ref as ar
 from adadiag_ref import _kernels
 from adadiag_ref.optim.core import preconditioned_direction
+from adadiag_ref.optim.families.adafactor import numba_route as adafactor_kernels
+from adadiag_ref.optim.families.adam import numba_route as adam_kernels
+from adadiag_ref.optim.families.hfac import numba_route as hfac_kernels
 
 pytestmark = pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed")
 
@@ -74,29 +77,29 @@ def test_fast_path_float32_close() -> None:
 
 
 KERNEL_FUNCTIONS = (
-    "adam_direction",
-    "adafactor_direction",
-    "hfac_direction",
-    "adam_moments_inplace",
-    # the fused Adam route of ``update`` (optim/fused.py)
-    "adam_delta_flat",
-    "adam_delta_flat_parallel",
-    "adam_moments_over_flat",
-    "adam_moments_over_flat_parallel",
+    (adam_kernels, "adam_direction"),
+    (adafactor_kernels, "adafactor_direction"),
+    (hfac_kernels, "hfac_direction"),
+    (adam_kernels, "adam_moments_inplace"),
+    # the fused Adam route of ``update`` (optim/families/adam/numba_route.py)
+    (adam_kernels, "adam_delta_flat"),
+    (adam_kernels, "adam_delta_flat_parallel"),
+    (adam_kernels, "adam_moments_over_flat"),
+    (adam_kernels, "adam_moments_over_flat_parallel"),
 )
 
 
 def _spy_on_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record every call of a family kernel (the real kernel still runs)."""
     calls: list[str] = []
-    for fname in KERNEL_FUNCTIONS:
-        real = getattr(_kernels, fname)
+    for module, fname in KERNEL_FUNCTIONS:
+        real = getattr(module, fname)
 
         def spy(*args: object, _real=real, _name=fname) -> object:
             calls.append(_name)
             return _real(*args)
 
-        monkeypatch.setattr(_kernels, fname, spy)
+        monkeypatch.setattr(module, fname, spy)
     return calls
 
 
@@ -141,9 +144,9 @@ def test_adam_kernel_allocates_only_its_outputs() -> None:
     rng = np.random.default_rng(6)
     g, M0, V0 = (rng.standard_normal((m, n)).astype(np.float32) for _ in range(3))
     V0 = np.abs(V0)
-    _kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)  # compile outside the measurement
+    adam_kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)  # compile outside the measurement
     tracemalloc.start()
-    outs = _kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)
+    outs = adam_kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     matrix = g.nbytes
@@ -159,7 +162,7 @@ def test_inplace_adamw_matches_functional() -> None:
     want, _ = ar.step(state, g, cfg, w)
     M, V, W = np.zeros(1000), np.zeros(1000), w.copy()
     # t = 1: beta_hat = 0, so the coefficients are (0, 1, 0, 1)
-    for kernel in (_kernels.adamw_inplace, _kernels.adamw_inplace_parallel):
+    for kernel in (adam_kernels.adamw_inplace, adam_kernels.adamw_inplace_parallel):
         M[:], V[:], W[:] = 0.0, 0.0, w
         kernel(W, g, M, V, 0.0, 1.0, 0.0, 1.0, 1e-8, 1e-2, 0.1)
         np.testing.assert_allclose(W, want, rtol=1e-14, atol=1e-15)
@@ -215,8 +218,8 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
     g = rng.standard_normal((33, 70)).astype(np.float32)
     outs = []
     for moments, update in (
-        (_kernels.adam_moments_inplace, _kernels.apply_update_inplace),
-        (_kernels.adam_moments_inplace_parallel, _kernels.apply_update_inplace_parallel),
+        (adam_kernels.adam_moments_inplace, _kernels.apply_update_inplace),
+        (adam_kernels.adam_moments_inplace_parallel, _kernels.apply_update_inplace_parallel),
     ):
         M = np.full_like(g, 0.1)
         V = np.full_like(g, 0.2)
@@ -265,9 +268,10 @@ def test_bench_engines_follow_the_family_functions() -> None:
 
 
 PARALLEL_PAIRS = [
-    (name[: -len("_parallel")], name)
-    for name in sorted(dir(_kernels))
-    if name.endswith("_parallel") and hasattr(_kernels, name[: -len("_parallel")])
+    (module, name[: -len("_parallel")], name)
+    for module in (_kernels, adam_kernels)
+    for name in sorted(dir(module))
+    if name.endswith("_parallel") and hasattr(module, name[: -len("_parallel")])
 ]
 
 
@@ -275,8 +279,8 @@ def test_serial_and_parallel_kernels_are_distinct_functions_to_numba() -> None:
     """numba names cache entries after ``__qualname__`` and ignores compile options in their key (numba issue
     6845): one function compiled serial and parallel must be two functions, or both load one compile."""
     assert len(PARALLEL_PAIRS) >= 6
-    for serial_name, parallel_name in PARALLEL_PAIRS:
-        serial, parallel = getattr(_kernels, serial_name), getattr(_kernels, parallel_name)
+    for module, serial_name, parallel_name in PARALLEL_PAIRS:
+        serial, parallel = getattr(module, serial_name), getattr(module, parallel_name)
         assert serial.targetoptions["parallel"] is False and parallel.targetoptions["parallel"] is True
         assert serial.py_func.__qualname__ != parallel.py_func.__qualname__, serial_name
         assert serial.py_func.__code__ is parallel.py_func.__code__  # the same loop, compiled twice
@@ -287,7 +291,9 @@ def test_serial_kernel_never_loads_the_parallel_compile(tmp_path: Path) -> None:
     must compile afresh rather than hit process 1's cache entry (it did before the fix: 11 ms per call on 64
     entries instead of ~2 us)."""
     setup = (
-        "import numpy as np; from adadiag_ref import _kernels as k; a = np.ones(64, np.float32); f = np.float32; "
+        "import numpy as np; from adadiag_ref.optim.families.adam import numba_route as k; "
+        "a = np.ones(64, np.float32); "
+        "f = np.float32; "
         "args = (a, a, a, a, f(.9), f(.1), f(.999), f(.001), f(1e-8), f(-1e-3), f(0), False, "
         "a.copy(), a.copy(), a.copy()); "
     )
@@ -369,13 +375,13 @@ def test_check_message_counts_every_nonfinite_entry() -> None:
 
 def _spy_row_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[np.ndarray, ...]]:
     seen: list[tuple[np.ndarray, ...]] = []
-    kernel = _kernels.adam_moments_inplace
+    kernel = adam_kernels.adam_moments_inplace
 
     def spy(*args: object) -> object:
         seen.append(tuple(a for a in args if isinstance(a, np.ndarray)))
         return kernel(*args)
 
-    monkeypatch.setattr(_kernels, "adam_moments_inplace", spy)
+    monkeypatch.setattr(adam_kernels, "adam_moments_inplace", spy)
     return seen
 
 
@@ -412,14 +418,21 @@ def test_rows_in_memory_order_transposes_only_when_every_operand_is_fortran_orde
 def test_adam_direction_keeps_the_memory_order_of_its_input() -> None:
     rng = np.random.default_rng(12)
     M0, V0, g = (np.asfortranarray(rng.random((30, 7))) for _ in range(3))
-    outs = _kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)
-    c_outs = _kernels.adam_direction(*(np.ascontiguousarray(a) for a in (M0, V0, g)), 0.9, 0.999, 1e-8)
+    outs = adam_kernels.adam_direction(M0, V0, g, 0.9, 0.999, 1e-8)
+    c_outs = adam_kernels.adam_direction(*(np.ascontiguousarray(a) for a in (M0, V0, g)), 0.9, 0.999, 1e-8)
     for a, b in zip(outs, c_outs):
         assert a.flags.f_contiguous and not a.flags.c_contiguous
         np.testing.assert_array_equal(a, b)
 
 
-ROW_KERNELS = ("_square_sums", "_normalise", "_clip", "_clip_momentum", "_hfac_combine", "adam_moments_inplace")
+ROW_KERNELS = (
+    (adafactor_kernels, "_square_sums"),
+    (adafactor_kernels, "_normalise"),
+    (adafactor_kernels, "_clip"),
+    (adafactor_kernels, "_clip_momentum"),
+    (hfac_kernels, "_hfac_combine"),
+    (adam_kernels, "adam_moments_inplace"),
+)
 
 
 @pytest.mark.parametrize(
@@ -435,8 +448,8 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
     cfg = ar.make_config(name, lr=1e-2, kernels="numba", **options)
     state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
     seen: list[str] = []
-    for kernel in ROW_KERNELS:
-        original = getattr(_kernels, kernel)
+    for module, kernel in ROW_KERNELS:
+        original = getattr(module, kernel)
 
         def spy(*args: object, _original: object = original, _name: str = kernel) -> object:
             matrices = [a for a in args if isinstance(a, np.ndarray) and a.ndim == 2]
@@ -444,8 +457,8 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
             seen.append(_name)
             return _original(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(_kernels, kernel, spy)
-    # the Adam family's update takes the flat fused route (optim/fused.py); its direction the row kernel
+        monkeypatch.setattr(module, kernel, spy)
+    # the Adam family's update takes the flat fused route (families/adam/numba_route.py); its direction the row kernel
     direction = preconditioned_direction if cfg.family == "adam" else ar.update
     got = direction(state, g, cfg, w)[0]
     monkeypatch.undo()

@@ -164,9 +164,55 @@ def test_no_import_runs_up_a_floor() -> None:
     assert not upward, "\n".join(upward)
 
 
-def test_the_reference_path_does_not_import_the_fast_path() -> None:
-    # the family functions are the reference; optim.dispatch chooses between them and the numba kernels
-    assert f"{PACKAGE}._kernels" not in GRAPH[f"{PACKAGE}.optim.families"]
+def _reachable_above_the_foundation(start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through modules above floor 0 (the foundation's own lazy
+    imports, such as ``_xp``'s numba finiteness scan, are foundation business)."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in GRAPH.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                if floor_of(dep) > 0:
+                    todo.append(dep)
+    return seen
+
+
+FAMILY_PACKAGES = sorted(
+    name for name in MODULES if name.count(".") == 3 and name.startswith(f"{PACKAGE}.optim.families.") and
+    _is_package(name)
+)  # fmt: skip
+
+
+def test_every_family_package_has_a_reference_and_its_routes_beside_it() -> None:
+    assert {p.rsplit(".", 1)[1] for p in FAMILY_PACKAGES} >= {"adam", "adafactor", "hfac"}
+    for package in FAMILY_PACKAGES:
+        assert f"{package}.reference" in MODULES, package
+        routes = [m for m in MODULES if m.startswith(f"{package}.") and m.endswith("_route")]
+        assert routes, f"{package} has no route module"
+
+
+@pytest.mark.parametrize("package", FAMILY_PACKAGES)
+def test_the_reference_path_does_not_import_the_fast_path(package: str) -> None:
+    # a family's reference (and what it builds on) never reaches a kernel or a route: routes sit beside it
+    reached = _reachable_above_the_foundation(f"{package}.reference") | {f"{package}.reference"}
+    fast = sorted(m for m in reached if m.startswith(f"{PACKAGE}._kernels") or m.endswith(("_route", "inplace")))
+    assert not fast, f"{package}.reference reaches {fast}"
+
+
+def _documented_floors() -> list[set[str]]:
+    """The floor table of docs/architecture.md, as sets of module names relative to the package."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("| floor | modules |") :].split("\n\n", 1)[0]
+    floors = []
+    for row in table.splitlines()[2:]:
+        cells = row.strip("|").split("|")
+        names = {"" if n == f"{PACKAGE}/__init__.py" else n for n in cells[1].split("`")[1::2]}
+        floors.append(names)
+    return floors
+
+
+def test_the_architecture_page_lists_the_floors_this_test_enforces() -> None:
+    assert _documented_floors() == [set(entries) for entries in FLOORS]
 
 
 def test_no_import_cycle_between_modules() -> None:

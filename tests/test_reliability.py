@@ -16,7 +16,9 @@ import pytest
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels, linalg
-from adadiag_ref.optim import core, inplace
+from adadiag_ref.optim import core, inplace, tail
+from adadiag_ref.optim.families.adam import inplace as adam_inplace
+from adadiag_ref.optim.families.adam import numba_route as adam_kernels
 
 ROTATED = ("adadiag", "adadiag_pp", "adafacdiag", "adafacdiag_pp", "hfacdiag")
 BAD_VALUES = (np.nan, np.inf, -np.inf)
@@ -258,15 +260,15 @@ class _NativeProxy:
 
 IN_PLACE_POINTS = [
     (inplace, "prepare_step"),
-    (inplace, "beta_hat"),
-    (inplace, "unrotate"),
-    (inplace, "from_work"),
+    (adam_inplace, "beta_hats"),
+    (adam_inplace, "unrotate"),
+    (tail, "from_work"),
     (core, "rotate"),
     (core, "rotation_noise_floor"),
     ("native", "multiply"),
     ("native", "sqrt"),
     ("native", "divide"),
-    (_kernels, "adam_moments_inplace"),
+    (adam_kernels, "adam_moments_inplace"),
 ]
 
 
@@ -274,13 +276,13 @@ IN_PLACE_POINTS = [
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
 def test_update_in_place_is_all_or_nothing(name: str, point: tuple[Any, str], monkeypatch) -> None:
     where, attr = point
-    if where is _kernels and not _kernels.AVAILABLE:
+    if where is adam_kernels and not _kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     # the backend's ufuncs run on the reference path, the fused kernel on the numba path
-    cfg, state, w = _warmed(name, kernels="numba" if where is _kernels else "reference")
+    cfg, state, w = _warmed(name, kernels="numba" if where is adam_kernels else "reference")
     g = np.random.default_rng(5).standard_normal(w.shape)
     if where == "native":
-        monkeypatch.setattr(inplace, "_native", lambda xp: _NativeProxy(attr))
+        monkeypatch.setattr(adam_inplace, "native_module", lambda xp: _NativeProxy(attr))
     else:
         monkeypatch.setattr(where, attr, _raiser)
     before = _snapshot(state, w, g)
@@ -313,6 +315,7 @@ STEP_POINTS = [
     (core, "rotate"),
     (core, "unrotate"),
     (core, "from_work"),
+    (tail, "from_work"),
     (linalg, "canonicalize_svd"),
 ]
 

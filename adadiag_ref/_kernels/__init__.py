@@ -1,35 +1,24 @@
-"""Optional numba fast paths for the NumPy backend (the reference stays the generic code).
+"""The numba foundation shared by every family's numba route (the families' own kernels live beside them).
 
-Two layers live here:
+A family's numba route (``adadiag_ref/optim/families/<family>/numba.py``) holds that family's kernels and the
+routes that call them; this module holds what they share and what is not a family's:
 
-* **Functional kernels** (:func:`adam_direction`, :func:`adafactor_direction`,
-  :func:`hfac_direction`).  They compute exactly what the generic family
-  ``direction`` functions compute (``adadiag_ref.optim.families``) in one or two
-  fused passes, writing into freshly allocated outputs (the core is functional,
-  so inputs are never mutated).  :mod:`adadiag_ref.optim.dispatch` calls them
-  for NumPy arrays when the config's ``kernels`` option allows it (``"auto"``
-  with numba installed, or ``"numba"``).  They agree with the generic path to
-  rounding (tested at ``rtol = 1e-12`` in float64): the same formulas in the
-  same order; only the positive sums ``sum(G~^2 + eps)`` and ``sum(U^2)`` are
-  accumulated sequentially instead of pairwise.
-* **In-place kernels** (``*_inplace``, ``*_flat``) used by the benchmark's in-place
-  "engine" (``adadiag_ref.perf.engine``), the fast embedding path, by ``replay``
-  (which owns its state, ``optim.fused.adam_step_owned``), and by
-  ``update_in_place`` on CPU torch tensors (the torch adapter, on NumPy views of
-  the tensors; there ``sqrt(V_t)`` comes from ``torch.sqrt`` between two passes,
-  ``*_root_flat``): they mutate preallocated moment buffers and write the
-  direction into a preallocated output, so a whole step moves each array once.
+* when the kernels apply (:func:`usable`, :func:`selected`: numba imported, float32/float64 NumPy arrays of
+  one dtype, ``cfg.kernels`` not ``"reference"``; never the environment), how they are compiled
+  (:func:`_jit`, :func:`_inline`, :func:`_serial_and_parallel`) and the layout helpers (:func:`alike`,
+  :func:`flat`, :func:`rows_in_memory_order`);
+* the scalars as the reference rounds them (:func:`scalar`, :func:`ema_coefficients`);
+* the entries every family's kernels share, each written once: the EMA ``b m0 + c x``
+  (:func:`ema_entry`) and the update's tail ``delta = (-eta)(U + lambda W)`` (:func:`delta_entry`),
+  with the tail's flat passes (``apply_*``, ``scale_direction_flat``);
+* the read-only finiteness scan (:func:`nonfinite_count`) and the canonical SVD's fast steps (pivoted
+  Gram-Schmidt and pivoted Cholesky, for :mod:`adadiag_ref.linalg`).
 
-This module only computes; it never decides.  Which path runs is chosen by
-configuration (``make_config(..., kernels=...)``), never by the environment.
-
-Thread policy: the callers choose.  A flat kernel that some caller runs on
-numba's pool exists twice, serial and ``*_parallel`` (separate compiles and
-cache entries, :func:`_serial_and_parallel`).  The functional route and
-``replay`` use the parallel forms for arrays of 2^18 entries or more, and only
-under numba's non-spinning ``workqueue`` layer (``optim/fused.py``); the
-engine between its GEMM phases; the torch CPU route never (torch's OpenMP
-threads spin after each parallel region).  BLAS owns the cores during GEMMs
+Thread policy: the callers choose.  A flat kernel that some caller runs on numba's pool exists twice, serial
+and ``*_parallel`` (separate compiles and cache entries, :func:`_serial_and_parallel`).  The functional route
+and ``replay`` use the parallel forms for arrays of :data:`PARALLEL_MIN_SIZE` entries or more, and only under
+numba's non-spinning ``workqueue`` layer; the engine between its GEMM phases; the torch CPU route never
+(torch's OpenMP threads spin after each parallel region).  BLAS owns the cores during GEMMs
 (docs/performance.md, "Threads").
 """
 
@@ -43,23 +32,31 @@ import numpy as np
 
 __all__ = [
     "AVAILABLE",
-    "adafactor_direction",
-    "adam_direction",
-    "adamw_inplace",
-    "hfac_direction",
+    "PARALLEL_MIN_SIZE",
+    "alike",
+    "ema_coefficients",
+    "flat",
     "nonfinite_count",
     "pivoted_cholesky_columns",
     "pivoted_gram_schmidt",
+    "rows_in_memory_order",
+    "scalar",
+    "selected",
     "usable",
 ]
+
+#: Arrays with at least this many entries use the parallel kernels (smaller ones: the pool's start-up dominates).
+PARALLEL_MIN_SIZE = 1 << 18
 
 try:  # numba is optional
     import numba
 
     AVAILABLE = True
+    prange: Any = numba.prange
 except ImportError:  # pragma: no cover - exercised only without numba
     numba = None  # type: ignore[assignment]
     AVAILABLE = False
+    prange = range  # type: ignore[misc]
 
 
 def usable(xp: Any, *arrays: Any) -> bool:
@@ -77,6 +74,25 @@ def usable(xp: Any, *arrays: Any) -> bool:
         elif a.dtype != dtype:
             return False
     return dtype is not None
+
+
+def selected(cfg: Any, xp: Any, *arrays: Any) -> bool:
+    """Whether a step of ``cfg`` on ``arrays`` runs numba kernels: ``cfg.kernels`` is not ``"reference"`` and
+    :func:`usable` holds (``None`` entries skipped)."""
+    return getattr(cfg, "kernels", "auto") != "reference" and usable(xp, *arrays)
+
+
+def alike(*arrays: np.ndarray) -> bool:
+    """Same shape and strides, and contiguous: entry ``k`` of every ``ravel(order="K")`` view is the same ``(i, j)``."""
+    first = arrays[0]
+    if not (first.flags.c_contiguous or first.flags.f_contiguous):
+        return False
+    return all(a.shape == first.shape and a.strides == first.strides for a in arrays[1:])
+
+
+def flat(a: np.ndarray) -> np.ndarray:
+    """The 1-D view of a contiguous array in memory order (no copy)."""
+    return a.ravel(order="K")
 
 
 def pool_does_not_spin() -> bool:
@@ -100,30 +116,13 @@ def _inline(fn: Any) -> Any:
 
 
 @_inline
-def _first_moment_entry(m0, x, b1, c1):  # type: ignore[no-untyped-def]
+def ema_entry(m0, x, b1, c1):  # type: ignore[no-untyped-def]
     """``m = b1 m0 + c1 x``: one entry of ``M_t = EMA_b1[G~]``."""
     return b1 * m0 + c1 * x
 
 
 @_inline
-def _second_moment_entry(v0, x, b2, c2):  # type: ignore[no-untyped-def]
-    """``v = b2 v0 + c2 x^2``: one entry of ``V_t = EMA_b2[G~^2]``."""
-    return b2 * v0 + c2 * (x * x)
-
-
-@_inline
-def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
-    """One entry of the Adam direction: ``m = b1 m0 + c1 x``, ``v = b2 v0 + c2 x^2``, ``u = m / (sqrt(v) + eps)``.
-
-    The one place the kernels write the formula (same operations, same order as the family function); the
-    moments come from the two helpers above, which the torch route's block kernels share."""
-    m = _first_moment_entry(m0, x, b1, c1)
-    v = _second_moment_entry(v0, x, b2, c2)
-    return m, v, m / (math.sqrt(v) + eps)
-
-
-@_inline
-def _delta_entry(u, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+def delta_entry(u, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """One entry of ``delta = (-eta) (U + lambda W)``; ``U + lambda W`` only when ``decay``: the reference adds
     nothing when lambda = 0, so neither do the kernels, and a signed zero stays what the reference makes of it.
 
@@ -158,7 +157,7 @@ def nonfinite_count(a: Any) -> int | None:
     return int(_nonfinite_count_flat(a.ravel(order="K")))
 
 
-# ----------------------------------------------------------------------------- functional kernels
+# ----------------------------------------------------------------------------- scalars and layout
 
 
 def scalar(x: Any, dtype: Any) -> Any:
@@ -166,9 +165,9 @@ def scalar(x: Any, dtype: Any) -> Any:
     return np.asarray(x, dtype=dtype)[()]
 
 
-def adam_coefficients(b1_t: Any, b2_t: Any, dtype: Any) -> tuple[Any, Any, Any, Any]:
-    """``(b1, 1 - b1, b2, 1 - b2)`` as ``dtype`` scalars, ``1 - b`` rounded in ``dtype`` as the generic EMA
-    ``b * old + (1 - b) * new`` computes it: the coefficients every Adam kernel takes."""
+def ema_coefficients(b1_t: Any, b2_t: Any, dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """``(b1, 1 - b1, b2, 1 - b2)`` as ``dtype`` scalars, ``1 - b`` rounded in ``dtype`` as the reference EMA
+    ``b * old + (1 - b) * new`` computes it: the coefficients of every two-moment kernel."""
     b1, b2 = np.asarray(b1_t, dtype=dtype), np.asarray(b2_t, dtype=dtype)
     return b1[()], scalar(1.0 - b1, dtype), b2[()], scalar(1.0 - b2, dtype)
 
@@ -192,271 +191,20 @@ def _fortran(a: np.ndarray) -> bool:
     return a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous
 
 
-def adam_direction(M0: np.ndarray, V0: np.ndarray, g: np.ndarray, b1_t: Any, b2_t: Any, eps: float) -> tuple:
-    """``M = b1 M0 + (1 - b1) G~``, ``V = b2 V0 + (1 - b2) G~^2``, ``U = M / (sqrt(V) + eps)`` in one pass.
-
-    The outputs keep ``G~``'s memory order (like the state, which keeps the parameter's)."""
-    dt = g.dtype
-    M, V, U = np.empty_like(g), np.empty_like(g), np.empty_like(g)
-    M0, V0, g_rows, M_rows, V_rows, U_rows = rows_in_memory_order(M0, V0, g, M, V, U)
-    adam_moments_inplace(M0, V0, g_rows, *adam_coefficients(b1_t, b2_t, dt), scalar(eps, dt), M_rows, V_rows, U_rows)
-    return M, V, U
-
-
-@_jit
-def _square_sums(g, eps, rows, cols):  # type: ignore[no-untyped-def]
-    """rows[i] = sum_j (g_ij^2 + eps), cols[j] = sum_i (g_ij^2 + eps), accumulated in float64."""
-    m, n = g.shape
-    acc_c = np.zeros(n, dtype=np.float64)
-    for i in range(m):
-        acc = 0.0
-        for j in range(n):
-            x = g[i, j]
-            sq = x * x + eps
-            acc += sq
-            acc_c[j] += sq
-        rows[i] = acc
-    for j in range(n):
-        cols[j] = acc_c[j]
-
-
-@_jit
-def _normalise(g, sqrt_total, sqrt_r, sqrt_s, U):  # type: ignore[no-untyped-def]
-    """U = G~ sqrt(1^T r) / (sqrt(r) sqrt(s)^T) (= G~ / sqrt(V), factored form); returns sum(U^2) in float64."""
-    m, n = g.shape
-    acc = 0.0
-    for i in range(m):
-        sri = sqrt_r[i]
-        for j in range(n):
-            u = g[i, j] * sqrt_total / (sri * sqrt_s[j])
-            U[i, j] = u
-            acc += float(u) * float(u)
-    return acc
-
-
-@_jit
-def _clip_momentum(U, divisor, M0, b1, c1, M):  # type: ignore[no-untyped-def]
-    m, n = U.shape
-    for i in range(m):
-        for j in range(n):
-            M[i, j] = b1 * M0[i, j] + c1 * (U[i, j] / divisor)
-
-
-@_jit
-def _clip(U, divisor):  # type: ignore[no-untyped-def]
-    m, n = U.shape
-    for i in range(m):
-        for j in range(n):
-            U[i, j] = U[i, j] / divisor
-
-
-@_jit
-def _hfac_combine(U, divisor, phi, psi):  # type: ignore[no-untyped-def]
-    m, n = U.shape
-    for i in range(m):
-        for j in range(n):
-            U[i, j] = 0.5 * (phi[i] + psi[j]) + U[i, j] / divisor
-
-
-def _ema(beta_t: Any, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    return beta_t * old + (1.0 - beta_t) * new  # type: ignore[no-any-return]
-
-
-def _factored(r0: np.ndarray, s0: np.ndarray, g: np.ndarray, eps: float, beta2_t: Any) -> tuple:
-    dt = g.dtype
-    m, n = g.shape
-    rows = np.empty(m, dtype=dt)
-    cols = np.empty(n, dtype=dt)
-    if _fortran(g):  # the rows of G~^T are G~'s columns: the same sums, each accumulated in the same order
-        _square_sums(g.T, scalar(eps, dt), cols, rows)
-    else:
-        _square_sums(g, scalar(eps, dt), rows, cols)
-    r = _ema(beta2_t, r0, rows)
-    s = _ema(beta2_t, s0, cols)
-    return r, s
-
-
-def _normalised(g: np.ndarray, r: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, float]:
-    """``(U, sum(U^2))`` of :func:`_normalise`, ``U`` in ``G~``'s memory order and walked in it (entry ``(i, j)``
-    is the same expression either way, since ``sqrt(r_i) sqrt(s_j)`` is a commutative product; only the float64
-    total's summation order follows memory)."""
-    sqrt_total = scalar(np.sqrt(np.sum(r)), g.dtype)
-    U = np.empty_like(g)
-    if _fortran(g):
-        return U, _normalise(g.T, sqrt_total, np.sqrt(s), np.sqrt(r), U.T)
-    return U, _normalise(g, sqrt_total, np.sqrt(r), np.sqrt(s), U)
-
-
-def _clip_divisor(sum_sq: float, size: int, threshold: float | None, dt: Any) -> Any:
-    if threshold is None:
-        return None
-    rms = np.sqrt(np.asarray(sum_sq / size, dtype=dt))
-    ratio = rms / threshold
-    return scalar(np.maximum(ratio, np.ones_like(ratio)), dt)
-
-
-def adafactor_direction(
-    r0: np.ndarray,
-    s0: np.ndarray,
-    M0: np.ndarray | None,
-    g: np.ndarray,
-    eps: float,
-    beta2_t: Any,
-    b1_t: Any,
-    clip_threshold: float | None,
-) -> tuple:
-    """Adafactor/AdafacDiag direction: factored ``V``, ``U = clip(G~ / sqrt(V))``, optional momentum.
-
-    Returns ``(U, M, r, s)`` (``M`` is ``None`` without momentum; then ``U`` is the clipped direction).
-    """
-    dt = g.dtype
-    r, s = _factored(r0, s0, g, eps, beta2_t)
-    U, sum_sq = _normalised(g, r, s)
-    divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
-    if M0 is None:
-        if divisor is not None:
-            _clip(*rows_in_memory_order(U), divisor)
-        return U, None, r, s
-    b1 = scalar(b1_t, dt)
-    c1 = scalar(1.0 - np.asarray(b1_t, dtype=dt), dt)
-    M = np.empty_like(g)
-    U_rows, M0_rows, M_rows = rows_in_memory_order(U, M0, M)
-    _clip_momentum(U_rows, divisor if divisor is not None else scalar(1.0, dt), M0_rows, b1, c1, M_rows)
-    return M, M, r, s
-
-
-def hfac_direction(
-    u0: np.ndarray,
-    v0: np.ndarray,
-    r0: np.ndarray,
-    s0: np.ndarray,
-    g: np.ndarray,
-    eps: float,
-    b1_t: Any,
-    b2_t: Any,
-    clip_threshold: float | None,
-) -> tuple:
-    """Hfac/HfacDiag direction (see ``families._hfac_direction``); returns ``(U, u, v, r, s)``."""
-    dt = g.dtype
-    m, n = g.shape
-    row_mean = np.mean(g, axis=1)
-    col_mean = np.mean(g, axis=0)
-    u = _ema(b1_t, u0, row_mean)
-    v = _ema(b1_t, v0, col_mean)
-    r, s = _factored(r0, s0, g, eps, b2_t)
-    phi = b1_t * (u - row_mean) / np.sqrt(r / n)
-    psi = b1_t * (v - col_mean) / np.sqrt(s / m)
-    U, sum_sq = _normalised(g, r, s)
-    divisor = _clip_divisor(sum_sq, g.size, clip_threshold, dt)
-    if divisor is None:
-        divisor = scalar(1.0, dt)
-    if _fortran(U):  # entry (i, j) is 0.5 (phi_i + psi_j) + U_ij / divisor either way (addition commutes)
-        _hfac_combine(U.T, divisor, psi.astype(dt), phi.astype(dt))
-    else:
-        _hfac_combine(U, divisor, phi.astype(dt), psi.astype(dt))
-    return U, u, v, r, s
-
-
-# ----------------------------------------------------------------------------- in-place kernels (engine)
-
-
-def _adam_moments_rows(M0, V0, g, b1, c1, b2, c2, eps, M, V, out):  # type: ignore[no-untyped-def]
-    """``M = b1 M0 + c1 G~``, ``V = b2 V0 + c2 G~^2``, ``out = M / (sqrt(V) + eps)`` in one pass.
-
-    Every entry is read before it is written, so ``M`` may alias ``M0``, ``V`` alias
-    ``V0`` (in place) and ``out`` alias ``g``.
-    """
-    m, n = g.shape
-    for i in numba.prange(m):
-        for j in range(n):
-            M[i, j], V[i, j], out[i, j] = _adam_entry(M0[i, j], V0[i, j], g[i, j], b1, c1, b2, c2, eps)
+# ----------------------------------------------------------------------------- the update's tail, in place
 
 
 def _apply_update_flat(W, D, lr, wd):  # type: ignore[no-untyped-def]
     """In place: ``W -= lr (D + wd W)`` (flat 1-D views)."""
-    for k in numba.prange(W.shape[0]):
+    for k in prange(W.shape[0]):
         w = W[k]
         W[k] = w - lr * (D[k] + wd * w)
 
 
-def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-untyped-def]
-    for k in numba.prange(W.shape[0]):
-        w = W[k]
-        M[k], V[k], u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
-        W[k] = w - lr * (u + wd * w)
-
-
-def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ignore[no-untyped-def]
-    """Flat views: ``M = b1 M0 + c1 G~``, ``V = b2 V0 + c2 G~^2`` into new arrays, and ``U = M / (sqrt(V) + eps)``
-    over ``G~`` itself (``GU`` is read, then overwritten).
-
-    One argument for ``G~`` and ``U``, not two aliased ones: with two pointers to the same memory LLVM's runtime
-    overlap check fails and the loop runs unvectorised (several times slower)."""
-    for k in numba.prange(GU.shape[0]):
-        M[k], V[k], GU[k] = _adam_entry(M0[k], V0[k], GU[k], b1, c1, b2, c2, eps)
-
-
-def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
-    """In place on flat views (the engine): ``M <- b1 M + c1 G~``, ``V <- b2 V + c2 G~^2``,
-    ``GU <- M / (sqrt(V) + eps)``; each array is one argument (no aliased pointers, see above)."""
-    for k in numba.prange(GU.shape[0]):
-        M[k], V[k], GU[k] = _adam_entry(M[k], V[k], GU[k], b1, c1, b2, c2, eps)
-
-
-def _adam_moments_own_counted_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
-    """:func:`_adam_moments_own_flat` that also returns the number of NaN or Inf entries of ``G~`` it read.
-
-    For ``replay``, whose gradient check then needs no pass of its own: a NaN or Inf anywhere in ``G`` makes at
-    least one entry of ``G~ = P^T G Q`` non-finite (its column times a nonzero row of the orthogonal ``P``, and
-    ``0 x Inf`` is NaN), so a count of zero proves ``G`` finite; a positive count sends the caller to the exact
-    check of ``G`` (``G~`` may also overflow from a finite ``G``)."""
-    bad = 0
-    for k in numba.prange(GU.shape[0]):
-        x = GU[k]
-        bad += not np.isfinite(x)
-        M[k], V[k], GU[k] = _adam_entry(M[k], V[k], x, b1, c1, b2, c2, eps)
-    return bad
-
-
-def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
-    """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
-    ``D = (-eta) (U + lambda W)`` (:func:`_delta_entry`)."""
-    for k in numba.prange(g.shape[0]):
-        M[k], V[k], u = _adam_entry(M0[k], V0[k], g[k], b1, c1, b2, c2, eps)
-        D[k] = _delta_entry(u, w[k], neg_lr, wd, decay)
-
-
 def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """In place on a fresh unrotated direction ``D = P U~ Q^T``: ``D <- (-eta) (D + lambda W)``."""
-    for k in numba.prange(D.shape[0]):
-        D[k] = _delta_entry(D[k], w[k], neg_lr, wd, decay)
-
-
-def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
-    """``V = b2 V0 + c2 G~^2`` on flat views (the torch CPU route: its ``sqrt`` is torch's own)."""
-    for k in range(g.shape[0]):
-        V[k] = _second_moment_entry(V0[k], g[k], b2, c2)
-
-
-def _adam_apply_root_flat(W, g, M, V, v, root, b1, c1, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place on flat views, given ``v = V_t`` and ``root = sqrt(V_t)`` (computed by the
-    caller's backend): ``M <- b1 M + c1 G``, ``V <- v``, ``W <- W + (-eta) (M / (root + eps) [+ lambda W])``."""
-    for k in range(g.shape[0]):
-        w = W[k]
-        m = _first_moment_entry(M[k], g[k], b1, c1)
-        M[k] = m
-        V[k] = v[k]
-        W[k] = w + _delta_entry(m / (root[k] + eps), w, neg_lr, wd, decay)
-
-
-def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyped-def]
-    """Flat views, given ``MR = sqrt(V_t)`` (computed by the caller's backend into the new ``M``'s memory):
-    ``MR <- M_t = b1 M0 + c1 G~`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over ``G~`` itself; each entry of ``GU``
-    and ``MR`` is read before it is written, one argument per array (no aliased pointers)."""
-    for k in range(GU.shape[0]):
-        m = _first_moment_entry(M0[k], GU[k], b1, c1)
-        GU[k] = m / (MR[k] + eps)
-        MR[k] = m
+    for k in prange(D.shape[0]):
+        D[k] = delta_entry(D[k], w[k], neg_lr, wd, decay)
 
 
 def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
@@ -464,15 +212,15 @@ def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-d
     (``W += delta`` of :func:`_scale_direction_flat`'s ``delta``, without writing ``D``)."""
     for k in range(W.shape[0]):
         w = W[k]
-        W[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
+        W[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
 
 
 def _apply_direction_into_flat(W, D, neg_lr, wd, decay, out):  # type: ignore[no-untyped-def]
     """On flat views: ``out = W + (-eta) (D + lambda W)`` for an unrotated direction ``D = P U~ Q^T`` (``W_{t+1}``
     written into a separate array; ``replay``'s trajectory).  ``out`` must not overlap ``W`` or ``D``."""
-    for k in numba.prange(W.shape[0]):
+    for k in prange(W.shape[0]):
         w = W[k]
-        out[k] = w + _delta_entry(D[k], w, neg_lr, wd, decay)
+        out[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
 
 
 def _renamed(fn: Any, suffix: str) -> Any:
@@ -503,22 +251,11 @@ def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     )
 
 
-adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
-adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam_moments_rows)
 apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
-adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_adam_moments_over_flat)
-adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
-adam_moments_own_counted_flat, adam_moments_own_counted_flat_parallel = _serial_and_parallel(
-    _adam_moments_own_counted_flat
-)
-adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
 # the torch CPU route's passes are serial only: optim/inplace.py::_adam_torch_cpu says why
 apply_direction_flat = _jit(_apply_direction_flat)
-adam_second_moment_flat = _jit(_adam_second_moment_flat)
-adam_apply_root_flat = _jit(_adam_apply_root_flat)
-adam_direction_root_flat = _jit(_adam_direction_root_flat)
 
 
 # ----------------------------------------------------------------------------- canonical SVD (fast refresh route)

@@ -47,7 +47,8 @@ from .._xp import Array, Namespace, namespace
 from ..config import OPTIMIZERS
 from ..linalg import canonical_svd
 from ..optim.families import (
-    FLOWS,
+    FAMILIES,
+    MOMENTUM_FLOW,
     AdafactorODEState,
     AdamODEState,
     Flow,
@@ -77,6 +78,7 @@ __all__ = [
     "rotate",
     "state_fields",
     "state_type",
+    "systems",
     "unrotate",
     "update_order",
     "vector_field",
@@ -85,11 +87,29 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- registry
 
-SYSTEMS: dict[str, tuple[str, int]] = {
-    "momentum_sgd": ("momentum", 0),
-    **{"adam" if name == "adamw" else name: (cls.family, sides) for name, (cls, sides) in OPTIMIZERS.items()},
-}
-"""System name -> (family, number of rotated sides): momentum SGD and the eight optimizers of the core."""
+
+def _flows() -> dict[str, Flow]:
+    """Continuous-time forms by family, read from the registry at each call (a family registered later counts)."""
+    return {"momentum": MOMENTUM_FLOW, **{name: s.flow for name, s in FAMILIES.items() if s.flow is not None}}
+
+
+def systems() -> dict[str, tuple[str, int]]:
+    """System name -> (family, number of rotated sides): momentum SGD and every registered optimizer whose
+    family has a continuous-time form (the core's ``adamw`` is the ODE ``adam``), read from the registry."""
+    flows = _flows()
+    return {
+        "momentum_sgd": ("momentum", 0),
+        **{
+            "adam" if name == "adamw" else name: (entry.config_type.family, entry.sides)
+            for name, entry in OPTIMIZERS.items()
+            if entry.config_type.family in flows
+        },
+    }
+
+
+SYSTEMS: dict[str, tuple[str, int]] = systems()
+"""The systems of the library's own optimizers, as :func:`systems` gives them at import (registered families:
+call :func:`systems`)."""
 
 ALIASES: dict[str, str] = {"sgd": "momentum_sgd", "momentum": "momentum_sgd", "sgdm": "momentum_sgd", "adamw": "adam"}
 """Accepted alternative names (the core's ``adamw`` is the ODE ``adam``: weight decay is a field here)."""
@@ -142,9 +162,10 @@ class System:
     momentum_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.family in FLOWS, f"unknown family {self.family!r}")
+        flows = _flows()
+        _check(self.family in flows, f"unknown family {self.family!r}")
         _check(self.sides in (0, 1, 2), f"sides must be 0, 1 or 2, got {self.sides!r}")
-        most = FLOWS[self.family].max_sides
+        most = flows[self.family].max_sides
         _check(
             self.sides <= most,
             f"the {self.family} family is defined {('unrotated', 'one-sided', 'two-sided')[most]} only, "
@@ -202,10 +223,11 @@ def make_system(name: str, **options: Any) -> System:
     1e-30 for the factored ones).
     """
     key = ALIASES.get(name, name)
-    if key not in SYSTEMS:
-        raise ValueError(f"unknown system {name!r}; choose one of {', '.join([*SYSTEMS, *ALIASES])}")
-    family, sides = SYSTEMS[key]
-    options.setdefault("eps", FLOWS[family].default_eps)
+    known = systems()
+    if key not in known:
+        raise ValueError(f"unknown system {name!r}; choose one of {', '.join([*known, *ALIASES])}")
+    family, sides = known[key]
+    options.setdefault("eps", _flows()[family].default_eps)
     allowed = {f.name for f in fields(System)} - {"name", "family", "sides"}
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -217,7 +239,7 @@ def make_system(name: str, **options: Any) -> System:
 
 
 def _flow(system: System) -> Flow:
-    return FLOWS[system.family]
+    return _flows()[system.family]
 
 
 def state_type(system: System) -> type:
@@ -231,9 +253,14 @@ def state_fields(system: System) -> tuple[str, ...]:
 
 
 def field_shapes(system: System, m: int, n: int) -> dict[str, tuple[int, ...]]:
-    """Shape of every present state field for an ``m x n`` parameter."""
-    shapes = {"W": (m, n), "M": (m, n), "V": (m, n), "r": (m,), "s": (n,), "u": (m,), "v": (n,)}
-    return {name: shapes[name] for name in state_fields(system)}
+    """Shape of every present state field for an ``m x n`` parameter: ``W`` is ``m x n``, a moment has the shape
+    its family's registry entry gives it (``FamilySpec.moment_shapes``), and ``m x n`` where none is given
+    (momentum SGD's ``M``)."""
+    spec = FAMILIES.get(system.family)
+    shapes: dict[str, tuple[int, ...] | None] = {"W": (m, n)}
+    if spec is not None:
+        shapes.update(spec.moment_shapes(spec.config_type(), m, n))
+    return {name: shapes.get(name) or (m, n) for name in state_fields(system)}
 
 
 def update_order(system: System) -> tuple[tuple[str, ...], ...]:
@@ -293,9 +320,7 @@ def vector_field(
 
     ``W' = -P U~ Q^T - lambda W`` (:func:`~adadiag_ref.optim.rotation.parameter_velocity`)
     with the family's rotated direction ``U~``; the moments' derivatives are the
-    family's (``vector_field`` of :mod:`~adadiag_ref.optim.families.adam`,
-    :mod:`~adadiag_ref.optim.families.adafactor`, :mod:`~adadiag_ref.optim.families.hfac`,
-    :mod:`~adadiag_ref.optim.families.momentum`).
+    family's (the ``vector_field`` of its registered :class:`~adadiag_ref.optim.families.Flow`).
     """
     xp = namespace(G_rot, xp=xp)
     want = set(state._fields if fields is None else fields)

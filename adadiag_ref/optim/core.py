@@ -22,11 +22,11 @@ from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtyp
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
 from .dispatch import direction as family_direction
-from .families import FAMILIES, Family, State
-from .fused import adam_step_owned as fused_adam_step_owned
-from .fused import adam_update as fused_adam_update
+from .families import State, family_of
 from .layout import Layout, from_work, layout_for, to_work
 from .rotation import rotate, unrotate
+from .schedules import learning_rate
+from .tail import parameter_delta
 
 __all__ = [
     "SLOW_REFRESH_SIDE",
@@ -44,10 +44,6 @@ __all__ = [
     "unrotate",
     "update",
 ]
-
-
-def _family(cfg: BaseConfig) -> Family:
-    return FAMILIES[cfg.family]
 
 
 def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
@@ -115,8 +111,11 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
     Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
     count = xp.zeros((), dtype=xp.int32, device=device)
-    family = _family(cfg)
-    moments = family.init_moments(m, n, dtype, device, cfg, xp)
+    family = family_of(cfg)
+    moments = {
+        name: None if shape is None else xp.zeros(shape, dtype=dtype, device=device)
+        for name, shape in family.moment_shapes(cfg, m, n).items()
+    }
     if layout.transposed:
         moments = {name: _in_parameter_order(value, xp) for name, value in moments.items()}
     param_shape = xp.zeros((0, *layout.shape), dtype=dtype, device=device)
@@ -142,7 +141,16 @@ def check_orientation(state: State, shape: tuple[int, ...]) -> None:
 
 
 def _work_dtype(state: State, xp: Namespace) -> Any:
-    return state.r.dtype if hasattr(state, "r") else state.V.dtype  # type: ignore[union-attr]
+    """The state dtype, in which every step computes: that of the state's arrays (the first moment present, else
+    the ``param_shape`` record, else a basis)."""
+    for name in state._fields[3:]:
+        value = getattr(state, name)
+        if value is not None:
+            return value.dtype
+    basis = state.P if state.P is not None else state.Q
+    if basis is None:
+        raise ValueError("the state holds no array to take its dtype from (no moment, no param_shape, no basis)")
+    return basis.dtype
 
 
 class NonFiniteGradientWarning(RuntimeWarning):
@@ -287,27 +295,27 @@ def update(
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
     """
     xp = namespace(grad, param, xp=xp)
-    return _update_prepared(state, prepare_step(state, grad, cfg, param, refreshed, xp), cfg, param, lr, xp)
+    return update_prepared(state, prepare_step(state, grad, cfg, param, refreshed, xp), cfg, param, lr, xp)
 
 
-def _update_prepared(
+def update_prepared(
     state: State, step_in: StepInput, cfg: BaseConfig, param: Array, lr: Any, xp: Namespace
 ) -> tuple[Array, State]:
-    """:func:`update` after :func:`prepare_step`."""
+    """:func:`update` after :func:`prepare_step`: the family's first applicable update route (the whole update
+    fused, bit-identical), else its direction (:func:`_direction`) and the shared tail
+    (:func:`~adadiag_ref.optim.tail.parameter_delta`)."""
     layout, t, w = step_in.layout, step_in.t, step_in.w
-    if cfg.kernels != "reference":
-        # NumPy + numba: the same arithmetic in fewer passes and temporaries (bit-identical, optim/fused.py)
-        fused = fused_adam_update(state, layout, t, step_in.g_rot, w, cfg, cfg.lr if lr is None else lr, unrotate, xp)
+    family = family_of(cfg)
+    eta = learning_rate(cfg, lr)
+    for route in family.routes.update:
+        fused = route(state, layout, t, step_in.g_rot, w, cfg, eta, unrotate, xp)
         if fused is not None:
             work_delta, moments = fused
             delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
             return delta, state._replace(count=state.count + 1, **moments)
     direction, new_state = _direction(state, step_in, cfg, xp)
-    eta = _family(cfg).step_size(cfg, t, w, cfg.lr if lr is None else lr, xp)
-    if not isinstance(cfg.weight_decay, int | float) or cfg.weight_decay:  # an array (traced lambda) always adds
-        direction = direction + cfg.weight_decay * w
-    delta = xp.astype(from_work(-eta * direction, layout, xp), param.dtype, copy=False)
-    return delta, new_state
+    eta_t = family.step_size(cfg, t, w, eta, xp)
+    return parameter_delta(direction, w, eta_t, cfg, layout, param.dtype, xp, owned=False), new_state
 
 
 def preconditioned_direction(
@@ -347,19 +355,14 @@ def refresh_due(count: int, cfg: BaseConfig) -> bool:
 def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig) -> None:
     if tuple(grad.shape) != tuple(param.shape):
         raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(param.shape)}")
-    family = _family(cfg)
+    family = family_of(cfg)
     if not isinstance(state, family.state_type):
         raise ValueError(f"state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}")
     m, n = layout.rows, layout.cols
     expected = {
         "P": (m, m) if layout.rotate_left else None,
         "Q": (n, n) if layout.rotate_right else None,
-        "M": (m, n) if cfg.momentum or cfg.family != "adafactor" else None,
-        "V": (m, n),
-        "r": (m,),
-        "s": (n,),
-        "u": (m,),
-        "v": (n,),
+        **family.moment_shapes(cfg, m, n),
     }
     for name in state._fields:
         if name in ("count", "param_shape"):
@@ -417,9 +420,10 @@ def step(
     lr: Any = None,
     check: bool = True,
     name: str | None = None,
+    out: Array | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
-    """Eager driver: validate, refresh the basis when due, update.
+    """Eager driver: validate, refresh the basis when due, update: ``W_{t+1} = W_t + delta``.
 
     Returns ``(new_param, new_state)``.  ``check=True``: invalid input (shapes,
     dtypes, a NaN or Inf in ``G``) raises ``ValueError`` before anything is
@@ -428,33 +432,23 @@ def step(
     :class:`NonFiniteGradientWarning`) and the values propagate into the moments
     and the parameter as in Adam.  A failed decomposition keeps the previous
     basis with a warning (:func:`refresh_basis`).  The inputs are never modified.
+
+    ``out`` (NumPy; parameter-shaped, not overlapping ``param``): ``W_{t+1}`` is written into it and returned,
+    the same bits, for a driver that **owns** ``state`` (nobody else holds its arrays, as in ``replay``): then
+    the state's moment arrays may be updated in place (no moment-sized allocation, three array passes fewer
+    per rotated Adam-family step, :attr:`~adadiag_ref.optim.families.Routes.step_owned`), and if the call
+    raises, ``state`` may have been partly updated (the owner discards it).  ``check`` is always on with
+    ``out``; on a step without refresh a fused route may count ``G~``'s non-finite entries in its moments pass
+    instead of scanning ``G`` first (the same ``ValueError``).
     """
     xp = namespace(grad, param, xp=xp)
-    delta, state = step_delta(state, grad, cfg, param, lr=lr, check=check, name=name, xp=xp)
-    return param + delta, state
-
-
-def step_delta(
-    state: State,
-    grad: Array,
-    cfg: BaseConfig,
-    param: Array,
-    *,
-    lr: Any = None,
-    check: bool = True,
-    name: str | None = None,
-    xp: Namespace | None = None,
-) -> tuple[Array, State]:
-    """:func:`step` returning ``(delta, new_state)`` instead of ``(param + delta, new_state)``.
-
-    For drivers that place ``W_{t+1} = W_t + delta`` themselves (``replay`` adds
-    it straight into its preallocated trajectory).
-    """
-    xp = namespace(grad, param, xp=xp)
+    if out is not None:
+        return out, _step_owned(state, grad, cfg, param, out, lr, xp)
     if check:
         check_inputs(state, grad, cfg, param, name=name, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, name, xp)
-    return update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+    return param + delta, state
 
 
 def _refresh_if_due(state: State, grad: Array, cfg: BaseConfig, name: str | None, xp: Namespace) -> tuple[State, bool]:
@@ -467,29 +461,22 @@ def _refresh_if_due(state: State, grad: Array, cfg: BaseConfig, name: str | None
     return new, new.P is not state.P
 
 
-def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Array) -> State:
-    """:func:`step` for a NumPy driver that owns ``state`` (``replay``): ``W_{t+1}`` written into ``out``.
+def _step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Array, lr: Any, xp: Namespace) -> State:
+    """:func:`step` with ``out`` (its docstring): ``W_{t+1}`` written into ``out``, the state owned by the caller.
 
-    Checks, refreshes and updates exactly as :func:`step` (same bits), and returns the new state.  Nobody else
-    holds ``state``'s arrays, so the Adam family's rotated route (:func:`~adadiag_ref.optim.fused.adam_step_owned`)
-    updates the moments in place and writes ``W_t + delta`` straight into ``out`` (parameter-shaped,
-    C-contiguous, not overlapping ``param``): no moment-sized allocation and three array passes fewer per step.
-    Other cases take ``step``'s route and add ``delta`` into ``out``.  If it raises, ``state`` may have been
-    partly updated: a driver that owns it discards it.  The same inputs raise the same ``ValueError`` as in
-    ``step``; on a step without refresh the fused route counts ``G~``'s non-finite entries in its moments pass
-    instead of scanning ``G`` first, and scans ``G`` only when that count is positive.  NumPy's floating-point
-    warnings from that step's two products are silenced (a finite ``G`` whose ``G~`` overflows then proceeds
-    as in ``step``, without NumPy's overflow warning).
+    The family's owned-step route when one applies (``out`` C-contiguous: its work-frame view is a view, never a
+    copy); otherwise ``step``'s route, with ``delta`` added into ``out``.  The scan of ``G`` runs first where a
+    decomposition follows (LAPACK never sees NaN or Inf) or no route will count ``G~``; otherwise the route's
+    count replaces it, and ``G`` is scanned only when that count is positive.  NumPy's floating-point warnings
+    from that step's two products are silenced (a finite ``G`` whose ``G~`` overflows then proceeds as in
+    ``step``, without NumPy's overflow warning).
     """
     import numpy as np
 
-    xp = namespace(grad, param)
     _check_form(state, grad, cfg, param, xp)
-    # C-contiguous: the work-frame view of ``out`` is a view, never a copy (a reshape of other layouts may copy);
+    routes = family_of(cfg).routes.step_owned
     # a parameter dtype other than the state's fails the route's own dtype check
-    fused_route = out.flags.c_contiguous and cfg.kernels != "reference"
-    # the scan of G runs first where a decomposition follows (LAPACK never sees NaN or Inf) or no fused pass will
-    # count G~; otherwise that pass's count replaces it
+    fused_route = bool(routes) and out.flags.c_contiguous and cfg.kernels != "reference"
     scanned = refresh_due(int(state.count), cfg) or not fused_route
     if scanned:
         check_inputs(state, grad, cfg, param, xp=xp)
@@ -499,13 +486,16 @@ def step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Ar
     # about it would precede step's ValueError, which step gives alone
     with contextlib.nullcontext() if scanned else np.errstate(over="ignore", invalid="ignore"):
         step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
-        if fused_route:
-            nonfinite = fused_adam_step_owned(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg,
-                                              cfg.lr, unrotate, xp, to_work(out, step_in.layout, xp))  # fmt: skip
+        eta = learning_rate(cfg, lr)
+        for route in routes if fused_route else ():
+            nonfinite = route(state, *step_in[:2], step_in.g_rot, step_in.w, cfg, eta, unrotate, xp,
+                              to_work(out, step_in.layout, xp))  # fmt: skip
+            if nonfinite is not None:
+                break
     if not scanned and (nonfinite is None or nonfinite):
         check_inputs(state, grad, cfg, param, xp=xp)  # raises for a non-finite G; else G~ overflowed from a finite G
     if nonfinite is not None:
         return state._replace(count=state.count + 1)
-    delta, state = _update_prepared(state, step_in, cfg, param, None, xp)
+    delta, state = update_prepared(state, step_in, cfg, param, lr, xp)
     np.add(param, delta, out=out)
     return state

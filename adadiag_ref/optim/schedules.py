@@ -7,10 +7,20 @@ trace under ``jax.jit``; none converts an array to a Python number.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .._xp import Array, Namespace
 
-__all__ = ["adafactor_beta2", "beta_hat", "clip_by_rms", "one_minus_power", "rms"]
+__all__ = [
+    "adafactor_beta2",
+    "beta_hat",
+    "beta_hats",
+    "clip_by_rms",
+    "first_moment_decay",
+    "learning_rate",
+    "one_minus_power",
+    "rms",
+]
 
 
 def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
@@ -41,6 +51,21 @@ def beta_hat(beta: float, t: Array, xp: Namespace, *, bias_correction: bool = Tr
     if isinstance(beta, int | float) and beta == 0.0:  # an array beta = 0 gives 0 * 1 / 1 below
         return xp.full_like(t, beta)
     return beta * one_minus_power(beta, t - 1.0, xp) / one_minus_power(beta, t, xp)
+
+
+def beta_hats(cfg: Any, t: Array, xp: Namespace) -> tuple[Array, Array]:
+    """``(beta_hat_1, beta_hat_2)`` of step ``t`` for ``cfg.betas`` (:func:`beta_hat`, ``cfg.bias_correction``)."""
+    return first_moment_decay(cfg, t, xp), beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+
+
+def first_moment_decay(cfg: Any, t: Array, xp: Namespace) -> Array:
+    """``beta_hat_1`` of step ``t`` (:func:`beta_hat` of ``cfg.betas[0]``, ``cfg.bias_correction``)."""
+    return beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
+
+
+def learning_rate(cfg: Any, lr: Any) -> Any:
+    """``eta``: the call's ``lr`` when given (a number or an array, e.g. scheduled or traced), else ``cfg.lr``."""
+    return cfg.lr if lr is None else lr
 
 
 def adafactor_beta2(t: Array, decay_rate: float, xp: Namespace) -> Array:

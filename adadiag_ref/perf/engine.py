@@ -43,6 +43,7 @@ from threadpoolctl import ThreadpoolController
 
 from .. import _kernels
 from ..memory import ParamSpec
+from ..optim.families.adam import numba_route as adam_kernels
 from ..optim.schedules import beta_hat
 
 __all__ = ["AdaDiagEngine", "AdamWEngine", "balanced_groups", "coefficients", "is_rotated", "work_shape"]
@@ -77,7 +78,7 @@ class AdamWEngine:
         self.M = np.zeros(size, dtype=np.float32)
         self.V = np.zeros(size, dtype=np.float32)
         self.lr, self.betas, self.eps, self.wd, self.t = lr, betas, eps, wd, 0
-        self.kernel = _kernels.adamw_inplace_parallel if parallel else _kernels.adamw_inplace
+        self.kernel = adam_kernels.adamw_inplace_parallel if parallel else adam_kernels.adamw_inplace
         self.size = size
 
     def step(self) -> None:
@@ -126,7 +127,9 @@ class AdaDiagEngine:
                  parallel_unrotated: bool = True, parallel_elementwise: bool = True,
                  gemm_threads: int | None = None) -> None:  # fmt: skip
         rng = np.random.default_rng(seed)
-        self.unrotated_kernel = _kernels.adamw_inplace_parallel if parallel_unrotated else _kernels.adamw_inplace
+        self.unrotated_kernel = (
+            adam_kernels.adamw_inplace_parallel if parallel_unrotated else adam_kernels.adamw_inplace
+        )
         self.set_parallel_elementwise(parallel_elementwise)
         shapes = [(spec, work_shape(spec.shape)) for spec in specs]
         rotated = [(m, n) for spec, (m, n) in shapes if is_rotated(spec, rule)]
@@ -174,7 +177,9 @@ class AdaDiagEngine:
 
     def set_parallel_elementwise(self, parallel: bool) -> None:
         """Run the moments and update passes between GEMMs on numba's pool (True) or on one thread."""
-        self.moments_kernel = _kernels.adam_moments_own_flat_parallel if parallel else _kernels.adam_moments_own_flat
+        self.moments_kernel = (
+            adam_kernels.adam_moments_own_flat_parallel if parallel else adam_kernels.adam_moments_own_flat
+        )
         self.update_kernel = _kernels.apply_update_inplace_parallel if parallel else _kernels.apply_update_inplace
 
     def step(self, *, elementwise: bool = True, gemm: bool = True) -> None:

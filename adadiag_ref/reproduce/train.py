@@ -29,16 +29,8 @@ from .metrics import median_or_none, seed_speedup
 from .model import CharLM, CharLMConfig, DigitsCNN
 from .schedule import make_scheduler
 
-OPTIMIZER_CLASSES: dict[str, type[torch_adapter.CoreOptimizer]] = {
-    "adamw": torch_adapter.AdamW,
-    "adadiag": torch_adapter.AdaDiag,
-    "adadiag_pp": torch_adapter.AdaDiagPP,
-    "adafactor": torch_adapter.Adafactor,
-    "adafacdiag": torch_adapter.AdafacDiag,
-    "adafacdiag_pp": torch_adapter.AdafacDiagPP,
-    "hfac": torch_adapter.Hfac,
-    "hfacdiag": torch_adapter.HfacDiag,
-}
+OPTIMIZER_CLASSES = torch_adapter.OPTIMIZER_CLASSES
+"""The torch adapter's class of every registered optimizer, by name (the adapter builds it from the registry)."""
 DEFAULT_OPTIMIZERS = ("adamw", "adadiag", "adadiag_pp", "adafacdiag", "hfacdiag")
 BASELINE = "adamw"
 

@@ -1,36 +1,36 @@
-"""The optimizer families, one module each, discrete update and continuous-time form side by side.
+"""The optimizer families, one package each, and the one registry every other module reads.
 
-:mod:`.adam`, :mod:`.adafactor` and :mod:`.hfac` each hold their state types, their
-moment update and direction (:class:`~.common.Family`, used by :mod:`adadiag_ref.optim.core`)
-and beside them their continuous-time vector field, Hamiltonian ``H`` and ``dH/dt``
-(:class:`~.common.Flow`, used by :mod:`adadiag_ref.ode`); :mod:`.momentum` is the
-continuous-only reference system.  Both forms work on the rotated gradient
-``G~ = P^T G Q`` and return a rotated direction ``U~``: rotation, decay and step size are
-shared (:mod:`adadiag_ref.optim.rotation`, :mod:`adadiag_ref.optim.core`), so a baseline
-is the same code with the identity basis.
+Each family package (:mod:`.adam`, :mod:`.adafactor`, :mod:`.hfac`) holds its reference (``reference.py``:
+state types, the discrete direction, the continuous-time vector field, ``H`` and ``dH/dt``, in array-API code)
+and beside it one module per fast route (``numba_route.py``, ``torch_route.py``, ...), and ends in its registry
+entry ``SPEC`` (:class:`~.registry.FamilySpec`).  :mod:`.momentum` is the continuous-only reference system.
+Both forms work on the rotated gradient ``G~ = P^T G Q`` and return a rotated direction ``U~``: rotation, decay
+and step size are shared (:mod:`adadiag_ref.optim.rotation`, :mod:`adadiag_ref.optim.tail`), so a baseline is
+the same code with the identity basis.
+
+:data:`FAMILIES` (and :data:`adadiag_ref.config.OPTIMIZERS` for the optimizers) is the single source of truth;
+:func:`register_family` adds a family from outside the package (``docs/extending.md``).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from ...config import AdafactorConfig, AdamConfig, HfacConfig
-from . import adafactor, adam, hfac, momentum
+from . import adafactor, adam, hfac
 from .adafactor import AdafactorODEState, AdafactorState
 from .adam import AdamODEState, AdamState
-from .common import Constants, Family, Flow, FlowField, Moments, paper_defaults
+from .common import Constants, Flow, FlowField, Moments, flow_of
 from .hfac import HfacODEState, HfacState
 from .momentum import MomentumODEState
+from .registry import FAMILIES, FamilySpec, Routes, family_of, flows, register_family
 
 __all__ = [
     "FAMILIES",
-    "FLOWS",
+    "MOMENTUM_FLOW",
     "AdafactorODEState",
     "AdafactorState",
     "AdamODEState",
     "AdamState",
     "Constants",
-    "Family",
+    "FamilySpec",
     "Flow",
     "FlowField",
     "HfacODEState",
@@ -38,35 +38,21 @@ __all__ = [
     "Moments",
     "MomentumODEState",
     "ODEState",
+    "Routes",
     "State",
+    "family_of",
+    "flow_of",
+    "flows",
+    "register_family",
 ]
 
-FAMILIES: dict[str, Family] = {"adam": adam.FAMILY, "adafactor": adafactor.FAMILY, "hfac": hfac.FAMILY}
-"""Discrete forms, by ``cfg.family``."""
+for _spec in (adam.SPEC, adafactor.SPEC, hfac.SPEC):
+    FAMILIES[_spec.name] = _spec  # their optimizers are config.OPTIMIZERS' own entries
 
+from . import momentum  # noqa: E402
 
-def _flow(module: ModuleType, state_type: type, default_eps: float, max_sides: int) -> Flow:
-    """A family module's continuous-time functions (the same names in every module) as a :class:`Flow`."""
-    return Flow(
-        state_type,
-        default_eps,
-        max_sides,
-        module.fields,
-        module.update_order,
-        module.vector_field,
-        module.hamiltonian,
-        module.hamiltonian_rate,
-        module.initial_moments,
-    )
-
-
-FLOWS: dict[str, Flow] = {
-    "momentum": _flow(momentum, MomentumODEState, 0.0, 0),
-    "adam": _flow(adam, AdamODEState, *paper_defaults(AdamConfig)),
-    "adafactor": _flow(adafactor, AdafactorODEState, *paper_defaults(AdafactorConfig)),
-    "hfac": _flow(hfac, HfacODEState, *paper_defaults(HfacConfig)),
-}
-"""Continuous-time forms, by family (momentum SGD has no discrete form here)."""
+MOMENTUM_FLOW = flow_of(momentum, MomentumODEState, 0.0, 0)
+"""Momentum SGD's continuous-time form (the ODE's reference system; no discrete form here)."""
 
 State = AdamState | AdafactorState | HfacState
 """A discrete optimizer state: NamedTuple of arrays with fixed shapes and dtypes.
@@ -83,7 +69,8 @@ share one ``7 x 9`` work frame, so their states have the same field shapes.  It
 is a zero-size array of shape ``(0, *param.shape)`` (no memory, any backend, an
 ordinary pytree leaf) whose *static* shape is read, so the check also runs while
 ``jax.jit`` traces.  ``None`` (a state built by hand, or saved before the field
-existed) skips the orientation check.
+existed) skips the orientation check.  A registered family's state has the same
+layout (``count, P, Q, *moments, param_shape``).
 """
 
 ODEState = MomentumODEState | AdamODEState | AdafactorODEState | HfacODEState

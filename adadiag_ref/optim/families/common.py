@@ -2,7 +2,7 @@ r"""What the family modules share: the registry entry types and the small pieces
 
 A family is defined twice over, side by side in one module:
 
-* discretely (:class:`Family`): ``init_moments`` and ``direction``, which maps the
+* discretely (:class:`~.registry.FamilySpec`): the moment shapes and ``direction``, which maps the
   rotated gradient ``G~`` and the step ``t`` to the rotated direction ``U~`` and the
   new moments; :mod:`adadiag_ref.optim.core` adds the rotation, decay and ``eta_t``;
 * in continuous time (:class:`Flow`), the limit ``eta -> 0`` with ``1 - beta_1 = a eta``
@@ -25,7 +25,6 @@ from ...config import OPTIMIZERS, BaseConfig, default_eps
 
 __all__ = [
     "Constants",
-    "Family",
     "Flow",
     "FlowField",
     "Moments",
@@ -37,21 +36,12 @@ __all__ = [
     "factored_scale",
     "factored_second_moment",
     "factored_sums",
+    "flow_of",
     "normalise",
     "paper_defaults",
 ]
 
 Moments = dict[str, Array | None]
-
-
-class Family(NamedTuple):
-    """The discrete form of a family (the registry entry :mod:`adadiag_ref.optim.core` uses)."""
-
-    state_type: type
-    moment_fields: tuple[str, ...]
-    init_moments: Callable[[int, int, Any, Any, BaseConfig, Namespace], Moments]
-    direction: Callable[[Any, Array, Array, BaseConfig, Namespace], tuple[Array, Moments]]
-    step_size: Callable[[BaseConfig, Array, Array, Any, Namespace], Any]
 
 
 class Constants(Protocol):
@@ -114,10 +104,27 @@ class Flow(NamedTuple):
     initial_moments: Callable[[Any, Array, bool, Array, Namespace], Moments]
 
 
+def flow_of(module: Any, state_type: type, default_eps: float, max_sides: int) -> Flow:
+    """A family module's continuous-time functions (``fields``, ``update_order``, ``vector_field``,
+    ``hamiltonian``, ``hamiltonian_rate``, ``initial_moments``: the same names in every module) as a
+    :class:`Flow`."""
+    return Flow(
+        state_type,
+        default_eps,
+        max_sides,
+        module.fields,
+        module.update_order,
+        module.vector_field,
+        module.hamiltonian,
+        module.hamiltonian_rate,
+        module.initial_moments,
+    )
+
+
 def paper_defaults(config_type: type[BaseConfig]) -> tuple[float, int]:
     """``(default eps, most rotated sides)`` of a family, as its discrete configs define them."""
-    names = [name for name, (cls, _) in OPTIMIZERS.items() if cls is config_type]
-    return default_eps(names[0]), max(OPTIMIZERS[name][1] for name in names)
+    names = [name for name, entry in OPTIMIZERS.items() if entry.config_type is config_type]
+    return default_eps(names[0]), max(OPTIMIZERS[name].sides for name in names)
 
 
 # ----------------------------------------------------------------------------- discrete pieces

@@ -12,14 +12,14 @@ Continuous time (the paper's Adam-ODE with rates ``a``, ``b``; ``D = sqrt(V) + e
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from ..._xp import Array, Namespace
-from ...config import BaseConfig
-from ..schedules import beta_hat
-from .common import Constants, Family, FlowField, Moments, constant_step_size, ema
+from ...._xp import Array, Namespace
+from ....config import BaseConfig
+from ...schedules import beta_hats
+from ..common import Constants, FlowField, Moments, ema
 
-__all__ = ["FAMILY", "AdamODEState", "AdamState"]
+__all__ = ["AdamODEState", "AdamState"]
 
 
 class AdamState(NamedTuple):
@@ -44,16 +44,9 @@ class AdamODEState(NamedTuple):
 # ----------------------------------------------------------------------------- discrete
 
 
-def init_moments(m: int, n: int, dtype: Any, device: Any, cfg: BaseConfig, xp: Namespace) -> Moments:
-    """``M_0 = V_0 = 0`` (``m x n``)."""
-    return {"M": xp.zeros((m, n), dtype=dtype, device=device), "V": xp.zeros((m, n), dtype=dtype, device=device)}
-
-
 def direction(state: AdamState, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
     """Algorithm 1: ``M_t = EMA_b1[G~]``, ``V_t = EMA_b2[G~^2]``, ``U = M_t / (sqrt(V_t) + eps)``."""
-    b1, b2 = cfg.betas
-    b1_t = beta_hat(b1, t, xp, bias_correction=cfg.bias_correction)
-    b2_t = beta_hat(b2, t, xp, bias_correction=cfg.bias_correction)
+    b1_t, b2_t = beta_hats(cfg, t, xp)
     M = ema(b1_t, state.M, g)
     V = ema(b2_t, state.V, g * g)
     return M / (xp.sqrt(V) + cfg.eps), {"M": M, "V": V}
@@ -112,6 +105,3 @@ def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Names
     if zero:
         return {"M": xp.zeros_like(G0_rot), "V": xp.zeros_like(G0_rot)}
     return {"M": G0_rot, "V": G0_rot * G0_rot + f}
-
-
-FAMILY = Family(AdamState, ("M", "V"), init_moments, direction, constant_step_size)

@@ -26,15 +26,15 @@ For the paper's ODE (``c = kappa = a = 1``) ``H`` is the appendix's
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from ..._xp import Array, Namespace
-from ...config import BaseConfig, HfacConfig
-from ..schedules import beta_hat, clip_by_rms
-from . import common
-from .common import Constants, Family, FlowField, Moments
+from ...._xp import Array, Namespace
+from ....config import BaseConfig, HfacConfig
+from ...schedules import beta_hats, clip_by_rms
+from .. import common
+from ..common import Constants, FlowField, Moments
 
-__all__ = ["FAMILY", "HfacODEState", "HfacState", "normalization_constants"]
+__all__ = ["HfacODEState", "HfacState", "normalization_constants"]
 
 
 class HfacState(NamedTuple):
@@ -63,21 +63,11 @@ class HfacODEState(NamedTuple):
 # ----------------------------------------------------------------------------- discrete
 
 
-def init_moments(m: int, n: int, dtype: Any, device: Any, cfg: BaseConfig, xp: Namespace) -> Moments:
-    """``u_0 = r_0 = 0`` (m,), ``v_0 = s_0 = 0`` (n,)."""
-
-    def zeros(k: int) -> Array:
-        return xp.zeros((k,), dtype=dtype, device=device)
-
-    return {"u": zeros(m), "v": zeros(n), "r": zeros(m), "s": zeros(n)}
-
-
 def direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
     """Algorithm HfacDiag (module docstring)."""
     assert isinstance(cfg, HfacConfig)
     m, n = g.shape
-    b1_t = beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction)
-    b2_t = beta_hat(cfg.betas[1], t, xp, bias_correction=cfg.bias_correction)
+    b1_t, b2_t = beta_hats(cfg, t, xp)
     row_mean = xp.mean(g, axis=1)
     col_mean = xp.mean(g, axis=0)
     u = common.ema(b1_t, state.u, row_mean)
@@ -178,6 +168,3 @@ def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Names
     if zero:
         return {"u": xp.zeros((m,), dtype=G0_rot.dtype), "v": xp.zeros((n,), dtype=G0_rot.dtype), "r": r0, "s": s0}
     return {"u": xp.mean(G0_rot, axis=1), "v": xp.mean(G0_rot, axis=0), "r": r0, "s": s0}
-
-
-FAMILY = Family(HfacState, ("u", "v", "r", "s"), init_moments, direction, common.constant_step_size)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..._xp import Array, Namespace
-from ...config import AdafactorConfig, BaseConfig
-from ..schedules import adafactor_beta2, beta_hat, clip_by_rms, rms
-from . import common
-from .common import Constants, Family, FlowField, Moments
+from ...._xp import Array, Namespace
+from ....config import AdafactorConfig, BaseConfig
+from ...schedules import adafactor_beta2, beta_hat, clip_by_rms, first_moment_decay, rms
+from .. import common
+from ..common import Constants, FlowField, Moments
 
-__all__ = ["FAMILY", "AdafactorODEState", "AdafactorState", "second_moment_decay"]
+__all__ = ["AdafactorODEState", "AdafactorState", "second_moment_decay"]
 
 
 class AdafactorState(NamedTuple):
@@ -51,13 +51,6 @@ class AdafactorODEState(NamedTuple):
 # ----------------------------------------------------------------------------- discrete
 
 
-def init_moments(m: int, n: int, dtype: Any, device: Any, cfg: BaseConfig, xp: Namespace) -> Moments:
-    """``r_0 = 0`` (m,), ``s_0 = 0`` (n,), ``M_0 = 0`` (``m x n``) with momentum, else ``None``."""
-    assert isinstance(cfg, AdafactorConfig)
-    M = xp.zeros((m, n), dtype=dtype, device=device) if cfg.momentum else None
-    return {"M": M, "r": xp.zeros((m,), dtype=dtype, device=device), "s": xp.zeros((n,), dtype=dtype, device=device)}
-
-
 def second_moment_decay(cfg: AdafactorConfig, t: Array, xp: Namespace) -> Array:
     """``beta2_t``: Adafactor's ``1 - t^(-c)`` (``beta2_schedule="adafactor"``) or the bias-corrected ``beta_hat``."""
     if cfg.beta2_schedule == "adafactor":
@@ -72,7 +65,7 @@ def direction(state: AdafactorState, g: Array, t: Array, cfg: BaseConfig, xp: Na
     U = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     M = None
     if cfg.momentum:
-        M = common.ema(beta_hat(cfg.betas[0], t, xp, bias_correction=cfg.bias_correction), state.M, U)
+        M = common.ema(first_moment_decay(cfg, t, xp), state.M, U)
         U = M
     return U, {"M": M, "r": r, "s": s}
 
@@ -177,6 +170,3 @@ def initial_moments(c: Constants, G0_rot: Array, zero: bool, f: Array, xp: Names
     else:
         M0 = common.clipped_normalised(G0_rot, r0, s0, c.clip_threshold, xp)
     return {"M": M0, "r": r0, "s": s0}
-
-
-FAMILY = Family(AdafactorState, ("M", "r", "s"), init_moments, direction, step_size)

@@ -1,0 +1,43 @@
+"""The Adam family (AdamW, AdaDiag, AdaDiag++): its reference and its fast routes, side by side.
+
+* :mod:`.reference`: the state types, the discrete direction (Algorithm 1) and the continuous-time form
+  (the paper's Adam-ODE, ``H``, ``dH/dt``), in array-API code: the definition every route is tested against;
+* :mod:`.numba_route`: the numba kernels (NumPy) of the direction, the functional update and ``replay``'s
+  owned step;
+* :mod:`.torch_route`: ``update_in_place`` on CPU torch tensors (numba on zero-copy views, torch's ``sqrt``);
+* :mod:`.inplace`: ``update_in_place`` on any mutable backend (the numba moments, or the backend's ufuncs).
+
+:data:`SPEC` is the family's registry entry.
+"""
+
+from __future__ import annotations
+
+from ....config import AdamConfig, BaseConfig
+from ..common import flow_of, paper_defaults
+from ..registry import FamilySpec, Routes
+from . import inplace, numba_route, reference, torch_route
+from .reference import AdamODEState, AdamState
+
+__all__ = ["SPEC", "AdamODEState", "AdamState"]
+
+
+def moment_shapes(cfg: BaseConfig, m: int, n: int) -> dict[str, tuple[int, ...] | None]:
+    """``M``, ``V``: ``m x n``."""
+    return {"M": (m, n), "V": (m, n)}
+
+
+SPEC = FamilySpec(
+    name="adam",
+    config_type=AdamConfig,
+    state_type=AdamState,
+    moment_shapes=moment_shapes,
+    direction=reference.direction,
+    flow=flow_of(reference, AdamODEState, *paper_defaults(AdamConfig)),
+    routes=Routes(
+        direction=(numba_route.direction,),
+        update=(numba_route.update,),
+        step_owned=(numba_route.step_owned,),
+        in_place=(torch_route.in_place, inplace.in_place),
+    ),
+    report_lr=3e-2,
+)

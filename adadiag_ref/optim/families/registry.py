@@ -1,0 +1,173 @@
+r"""The one registry of optimizer families: what the core, its fast routes, the adapters, the report and the ODE read.
+
+A family is the moment rule shared by a baseline and its rotated forms (Adam -> AdamW, AdaDiag, AdaDiag++).
+Its entry, a :class:`FamilySpec`, says everything the rest of the library needs to know about it:
+
+* the state: the NamedTuple type and, for an ``m x n`` work frame, the shape of every moment field
+  (:attr:`FamilySpec.moment_shapes`; ``None`` for a field absent under that config); ``init`` makes them zero;
+* the reference discrete form: ``direction(S_{t-1}, G~, t, cfg, xp) -> (U~, moments)`` (array-API code, the
+  paper's equations) and ``step_size(cfg, t, W_t, eta, xp) -> eta_t``;
+* the continuous-time form (a :class:`~.common.Flow`, or ``None``): vector field, ``H``, ``dH/dt``;
+* the fast routes (:class:`Routes`), each a tuple of candidates tried in order: a candidate returns ``None``
+  when it does not apply (another backend, dtype or layout, ``kernels="reference"``), and a family without a
+  route of some kind simply takes the reference for it;
+* presentation: the report's learning rate.
+
+An *optimizer* is a family with a number of rotated sides (0 = the baseline, 1 = ``G~ = P^T G``, 2 =
+``G~ = P^T G Q``); its entry is :class:`~adadiag_ref.config.OptimizerSpec` in
+:data:`adadiag_ref.config.OPTIMIZERS` (name, family's config type, sides, class name).  The torch classes, the
+optax aliases, ``reproduce``'s table, the report's rows and the ODE systems are generated from these two tables.
+
+:func:`register_family` adds a family and its optimizers from outside the package (``docs/extending.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ...config import OPTIMIZERS, BaseConfig, OptimizerSpec
+from .common import Flow, Moments, constant_step_size
+
+__all__ = ["FAMILIES", "FamilySpec", "Routes", "family_of", "flows", "register_family"]
+
+DirectionRoute = Callable[[Any, Any, Any, BaseConfig, Any], "tuple[Any, Moments] | None"]
+"""``(state, G~, t, cfg, xp) -> (U~, moments)``, or ``None`` when the route does not apply."""
+
+
+class Routes(NamedTuple):
+    """A family's fast routes, by entry point; each a tuple of candidates tried in order, first applicable wins.
+
+    Every route computes what the reference computes (the same formulas in the same order, so the same bits or,
+    for the direction kernels, the same values to rounding), and says ``None`` when it does not apply.
+
+    Attributes:
+        direction: ``(state, G~, t, cfg, xp) -> (U~, moments) | None``: the family's direction
+            (:func:`adadiag_ref.optim.dispatch.direction`).
+        update: ``(state, layout, t, G~, W, cfg, eta, unrotate, xp) -> (delta, moments) | None``: the whole
+            functional update in the work frame (``update``).
+        step_owned: ``(state, layout, t, G~, W, cfg, eta, unrotate, xp, out) -> nonfinite | None``: a step whose
+            driver owns the state (``replay``), ``W_{t+1}`` written into ``out``.
+        in_place: ``(state, step_input, cfg, param, eta, xp) -> bool``: ``update_in_place``'s arithmetic on the
+            caller's buffers; ``False`` (nothing written) when it does not apply.
+    """
+
+    direction: tuple[DirectionRoute, ...] = ()
+    update: tuple[Callable[..., Any], ...] = ()
+    step_owned: tuple[Callable[..., Any], ...] = ()
+    in_place: tuple[Callable[..., Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family's registry entry (module docstring).
+
+    Attributes:
+        name: the family's name, ``cfg.family`` of its configs.
+        config_type: its frozen config class (a :class:`~adadiag_ref.config.BaseConfig` whose ``family`` is
+            ``name``).
+        state_type: its state, a NamedTuple ``(count, P, Q, *moments, param_shape)``.
+        moment_shapes: ``(cfg, m, n) -> {field: shape or None}`` for every moment field of ``state_type``, in
+            its order: the shapes ``init`` creates (zeros) and every step checks.
+        direction: the reference ``U~, moments = direction(S_{t-1}, G~, t, cfg, xp)``.
+        step_size: ``eta_t = step_size(cfg, t, W_t, eta, xp)`` (default: ``eta_t = eta``).
+        flow: the continuous-time form, or ``None`` (then no ODE system is made for it).
+        routes: the fast routes (:class:`Routes`).
+        report_lr: the learning rate ``adadiag-ref report`` runs it with.
+    """
+
+    name: str
+    config_type: type[BaseConfig]
+    state_type: type
+    moment_shapes: Callable[[BaseConfig, int, int], dict[str, tuple[int, ...] | None]]
+    direction: Callable[..., tuple[Any, Moments]]
+    step_size: Callable[..., Any] = constant_step_size
+    flow: Flow | None = None
+    routes: Routes = field(default_factory=Routes)
+    report_lr: float = 1e-2
+
+    @property
+    def moment_fields(self) -> tuple[str, ...]:
+        """The moment fields of the state, in order (every field but ``count``, ``P``, ``Q``, ``param_shape``)."""
+        fields: tuple[str, ...] = self.state_type._fields  # type: ignore[attr-defined]
+        return tuple(f for f in fields if f not in ("count", "P", "Q", "param_shape"))
+
+
+FAMILIES: dict[str, FamilySpec] = {}
+"""Every registered family, by name (the library's own three are registered when the package is imported)."""
+
+
+def family_of(cfg: BaseConfig) -> FamilySpec:
+    """The registry entry of ``cfg``'s family; ``ValueError`` naming the registered ones when there is none."""
+    try:
+        return FAMILIES[cfg.family]
+    except KeyError:
+        raise ValueError(
+            f"no family {cfg.family!r} is registered (registered: {', '.join(FAMILIES)}); see register_family"
+        ) from None
+
+
+def flows() -> dict[str, Flow]:
+    """The continuous-time forms of the registered families that have one, by family name."""
+    return {name: spec.flow for name, spec in FAMILIES.items() if spec.flow is not None}
+
+
+_STATE_HEAD = ("count", "P", "Q")
+
+
+def _check_spec(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec]) -> None:
+    """Refuse an entry the core could not run, before anything is registered."""
+    if not isinstance(spec, FamilySpec):
+        raise TypeError(f"register_family needs a FamilySpec, got {type(spec).__name__}")
+    if getattr(spec.config_type, "__dataclass_fields__", {}).get("family") is None or not issubclass(
+        spec.config_type, BaseConfig
+    ):
+        raise TypeError(f"config_type of family {spec.name!r} must be a BaseConfig dataclass")
+    if spec.config_type.__dataclass_fields__["family"].default != spec.name:
+        raise ValueError(
+            f"config_type {spec.config_type.__name__}.family is "
+            f"{spec.config_type.__dataclass_fields__['family'].default!r}, not the family's name {spec.name!r}: "
+            "declare family: str = field(default=NAME, init=False)"
+        )
+    fields = tuple(getattr(spec.state_type, "_fields", ()))
+    if fields[:3] != _STATE_HEAD or not fields or fields[-1] != "param_shape":
+        raise ValueError(
+            f"state_type of family {spec.name!r} must be a NamedTuple (count, P, Q, *moments, param_shape), "
+            f"got fields {fields}"
+        )
+    shapes = spec.moment_shapes(spec.config_type(), 2, 3)
+    if tuple(shapes) != spec.moment_fields:
+        raise ValueError(
+            f"moment_shapes of family {spec.name!r} gives fields {tuple(shapes)}, but its state has "
+            f"{spec.moment_fields} (same fields, same order)"
+        )
+    if spec.flow is not None and not isinstance(spec.flow, Flow):
+        raise TypeError(f"flow of family {spec.name!r} must be a Flow or None")
+    for name, entry in optimizers.items():
+        if not isinstance(entry, OptimizerSpec) or entry.config_type is not spec.config_type:
+            raise ValueError(f"optimizer {name!r} must be an OptimizerSpec of config_type {spec.config_type.__name__}")
+        if entry.sides not in (0, 1, 2):
+            raise ValueError(f"optimizer {name!r}: sides must be 0, 1 or 2, got {entry.sides!r}")
+        if not name.isidentifier() or not entry.class_name.isidentifier():
+            raise ValueError(f"optimizer {name!r} and its class name {entry.class_name!r} must be identifiers")
+
+
+def register_family(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec], *, replace: bool = False) -> None:
+    """Add a family and its optimizers to the registry, from inside the package or outside it.
+
+    After the call, ``make_config(name)`` builds each optimizer's config, and ``init``, ``step``, ``update``,
+    ``update_in_place``, ``replay``, ``memory.state_nbytes``, the torch adapter (``CoreOptimizer(params, name)``,
+    ``pytorch.optimizer_class(name)``), the optax adapter (``optax.alias(name)``, ``optax.scale_by(name)``) and,
+    with a ``flow``, the ODE (``make_system(name)``) run it; a fast route it lacks is the reference.
+    ``replace=True`` overwrites an entry of the same name (for a notebook that redefines a family); otherwise a
+    name already taken raises ``ValueError``.  Checked before anything is written: a refused call registers
+    nothing.
+    """
+    _check_spec(spec, optimizers)
+    if not replace:
+        taken = sorted({spec.name} & set(FAMILIES)) + sorted(set(optimizers) & set(OPTIMIZERS))
+        if taken:
+            raise ValueError(f"already registered: {', '.join(taken)} (pass replace=True to redefine)")
+    FAMILIES[spec.name] = spec
+    OPTIMIZERS.update(optimizers)
