@@ -57,6 +57,30 @@ def _entry(module_name: str, name: str, obj: Any) -> list[str]:
     return lines
 
 
+ENTRY_POINTS = [
+    "## Which entry point is for what",
+    "",
+    "| entry point | what it does | use it for |",
+    "|---|---|---|",
+    "| `step(state, G, cfg, W)` | checks the input, refreshes the basis when due, updates; returns `(W_next, state)` "
+    "| an eager training loop of your own (the reference driver) |",
+    "| `step(..., out=buffer)` | the same bits, `W_next` written into `buffer`; the state's moments may be "
+    "updated in place | a driver that owns the state (`replay` is one) |",
+    "| `refresh_basis`, `update` | the two pure halves of `step` (`update` never refreshes); `update` returns "
+    "`(delta, state)` | `jax.jit`, custom schedules, your own refresh policy |",
+    "| `update_in_place(state, G, cfg, W)` | `update` followed by `W += delta`, bit for bit, into the caller's "
+    "buffers | frameworks with mutable tensors (the torch adapter) |",
+    "| `optim.core.preconditioned_direction` | `P U~ Q^T` without step size or decay | optax-style `scale_by` "
+    "blocks |",
+    "| `replay(name, W0, grads, ...)` | a whole gradient stream through `step`; the trajectory | golden files, "
+    "comparing another implementation step by step |",
+    "| `check_inputs`, `refresh_due` | the checks and the schedule `step` applies | drivers built from the pure "
+    "halves |",
+    "",
+]
+"""The table at the top of the page (issue-level guidance no docstring holds)."""
+
+
 def render() -> str:
     """The whole page, as a string."""
     out = [
@@ -64,8 +88,9 @@ def render() -> str:
         "",
         "Generated from the docstrings by `python scripts/gen_api.py` (do not edit by hand; "
         "`tests/test_api_docs.py` fails when this page is stale). The equations are in [spec.md](spec.md); "
-        "the framework adapters in [adapters.md](adapters.md).",
+        "the framework adapters in [adapters.md](adapters.md); adding a family in [extending.md](extending.md).",
         "",
+        *ENTRY_POINTS,
     ]
     for module_name in MODULES:
         module = importlib.import_module(module_name)

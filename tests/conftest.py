@@ -14,6 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Set before any test imports JAX: on a GPU machine each pytest-xdist worker's JAX would otherwise take 75 % of
+# the device at start-up, and the second worker's first allocation fails (CUDA out of memory under -n 8 on an
+# H100).  Allocating on demand lets the workers share the device; a CPU machine is unaffected.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 settings.register_profile("default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("slow", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -56,3 +56,13 @@ def test_update_traces_under_jax_jit() -> None:
         delta, new_state = jitted(state, jnp.asarray(g), jnp.asarray(w), jnp.asarray(True))
         np.testing.assert_allclose(np.asarray(delta), eager, rtol=1e-12, atol=1e-15)
         assert int(new_state.count) == 1
+
+
+def test_jax_allocates_gpu_memory_on_demand_under_pytest() -> None:
+    # every xdist worker imports JAX; preallocation (75 % of the device each) made the second one run out of memory
+    import os
+
+    assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false"
+    jax = pytest.importorskip("jax")
+    del jax
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # JAX reads it at import; nothing reset it
