@@ -70,8 +70,7 @@ ENTRY_POINTS = [
     "`(delta, state)` | `jax.jit`, custom schedules, your own refresh policy |",
     "| `update_in_place(state, G, cfg, W)` | `update` followed by `W += delta`, bit for bit, into the caller's "
     "buffers | frameworks with mutable tensors (the torch adapter) |",
-    "| `optim.core.preconditioned_direction` | `P U~ Q^T` without step size or decay | optax-style `scale_by` "
-    "blocks |",
+    "| `optim.core.preconditioned_direction` | `P U~ Q^T` without step size or decay | optax-style `scale_by` blocks |",
     "| `replay(name, W0, grads, ...)` | a whole gradient stream through `step`; the trajectory | golden files, "
     "comparing another implementation step by step |",
     "| `check_inputs`, `refresh_due` | the checks and the schedule `step` applies | drivers built from the pure "
