@@ -9,13 +9,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["INPUT_ERRORS", "ErrorParser", "check_output_file", "fail", "finite_positive", "positive_int", "run_parsed"]
+__all__ = [
+    "INPUT_ERRORS",
+    "ErrorParser",
+    "add_progress_flags",
+    "bar_disable",
+    "check_output_file",
+    "fail",
+    "finite_positive",
+    "input_file",
+    "int_at_least",
+    "int_list",
+    "output_file",
+    "positive_int",
+    "run_parsed",
+]
 
 PROG = "adadiag-ref"
 
@@ -85,22 +100,105 @@ def finite_nonnegative(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1 (step counts)."""
+def _int(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
-def check_output_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an output file whose folder is missing or which names a folder (``ValueError``)."""
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse ``type=`` factory: an integer ``>= minimum`` (counts, sizes, seeds)."""
+
+    def convert(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    convert.__name__ = f"int_at_least_{minimum}"
+    return convert
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (step counts)."""
+    return int_at_least(1)(text)
+
+
+def int_list(minimum: int) -> Callable[[str], list[int]]:
+    """argparse ``type=`` factory: a non-empty comma list of distinct integers, each ``>= minimum`` (seeds, sides)."""
+
+    def convert(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"every value must be an integer >= {minimum}, got {text!r}")
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
+        return values
+
+    convert.__name__ = "int_list"
+    return convert
+
+
+def _output_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (its folder missing or read-only, or a folder itself), or None."""
     target = Path(path)
     folder = target.parent
     if not folder.is_dir():
-        raise ValueError(f"{flag} {path}: folder {str(folder)!r} does not exist")
+        return f"folder {str(folder)!r} does not exist"
     if target.is_dir():
-        raise ValueError(f"{flag} {path}: is a folder, not a file")
+        return "is a folder, not a file"
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "is not writable"
+    return None
+
+
+def output_file(text: str) -> str:
+    """argparse ``type=``: a file that can be written (its folder exists and is writable); checked at parse time."""
+    problem = _output_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return text
+
+
+def input_file(text: str) -> str:
+    """argparse ``type=``: an existing, readable file (not a folder); checked at parse time."""
+    target = Path(text)
+    if not target.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if target.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder, not a file")
+    if not os.access(target, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: is not readable")
+    return text
+
+
+def add_progress_flags(parser: Any) -> None:
+    """``--progress`` / ``--no-progress`` (dest ``progress``: ``True``, ``False`` or ``None``, the default).
+
+    ``None`` means a bar only when stderr is a terminal: tqdm's ``disable=None`` (:func:`bar_disable`), so a
+    redirected stderr receives no bars."""
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress bars")
+    bar.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show them (default: on a terminal)"
+    )
+
+
+def bar_disable(progress: bool | None) -> bool | None:
+    """tqdm's ``disable`` for a ``progress`` flag: ``None`` (only when stderr is a terminal) stays ``None``."""
+    return None if progress is None else not progress
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file whose folder is missing or read-only, or which names a folder.
+
+    Raises ``ValueError`` naming ``flag`` and ``path``."""
+    problem = _output_problem(path)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")

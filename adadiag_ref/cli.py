@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from ._cli import ErrorParser, parse_and_run
+from ._cli import ErrorParser, add_progress_flags, parse_and_run
 
 # modules that contribute subcommands through add_parser(subparsers)
 _SUBCOMMAND_MODULES = (
@@ -40,7 +40,7 @@ def _report(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"adadiag-ref: error: {exc}", file=sys.stderr)
         return 2
-    rows = run_report(steps=args.steps, backends=args.backend or None)
+    rows = run_report(steps=args.steps, backends=args.backend or None, progress=args.progress)
     if not rows:  # e.g. cupy installed but no GPU
         print("adadiag-ref: error: none of the requested backends could run here", file=sys.stderr)
         return 2
@@ -49,12 +49,12 @@ def _report(args: argparse.Namespace) -> int:
         print(f"loss curves, every backend, refreshes marked: {args.plot}")
     if not args.no_ode:
         print()
-        ode_rows = ode_summary()
+        ode_rows = ode_summary(progress=args.progress)
         if args.plot:
             plot_ode(ode_rows, ode_plot_path(args.plot))
             print(f"Hamiltonian along every ODE: {ode_plot_path(args.plot)}")
     print()
-    ok = golden_summary()
+    ok = golden_summary(progress=args.progress)
     print()
     memory_summary()
     return 0 if ok else 1
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help="draw the loss curves of every backend to PNG and the ODE's H(t) to PNG-ode.png"
     )
     report.add_argument("--no-ode", action="store_true", help="skip the ODE (Hamiltonian) section")
+    add_progress_flags(report)
     report.set_defaults(func=_report)
     for module_name in _SUBCOMMAND_MODULES:
         try:

@@ -33,3 +33,28 @@ def test_report_losses_decrease() -> None:
 def test_unknown_subcommand_is_an_error() -> None:
     with pytest.raises(SystemExit):
         main(["frobnicate"])
+
+
+@pytest.mark.parametrize(("flags", "progress"), [([], None), (["--progress"], True), (["--no-progress"], False)])
+def test_report_passes_its_progress_flag_to_every_phase(
+    flags: list[str], progress: bool | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # None: bars only when stderr is a terminal (tqdm's disable=None); the flag forces them on or off
+    from adadiag_ref import report
+
+    seen: dict[str, object] = {}
+
+    def phase(name: str, result: object) -> object:
+        def record(*args: object, **kwargs: object) -> object:
+            seen[name] = kwargs.get("progress", "not passed")
+            return result
+
+        return record
+
+    monkeypatch.setattr(report, "run_report", phase("run_report", ["a row"]))
+    monkeypatch.setattr(report, "ode_summary", phase("ode_summary", []))
+    monkeypatch.setattr(report, "golden_summary", phase("golden_summary", True))
+    monkeypatch.setattr(report, "memory_summary", phase("memory_summary", None))
+    assert main(["report", "--backend", "numpy", *flags]) == 0
+    assert seen == {"run_report": progress, "ode_summary": progress, "golden_summary": progress,
+                    "memory_summary": "not passed"}  # fmt: skip

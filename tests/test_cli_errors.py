@@ -1,13 +1,18 @@
-"""CLI misuse (issue 10, item 5): one line ``adadiag-ref: error: ...`` on stderr and exit 2, never a traceback.
+"""CLI misuse (issues 10 and 26): one line ``adadiag-ref: error: ...`` on stderr and exit 2, never a traceback.
 
 ``replay``, ``ode`` and ``golden verify`` are run in-process through the main
 entry point; a hang would show as a test that never ends, so the ODE cases that
 used to run forever are refused before any integration starts.
+
+:func:`test_every_bad_option_is_refused_up_front` walks every numeric and path option of every
+subcommand: the message names the option and the value, and no work starts (the functions that would do
+it are replaced by ones that fail the test).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -202,3 +207,118 @@ def test_usage_errors_are_one_line_too(capsys) -> None:
     for argv in (["frobnicate"], ["replay"], ["golden"], ["ode", "--optimizer", "adam", "--t-end"]):
         code, _, err = _run(argv, capsys)
         _assert_one_line_error(code, err)
+
+
+# ------------------------------------------------------------------ every option checked up front (issue 26)
+
+_SLOW_WORK = [  # (module, attribute): what each subcommand calls once its options are accepted
+    ("adadiag_ref.reproduce.train", "compare"),
+    ("adadiag_ref.perf.bench", "run"),
+    ("adadiag_ref.perf.steady", "run"),
+    ("adadiag_ref.perf.refresh", "run_routes"),
+    ("adadiag_ref.perf.refresh", "run_scaling"),
+    ("adadiag_ref.ode.cli", "check"),
+    ("adadiag_ref.golden.cli", "run_core"),
+    ("adadiag_ref.report", "run_report"),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subcommand's work fails the test: an option error must come before it."""
+    import importlib
+
+    for module, name in _SLOW_WORK:
+
+        def started(*args: object, _name: str = f"{module}.{name}", **kwargs: object) -> None:
+            raise AssertionError(f"{_name} ran before the options were checked")
+
+        monkeypatch.setattr(importlib.import_module(module), name, started)
+
+
+# {missing}: a path in a folder that does not exist; {folder}: an existing folder; {text}: a text file
+_BAD_OPTIONS: list[tuple[list[str], str]] = [
+    (["reproduce", "--quick", "--batch", "-3"], "--batch"),
+    (["reproduce", "--batch", "0"], "--batch"),
+    (["reproduce", "--steps", "-5"], "--steps"),
+    (["reproduce", "--steps", "1"], "--steps"),
+    (["reproduce", "--steps", "ten"], "--steps"),
+    (["reproduce", "--update-freq", "0"], "--update-freq"),
+    (["reproduce", "--threads", "0"], "--threads"),
+    (["reproduce", "--jobs", "-1"], "--jobs"),
+    (["reproduce", "--seeds", ""], "--seeds"),
+    (["reproduce", "--seeds", "0,-1"], "--seeds"),
+    (["reproduce", "--seeds", "1,1"], "--seeds"),
+    (["reproduce", "--seeds", "a,b"], "--seeds"),
+    (["reproduce", "--lr-grid", "0"], "--lr-grid"),
+    (["reproduce", "--lr-grid", "nan"], "--lr-grid"),
+    (["reproduce", "--optimizers", "nope"], "--optimizers"),
+    (["reproduce", "--json", "{missing}"], "--json"),
+    (["reproduce", "--json", "{folder}"], "--json"),
+    (["reproduce", "--plot", "{missing}"], "--plot"),
+    (["bench", "--quick", "--reps", "-1"], "--reps"),
+    (["bench", "--reps", "0"], "--reps"),
+    (["bench", "--period", "0"], "--period"),
+    (["bench", "--refresh-routes", "--threads", "0"], "--threads"),
+    (["bench", "--refresh-scaling", "--sides", "1,x"], "--sides"),
+    (["bench", "--refresh-scaling", "--sides", "0,64"], "--sides"),
+    (["bench", "--refresh-scaling", "--plot", "{missing}"], "--plot"),
+    (["bench", "--plot", "{folder}/scaling.png"], "--plot"),  # --plot draws only --refresh-scaling's figure
+    (["memory", "--dtype", "fp8"], "--dtype"),
+    (["ode", "--optimizer", "adam", "--plot", "{missing}"], "--plot"),
+    (["ode", "--optimizer", "adam", "--plot", "{folder}"], "--plot"),
+    (["ode", "--optimizer", "adam", "--seed", "-1"], "--seed"),
+    (["replay", "--optimizer", "adadiag", "--output", "{folder}/o.npz", "--input", "{text}"], "--input"),
+    (["replay", "--optimizer", "adadiag", "--output", "{folder}/o.npz", "--input", "{missing}"], "--input"),
+    (["replay", "--optimizer", "adadiag", "--output", "{folder}/o.npz", "--input", "{folder}"], "--input"),
+    (["replay", "--optimizer", "adadiag", "--input", "{text}", "--output", "{missing}"], "--output"),
+    (["replay", "--optimizer", "adadiag", "--input", "{text}", "--output", "{folder}"], "--output"),
+    (["report", "--steps", "0"], "--steps"),
+    (["report", "--plot", "{missing}"], "--plot"),
+]
+_ALSO_NAMED = {("bench", "--plot"): {"--refresh-scaling"}}  # a message may name the option that is missing
+
+
+@pytest.mark.parametrize(("template", "option"), _BAD_OPTIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_every_bad_option_is_refused_up_front(
+    template: list[str], option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None
+) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not an array file\n")
+    places = {"missing": str(tmp_path / "no" / "such" / "out.png"), "folder": str(tmp_path), "text": str(text)}
+    argv = [arg.format(**places) for arg in template]
+    value = argv[len(argv) - 1 - argv[::-1].index(option) + 1]
+    code, out, err = _run(argv, capsys)
+    _assert_one_line_error(code, err, option, value)
+    assert out == ""
+    named = set(re.findall(r"--[a-z][a-z-]*", err)) - {"--help"}
+    assert option in named and named <= {option, *_ALSO_NAMED.get((argv[0], option), set())}, err
+
+
+def test_no_option_is_a_bare_int() -> None:
+    # counts, sizes and seeds go through adadiag_ref._cli's checked types (a bare int takes -3 and fails later)
+    from adadiag_ref.cli import build_parser
+
+    seen: dict[str, object] = {}
+    parser = build_parser()
+    stack = [parser]
+    while stack:
+        current = stack.pop()
+        for action in current._actions:
+            if action.choices and isinstance(action.choices, dict):
+                stack.extend(action.choices.values())  # sub-parsers
+            elif action.type is int:
+                seen[f"{current.prog} {action.option_strings}"] = action.type
+    assert seen == {"adadiag-ref report ['--steps']": int}  # checked (with the plot) by report.check_options
+
+
+def test_a_truncated_golden_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = _copy_of_shipped_set(tmp_path)
+    victim = sorted(target.glob("*.npz"))[1]
+    blob = victim.read_bytes()
+    victim.write_bytes(blob[: len(blob) - 100])  # the central directory at the end is cut off
+    code, _, err = _run(["golden", "verify", str(target)], capsys)
+    _assert_one_line_error(code, err, victim.name)
+    (target / "manifest.json").write_text("{ truncated")
+    code, _, err = _run(["golden", "verify", str(target)], capsys)
+    _assert_one_line_error(code, err, "manifest.json")

@@ -13,6 +13,7 @@ magnitude of margin at n <= 64).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -175,6 +176,40 @@ def test_bench_quick_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--quick", "--reps", "1", "--no-torch", "--no-refresh"]) == 0
     out = capsys.readouterr().out
     assert "roofline" in out and "AdaDiag" in out
+
+
+def test_bench_call_log_notes_a_dominant_first_call_and_a_wide_spread() -> None:
+    # Not timed: the recorded seconds are set by hand, the note is what the table prints under a row.
+    from adadiag_ref.perf.bench import CallLog
+
+    log = CallLog(lambda: None, warmup=1)
+    log.seconds = [0.1657, 0.0010, 0.0011, 0.0012]  # the first call 150x the median (issue 26's fused row)
+    note = log.note(0.0011)
+    assert note is not None and "first call 165.7 ms, 151x the median" in note and "not in the median" in note
+    log.seconds = [0.0012, 0.0010, 0.0050]  # a steady first call, timed calls 5x apart
+    assert log.note(0.003) == "timed calls from 1.0 to 5.0 ms (the machine was not steady: rerun on an idle one)"
+    log.seconds = [0.0012, 0.0010, 0.0011]
+    assert log.note(0.00105) is None
+    assert CallLog(lambda: 7, warmup=0)() == 7
+
+
+def test_bench_rows_are_warmed_up_and_their_notes_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not timed: with FIRST_CALL_FACTOR = 0 every logged row is "dominated" by its first call, so each must
+    # carry a mark and a note; the logs show the warm-up calls that came before the timed ones.
+    pytest.importorskip("threadpoolctl")
+    from adadiag_ref.perf import bench
+
+    monkeypatch.setattr(bench, "FIRST_CALL_FACTOR", 0.0)
+    lines: list[str] = []
+    res = bench.run(quick=True, reps=2, use_torch=False, refresh=False, functional=False, out=lines.append)
+    calls = {key: len(seconds) for key, seconds in res["calls_s"].items()}
+    assert calls == {"adamw_engine": 1 + 2, "adadiag_engine": 2 + 2}  # warm-up calls + timed calls
+    text = "\n".join(lines)
+    for row in ("AdamW numba fused in place (engine)", "AdaDiag numba + BLAS in place (engine)"):
+        (line,) = [x for x in lines if x.startswith(row)]
+        mark = line.rsplit("  ", 1)[-1]
+        assert re.fullmatch(r"\[\d\]", mark), line
+        assert f"  {mark} {row}: first call " in text
 
 
 def test_bench_torch_adapter_row_runs_from_the_repository_root() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -198,6 +199,51 @@ def test_outputs_into_a_missing_folder_fail_before_the_run(
 
     monkeypatch.setattr(train, "compare", no_run)
     target = tmp_path / "missing" / ("r.json" if flag == "--json" else "r.png")
-    assert main(["reproduce", "--task", "digits", "--quick", flag, str(target)]) == 2
+    with pytest.raises(SystemExit) as exc:  # refused by the parser (adadiag_ref._cli.output_file)
+        main(["reproduce", "--task", "digits", "--quick", flag, str(target)])
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("adadiag-ref: error:") and "does not exist" in err[0]
+
+
+_TINY = ["reproduce", "--quick", "--optimizers", "adamw", "--seeds", "0", "--steps", "2", "--lr-grid", "1e-2"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("flags", "terminal", "bars"),
+    [([], False, False), ([], True, True), (["--progress"], False, True), (["--no-progress"], True, False)],
+)
+def test_progress_bars_only_on_a_terminal_or_when_asked(
+    flags: list[str], terminal: bool, bars: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a redirected stderr used to receive every bar (518 lines for the --quick run)
+    from adadiag_ref.cli import main
+
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main([*_TINY, *flags]) == 0
+    assert ("charlm: runs" in stderr.getvalue()) == bars, stderr.getvalue()
+    assert "speed-up over AdamW" in capsys.readouterr().out
+
+
+def test_speedups_are_printed_with_three_decimals_and_their_range(capsys: pytest.CaptureFixture[str]) -> None:
+    from adadiag_ref.reproduce.cli import _print_table
+
+    run = {"optimizer": "adamw", "lr": 1e-2, "seed": 0, "final_val_loss": 2.0, "optimizer_ms_per_step": 1.0,
+           "step_ms": 2.0}  # fmt: skip
+    result = {
+        "selected_lr": {"adamw": 1e-2, "adadiag": 1e-2, "hfacdiag": 1e-2},
+        "runs": [run],
+        "speedup": {"adamw": 1.0, "adadiag": 1.04, "hfacdiag": None},
+        "speedup_per_seed": {"adamw": [1.0, 1.0], "adadiag": [1.0444444444, 1.0355555555], "hfacdiag": [1.4, None]},
+    }
+    _print_table(result)
+    out = capsys.readouterr().out
+    assert "  adamw          1.000x  seeds 1.000, 1.000 (range 1.000-1.000)\n" in out
+    assert "  adadiag        1.040x  seeds 1.044, 1.036 (range 1.036-1.044)\n" in out
+    assert "  hfacdiag       None  seeds 1.400, None\n" in out

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
-from .._cli import INPUT_ERRORS, ErrorParser, fail, parse_and_run
+from .._cli import INPUT_ERRORS, ErrorParser, fail, input_file, output_file, parse_and_run
 from ..config import OPTIMIZERS, make_config
 from .format import config_to_dict, default_data_dir
 from .generator import generate, run_core
@@ -78,6 +79,8 @@ def run_replay(args: argparse.Namespace) -> int:
         cfg = make_config(args.optimizer, **_parse_config(args.config))
     except (*INPUT_ERRORS,) as exc:
         return fail(f"replay: bad config: {exc}")
+    if not zipfile.is_zipfile(args.input):  # numpy would call a text file "pickled (object) data"
+        return fail(f"replay: --input {args.input} is not an .npz file (a zip of arrays, as np.savez writes)")
     try:
         with np.load(args.input, allow_pickle=False) as data:
             missing = [k for k in ("w0", "grads") if k not in data.files]
@@ -121,8 +124,8 @@ def add_parser(subparsers: Any) -> None:
     replay = subparsers.add_parser("replay", help="run an optimizer on w0 and grads from a file")
     replay.add_argument("--optimizer", required=True, choices=list(OPTIMIZERS))
     replay.add_argument("--config", default=None, help="JSON object of config fields, or @file.json")
-    replay.add_argument("--input", required=True, help=".npz with w0 (S) and grads (K, *S)")
-    replay.add_argument("--output", required=True, help=".npz to write params (K, *S) to")
+    replay.add_argument("--input", required=True, type=input_file, help=".npz with w0 (S) and grads (K, *S)")
+    replay.add_argument("--output", required=True, type=output_file, help=".npz to write params (K, *S) to")
     replay.set_defaults(func=run_replay)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,10 @@ def load_manifest(directory: str | Path | None = None) -> dict[str, Any]:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FileNotFoundError(f"no {MANIFEST_NAME} in {path}; run `adadiag-ref golden generate --out {path}`")
-    manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    try:
+        manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:  # its message names a line and a column, not the file
+        raise ValueError(f"{manifest_path} is not valid JSON: {exc}") from exc
     if manifest.get("format") != FORMAT_NAME:
         raise ValueError(f"{manifest_path} is not an {FORMAT_NAME} manifest (format={manifest.get('format')!r})")
     version = manifest.get("format_version")
@@ -237,8 +241,12 @@ def load_manifest(directory: str | Path | None = None) -> dict[str, Any]:
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return {key: np.asarray(data[key]) for key in data.files}
+    """The arrays of one case file; a truncated or corrupt file is a ``ValueError`` that names it."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: np.asarray(data[key]) for key in data.files}
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:  # numpy's and zipfile's messages omit the path
+        raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
 
 
 def load_cases(

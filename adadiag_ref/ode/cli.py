@@ -11,13 +11,24 @@ The main ``adadiag-ref`` command registers this subcommand with :func:`add_parse
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import sys
 import time
 from typing import Any
 
-from .._cli import ErrorParser, fail, finite_nonnegative, finite_positive, parse_and_run, positive_int
+from .._cli import (
+    ErrorParser,
+    add_progress_flags,
+    fail,
+    finite_nonnegative,
+    finite_positive,
+    int_at_least,
+    output_file,
+    parse_and_run,
+    positive_int,
+)
 from .checks import CheckResult, check
 from .problems import PROBLEMS, make_problem
 from .solvers import SOLVERS
@@ -34,20 +45,16 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--integrator", default="dopri5", choices=_INTEGRATOR_CHOICES, help="time integrator")
     parser.add_argument("--t-end", type=finite_positive, default=10.0, help="final ODE time T (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    parser.add_argument("--plot", metavar="PATH", help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)")
+    parser.add_argument(
+        "--plot", metavar="PATH", type=output_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
+    )
     group = parser.add_argument_group("integration")
     group.add_argument("--dt", type=finite_positive, help="fixed step (Euler types, rk4); default T/2000 or T/200")
     group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5 relative tolerance (1e-8)")
     group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
     group.add_argument("--max-steps", type=positive_int, default=1_000_000, help="give up after this many steps")
     group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
-    bar = group.add_mutually_exclusive_group()
-    bar.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="always show the progress bar"
-    )
-    bar.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="never show it (default: on a terminal)"
-    )
+    add_progress_flags(group)
     sysg = parser.add_argument_group("system")
     sysg.add_argument("--a", type=finite_nonnegative, default=1.0, help="first-moment rate a (1 - beta1 = a * lr)")
     sysg.add_argument("--b", type=finite_nonnegative, default=1.0, help="second-moment rate b (1 - beta2 = b * lr)")
@@ -60,7 +67,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     sysg.add_argument("--refresh-every", type=finite_positive, help="refresh the basis every T time units")
     sysg.add_argument("--moments", choices=["gradient", "zero"], default="gradient", help="initial moments")
     sysg.add_argument("--floor", type=finite_nonnegative, default=1e-4, help="relative floor of initial second moments")
-    sysg.add_argument("--seed", type=int, default=0, help="problem data seed")
+    sysg.add_argument("--seed", type=int_at_least(0), default=0, help="problem data seed (an integer >= 0)")
 
 
 def build_parser(prog: str = "adadiag-ref ode") -> argparse.ArgumentParser:
@@ -141,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     stopped early, 2 for invalid options, 3 when the initial state is ill posed.
     """
     start = time.perf_counter()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the integration, not after it
+        return fail('ode: --plot needs matplotlib: pip install "adadiag-ref[plot]"')
     try:
         system = make_system(args.optimizer, **_system_options(args))
         problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))

@@ -112,6 +112,44 @@ def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return statistics.median(call_times(fn, reps, warmup))
 
 
+FIRST_CALL_FACTOR = 5.0
+"""A row whose first (warm-up, untimed) call took this many times its median gets a note under the table."""
+SPREAD_FACTOR = 3.0
+"""A row whose slowest timed call took this many times its fastest gets a note: the machine was not steady."""
+
+
+class CallLog:
+    """``fn`` wrapped so that the seconds of every call, warm-up calls included, are kept in ``seconds``.
+
+    The table's rows are timed through one (``warmup`` untimed calls, then the timed ones), so that
+    :meth:`note` can say when a row's first call cost far more than its median (lazy set-up, first page
+    faults, thread-pool start) or when its timed calls spread widely, instead of printing a bare ratio."""
+
+    def __init__(self, fn: Callable[[], Any], warmup: int) -> None:
+        self.fn, self.warmup = fn, warmup
+        self.seconds: list[float] = []
+
+    def __call__(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.fn()
+        finally:
+            self.seconds.append(time.perf_counter() - t0)
+
+    def note(self, median: float) -> str | None:
+        """What the reader of a row with this ``median`` (seconds) should know, or ``None``."""
+        notes = []
+        if self.warmup and self.seconds and self.seconds[0] >= FIRST_CALL_FACTOR * median:
+            first = self.seconds[0]
+            notes.append(f"first call {first * 1e3:.1f} ms, {first / median:.0f}x the median (a warm-up call, "
+                         f"not in the median)")  # fmt: skip
+        timed = self.seconds[self.warmup :]
+        if timed and max(timed) >= SPREAD_FACTOR * min(timed):
+            notes.append(f"timed calls from {min(timed) * 1e3:.1f} to {max(timed) * 1e3:.1f} ms (the machine "
+                         f"was not steady: rerun on an idle one)")  # fmt: skip
+        return "; ".join(notes) or None
+
+
 # ----------------------------------------------------------------------------- roofline
 
 
@@ -530,32 +568,37 @@ def _run(
     out(f"roofline: in-place triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s "
         f"(per shape: {', '.join(f'{m}x{n} {r / 1e9:.0f}' for (m, n), r in sorted(rates.items()))})")  # fmt: skip
     res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak, "blas_threads": threads, "rule": rule}
-    rows: list[tuple[str, float, float | None, str]] = []
+    rows: list[tuple[str, str, float, float | None, str]] = []  # key in res, text, seconds, bound, kind
 
     # AdamW
+    # every row but the functional ones (FunctionalSteps warms up on its own) is timed through a CallLog
+    logs: dict[str, CallLog] = {}
     eng = AdamWEngine(specs)
     adamw_bound = eng.bytes_moved() / bw
+    logs["adamw_engine"] = CallLog(eng.step, warmup=1)
     if use_torch:  # the engine and torch's fused AdamW in alternation: a fair head-to-head on a drifting VM
         fused = torch_adamw(specs, fused=True)
+        logs["torch_adamw_fused"] = CallLog(fused.step, warmup=1)
         pause = 0.01 if quick else 0.3
-        pair = interleaved_medians({"adamw_engine": eng.step, "torch_adamw_fused": fused.step}, reps, pause=pause)
-        res.update(pair)
+        res.update(interleaved_medians({key: logs[key] for key in ("adamw_engine", "torch_adamw_fused")}, reps,
+                                       warmup=1, pause=pause))  # fmt: skip
         del fused
     else:
-        res["adamw_engine"] = median_time(eng.step, reps)
+        res["adamw_engine"] = median_time(logs["adamw_engine"], reps, warmup=1)
     del eng
     if functional:
         res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
         res["adamw_in_place"] = bench_functional("adamw", specs, max(2, reps // 2), in_place=True)
     if use_torch:
-        res["torch_adamw_foreach"] = bench_torch_adamw(specs, reps, foreach=True)
+        logs["torch_adamw_foreach"] = CallLog(torch_adamw(specs, foreach=True).step, warmup=1)
+        res["torch_adamw_foreach"] = median_time(logs["torch_adamw_foreach"], reps, warmup=1)
     for key, text in [("adamw_engine", "AdamW numba fused in place (engine)"),
                       ("adamw_functional", "AdamW ar.update (functional reference)"),
                       ("adamw_in_place", "AdamW ar.update_in_place (NumPy)"),
                       ("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)"),
                       ("torch_adamw_fused", "torch.optim.AdamW(fused=True)")]:  # fmt: skip
         if key in res:
-            rows.append((text, res[key], adamw_bound, "bandwidth bound"))
+            rows.append((key, text, res[key], adamw_bound, "bandwidth bound"))
 
     # AdaDiag
     eng2 = AdaDiagEngine(specs, rule=rule)
@@ -563,33 +606,44 @@ def _run(
     elem_bound = eng2.bytes_moved() / bw
     adadiag_bound = gemm_bound + elem_bound
 
-    res["adadiag_engine"] = median_time(eng2.step, reps, warmup=2)
+    logs["adadiag_engine"] = CallLog(eng2.step, warmup=2)
+    res["adadiag_engine"] = median_time(logs["adadiag_engine"], reps, warmup=2)
     eng2.close()
     if functional:
         res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2), rule)
         res["adadiag_in_place"] = bench_functional("adadiag", specs, max(2, reps // 2), rule, in_place=True)
     if use_torch:
         try:
-            adapter = bench_torch_adapter(specs, max(3, reps // 2), rule)
+            steps = torch_adapter_steps(specs, rule)
         except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
             out(f"  torch adapter not importable: {exc}")
-        else:
-            res["torch_adadiag_adapter"] = adapter["adapter"]
-            res["torch_adadiag_core"] = adapter["core"]
-    rows.append(("AdaDiag numba + BLAS in place (engine)", res["adadiag_engine"], adadiag_bound, "GEMM + bytes"))
+        else:  # as bench_torch_adapter, through CallLogs
+            for key, name in (("torch_adadiag_adapter", "adapter"), ("torch_adadiag_core", "core")):
+                logs[key] = CallLog(steps[name], warmup=1)
+                res[key] = median_time(logs[key], max(3, reps // 2), warmup=1)
+    rows.append(("adadiag_engine", "AdaDiag numba + BLAS in place (engine)", res["adadiag_engine"], adadiag_bound,
+                 "GEMM + bytes"))  # fmt: skip
     for key, text in [("adadiag_functional", "AdaDiag ar.update (functional reference)"),
                       ("adadiag_in_place", "AdaDiag ar.update_in_place (NumPy)"),
                       ("torch_adadiag_adapter", "AdaDiag torch adapter (opt.step)"),
                       ("torch_adadiag_core", "AdaDiag core ar.update on torch tensors")]:  # fmt: skip
         if key in res:
-            rows.append((text, res[key], adadiag_bound, "GEMM + bytes"))
+            rows.append((key, text, res[key], adadiag_bound, "GEMM + bytes"))
     res.update(adamw_bound=adamw_bound, adadiag_bound=adadiag_bound, gemm_bound=gemm_bound, elem_bound=elem_bound)
 
+    res["calls_s"] = {key: list(log.seconds) for key, log in logs.items()}
     out("")
     out(f"{'non-refresh step':44s} {'median ms':>10s} {'bound ms':>9s} {'ratio':>6s}  bound")
-    for text, t, bound, kind in rows:
+    notes: list[str] = []
+    for key, text, t, bound, kind in rows:
         ratio = f"{t / bound:6.2f}" if bound else "     -"
-        out(f"{text:44s} {t * 1e3:10.1f} {bound * 1e3 if bound else 0:9.1f} {ratio}  {kind}")
+        note = logs[key].note(t) if key in logs else None
+        if note:
+            notes.append(f"  [{len(notes) + 1}] {text}: {note}")
+        mark = f"  [{len(notes)}]" if note else ""
+        out(f"{text:44s} {t * 1e3:10.1f} {bound * 1e3 if bound else 0:9.1f} {ratio}  {kind}{mark}")
+    for line in notes:
+        out(line)
     out(f"  AdaDiag bound = {gemm_bound * 1e3:.1f} ms GEMM ({gemm_bound / adadiag_bound:.0%}) "
         f"+ {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
     if "torch_adamw_fused" in res:

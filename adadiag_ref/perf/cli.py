@@ -7,7 +7,8 @@ import importlib.util
 import sys
 from typing import Any
 
-from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, state_nbytes
+from .._cli import ErrorParser, int_list, output_file, parse_and_run, positive_int
+from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, dtype_nbytes, state_nbytes
 
 __all__ = ["add_parser", "main", "run_bench", "run_memory"]
 
@@ -15,6 +16,10 @@ __all__ = ["add_parser", "main", "run_bench", "run_memory"]
 def run_bench(args: argparse.Namespace) -> int:
     # the in-place engine (the roofline rows and the thread policy) is numba code, and BLAS threads are set
     # through threadpoolctl: say what is missing before any work
+    if args.plot and not args.refresh_scaling:
+        print(f"adadiag-ref: error: --plot {args.plot} draws the --refresh-scaling plot; add --refresh-scaling",
+              file=sys.stderr)  # fmt: skip
+        return 2
     missing = [name for name in ("numba", "threadpoolctl") if importlib.util.find_spec(name) is None]
     if missing:
         print(f'adadiag-ref: error: bench needs {" and ".join(missing)}: pip install "adadiag-ref[bench]"',
@@ -37,7 +42,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.refresh_routes:
             run_routes(args.model, quick=args.quick, reps=args.reps, period=args.period, threads=args.threads)
         if args.refresh_scaling:
-            sides = (64, 128) if args.quick else tuple(int(n) for n in args.sides.split(","))
+            sides = (64, 128) if args.quick else tuple(args.sides)
             run_scaling(sides, reps=args.reps, plot=args.plot, threads=args.threads)
         return 0
     from .bench import run
@@ -67,13 +72,22 @@ def run_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dtype(text: str) -> str:
+    """argparse ``type=``: a dtype name :func:`~adadiag_ref.memory.dtype_nbytes` knows."""
+    try:
+        dtype_nbytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``bench`` and ``memory`` on an argparse ``subparsers`` object."""
     b = subparsers.add_parser("bench", help="step-time benchmark against the measured roofline and PyTorch")
     b.add_argument("--model", default="llama-60m", choices=["llama-60m", "llama-130m"])
     b.add_argument("--quick", action="store_true", help="tiny shapes, a few seconds (smoke test)")
-    b.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
-    b.add_argument("--period", type=int, default=200, help="refresh period T for the amortised cost")
+    b.add_argument("--reps", type=positive_int, default=5, help="timed repetitions per measurement (median)")
+    b.add_argument("--period", type=positive_int, default=200, help="refresh period T for the amortised cost")
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     b.add_argument("--no-refresh", action="store_true", help="skip the basis-refresh timing")
     b.add_argument("--no-functional", action="store_true", help="skip the functional ar.update timings")
@@ -88,10 +102,11 @@ def add_parser(subparsers: Any) -> None:
         "amortised share, worst-step latency and accuracy",
     )
     b.add_argument("--refresh-scaling", action="store_true", help="only the refresh time against the matrix side")
-    b.add_argument("--sides", default="256,512,1024,2048", help="matrix sides for --refresh-scaling")
+    b.add_argument("--sides", type=int_list(2), default="256,512,1024,2048",
+                   help="matrix sides for --refresh-scaling (distinct integers >= 2)")  # fmt: skip
     b.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="BLAS and numba threads for --refresh-routes/--refresh-scaling (default: every core)",
     )
@@ -101,21 +116,20 @@ def add_parser(subparsers: Any) -> None:
         help="glibc keeps freed memory in the process (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1), so the "
         "functional rows reuse pages instead of faulting fresh ones (adadiag_ref.perf.allocator)",
     )
-    b.add_argument("--plot", default=None, help="save the --refresh-scaling log-log plot here (PNG)")
+    b.add_argument("--plot", default=None, type=output_file, help="save the --refresh-scaling log-log plot here (PNG)")
     b.set_defaults(func=run_bench)
     m = subparsers.add_parser("memory", help="optimizer-state memory (the paper's table) from the state layout")
     m.add_argument("--model", action="append", choices=list(LLAMA_CONFIGS), help="repeatable; default all four")
-    m.add_argument("--dtype", default="bf16", help="bf16 (paper), fp16, fp32, fp64")
+    m.add_argument("--dtype", default="bf16", type=_dtype, help="bf16 (paper), fp16, fp32, fp64")
     m.add_argument("--rule", default="paper", choices=["paper", "all"])
     m.add_argument("--unit", default="paper", choices=["paper", "GB", "GiB"], help="paper: G = 1.024e9 bytes")
     m.set_defaults(func=run_memory)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adadiag-ref")
+    parser = ErrorParser(prog="adadiag-ref")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return parse_and_run(parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from .._cli import check_output_file
+from .._cli import add_progress_flags, int_at_least, int_list, output_file, positive_int
 
 DEFAULT_LR_GRID = {"charlm": (1e-2, 3e-3, 1e-3), "digits": (3e-2, 1e-2, 3e-3)}
 QUICK_LR_GRID = (1e-2, 3e-3)
@@ -30,11 +30,7 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from exc
+_seeds = int_list(0)
 
 
 def _lrs(text: str) -> list[float]:
@@ -62,8 +58,8 @@ def add_parser(sub: Any) -> None:
         default="adamw,adadiag,adadiag_pp,adafacdiag,hfacdiag",
         help="comma list (default adamw,adadiag,adadiag_pp,adafacdiag,hfacdiag); adamw always runs",
     )
-    p.add_argument("--seeds", type=_ints, default="0,1", help="comma list of seeds (default 0,1)")
-    p.add_argument("--steps", type=int, help=f"training steps per run (default {DEFAULT_STEPS})")
+    p.add_argument("--seeds", type=_seeds, default="0,1", help="comma list of distinct seeds >= 0 (default 0,1)")
+    p.add_argument("--steps", type=int_at_least(2), help=f"training steps per run (default {DEFAULT_STEPS})")
     p.add_argument(
         "--lr-grid",
         type=_lrs,
@@ -71,12 +67,13 @@ def add_parser(sub: Any) -> None:
         f"same for every optimizer (default {DEFAULT_LR_GRID})",
     )
     p.add_argument("--quick", action="store_true", help=f"tiny model, {QUICK_STEPS} steps: a CI smoke run")
-    p.add_argument("--update-freq", type=int, help="basis refresh period T (default max(1, steps // 50))")
-    p.add_argument("--batch", type=int, help="minibatch size (default charlm 16 x 64 characters, digits 64)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default 1; same numbers)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PNG", help="draw the validation-loss curves (needs matplotlib)")
+    p.add_argument("--update-freq", type=positive_int, help="basis refresh period T (default max(1, steps // 50))")
+    p.add_argument("--batch", type=positive_int, help="minibatch size (default charlm 16 x 64 characters, digits 64)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes (default 1; same numbers)")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", type=output_file, help="draw the validation-loss curves (needs matplotlib)")
+    add_progress_flags(p)
     p.set_defaults(func=run)  # fmt: skip
 
 
@@ -108,15 +105,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, write JSON and plot."""
     import torch
 
-    if args.threads < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 2):
-        raise ValueError("reproduce: --threads and --jobs must be >= 1 and --steps >= 2")
-    # outputs are checked before a run of minutes, not after it
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
-        check_output_file(args.plot, "--plot")
+    # counts and output paths are checked by the parser (adadiag_ref._cli), before a run of minutes
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
     previous = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -132,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     from .train import RunConfig, compare
 
     optimizers = _names(args.optimizers) if isinstance(args.optimizers, str) else args.optimizers
-    seeds = _ints(args.seeds) if isinstance(args.seeds, str) else args.seeds
+    seeds = _seeds(args.seeds) if isinstance(args.seeds, str) else args.seeds
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS[args.task])
     grid = args.lr_grid or (QUICK_LR_GRID if args.quick else DEFAULT_LR_GRID[args.task])
     model = None
@@ -145,7 +136,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = RunConfig(task=args.task, steps=steps, batch=batch, update_freq=args.update_freq, model=model,
                     eval_windows=16 if args.quick else 64)  # fmt: skip
     start = time.perf_counter()
-    result = compare(cfg, optimizers, seeds, grid, jobs=args.jobs)
+    result = compare(cfg, optimizers, seeds, grid, progress=getattr(args, "progress", None), jobs=args.jobs)
     result["wall_s"] = time.perf_counter() - start
     result["machine"] = _machine()
     result["quick"] = bool(args.quick)
@@ -171,8 +162,20 @@ def _print_table(result: dict[str, Any]) -> None:
         mark = "" if r["lr"] == selected[r["optimizer"]] else "  (sweep)"
         print(f"{r['optimizer']:<14} {r['lr']:>7g} {r['seed']:>5} {r['final_val_loss']:>15.4f} "
               f"{r['optimizer_ms_per_step']:>12.2f} {r['step_ms']:>9.1f}{mark}")  # fmt: skip
-    print("speed-up over AdamW (median over seeds; None: did not reach AdamW's final loss):")
+    print("speed-up over AdamW (median over seeds, then each seed's; None: did not reach AdamW's final loss):")
     for name, value in result["speedup"].items():
-        print(
-            f"  {name:<14} {'None' if value is None else f'{value:.2f}x'}  per seed {result['speedup_per_seed'][name]}"
-        )
+        print(f"  {name:<14} {format_speedup(value)}  seeds {format_seeds(result['speedup_per_seed'][name])}")
+
+
+def format_speedup(value: float | None) -> str:
+    """A speed-up with three decimals (``1.040x`` and ``1.400x`` stay apart), or ``None``."""
+    return "None" if value is None else f"{value:.3f}x"
+
+
+def format_seeds(values: list[float | None]) -> str:
+    """Each seed's speed-up (three decimals) and, with several finite ones, their range: the spread behind a median."""
+    text = ", ".join("None" if v is None else f"{v:.3f}" for v in values)
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if len(finite) > 1:
+        text += f" (range {min(finite):.3f}-{max(finite):.3f})"
+    return text

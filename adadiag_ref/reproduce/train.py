@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from adadiag_ref._cli import bar_disable
 from adadiag_ref.adapters import pytorch as torch_adapter
 
 from . import data
@@ -145,11 +146,14 @@ def make_optimizers(model: nn.Module, name: str, lr: float, cfg: RunConfig) -> l
     ]
 
 
-def train_run(task: Task, cfg: RunConfig, name: str, lr: float, seed: int, progress: bool = True) -> dict[str, Any]:
+def train_run(
+    task: Task, cfg: RunConfig, name: str, lr: float, seed: int, progress: bool | None = None
+) -> dict[str, Any]:
     """Train a fresh model for ``cfg.steps`` steps under the paper's schedule (peak ``lr``) and return the run.
 
     The model's initial weights come from ``torch.manual_seed(seed)``, the minibatches from a generator seeded
-    with ``seed``.  Times are means over all steps (refresh steps included)."""
+    with ``seed``.  Times are means over all steps (refresh steps included).  ``progress``: a bar on stderr
+    (``None``: only when stderr is a terminal)."""
     torch.manual_seed(seed)
     model = task.make_model()
     optimizers = make_optimizers(model, name, lr, cfg)
@@ -160,7 +164,7 @@ def train_run(task: Task, cfg: RunConfig, name: str, lr: float, seed: int, progr
     opt_seconds = step_seconds = 0.0
     done = 0
     bar = tqdm(range(1, cfg.steps + 1), desc=f"{name} lr={lr:g} seed={seed}", leave=False, file=sys.stderr,
-               disable=not progress)  # fmt: skip
+               disable=bar_disable(progress))  # fmt: skip
     for step in bar:
         start = time.perf_counter()
         x, y = task.batch(gen)
@@ -246,7 +250,7 @@ def compare(
     optimizers: Sequence[str],
     seeds: Sequence[int],
     lr_grid: Sequence[float],
-    progress: bool = True,
+    progress: bool | None = None,
     jobs: int = 1,
 ) -> dict[str, Any]:
     """Tune every optimizer's lr on ``seeds[0]``, run the other seeds at the selected lr, compute the speed-ups.
@@ -254,7 +258,8 @@ def compare(
     Returns the JSON document: ``task``, ``runs`` (every run, the sweep included), ``selected_lr``,
     ``speedup`` (``metrics`` module: median over seeds, ``None`` when a seed never reaches AdamW's final
     loss), ``speedup_per_seed`` and the task's ``info``.  ``jobs`` processes run in parallel (each with this
-    process's torch thread count); the numbers do not depend on ``jobs``, the times do."""
+    process's torch thread count); the numbers do not depend on ``jobs``, the times do.  ``progress``: bars on
+    stderr (``None``: only when stderr is a terminal, so a redirected stderr receives none)."""
     unknown = [name for name in optimizers if name not in OPTIMIZER_CLASSES]
     if unknown or not optimizers:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZER_CLASSES)}")
@@ -263,7 +268,7 @@ def compare(
     names = list(dict.fromkeys([BASELINE, *optimizers]))  # the baseline is always run: it defines the speed-up
     task = build_task(cfg)  # also its info; workers build their own copy
     total = len(names) * (len(lr_grid) + len(seeds) - 1)
-    bar = tqdm(total=total, desc=f"{cfg.task}: runs", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=total, desc=f"{cfg.task}: runs", file=sys.stderr, disable=bar_disable(progress))
     with bar, _pool(cfg, jobs) as pool:
         sweep = _run_all([(name, lr, seeds[0]) for name in names for lr in lr_grid], cfg, task, pool, bar)
         selected = {name: min((r for r in sweep if r["optimizer"] == name), key=_score)["lr"] for name in names}
