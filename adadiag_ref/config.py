@@ -268,22 +268,49 @@ class OptimizerSpec(NamedTuple):
         config_type: the family's config class (its ``family`` field names the family).
         sides: 0 (the baseline, identity basis), 1 (``G~ = P^T G``) or 2 (``G~ = P^T G Q``).
         class_name: the torch adapter's class name (``AdaDiagPP`` for ``adadiag_pp``).
+        summary: one line on what it is, in the paper's symbols (the adapters' docstrings).
     """
 
     config_type: type[BaseConfig]
     sides: int
     class_name: str
+    summary: str = ""
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(AdamConfig, 0, "AdamW"),
-    "adadiag": OptimizerSpec(AdamConfig, 1, "AdaDiag"),
-    "adadiag_pp": OptimizerSpec(AdamConfig, 2, "AdaDiagPP"),
-    "adafactor": OptimizerSpec(AdafactorConfig, 0, "Adafactor"),
-    "adafacdiag": OptimizerSpec(AdafactorConfig, 1, "AdafacDiag"),
-    "adafacdiag_pp": OptimizerSpec(AdafactorConfig, 2, "AdafacDiagPP"),
-    "hfac": OptimizerSpec(HfacConfig, 0, "Hfac"),
-    "hfacdiag": OptimizerSpec(HfacConfig, 1, "HfacDiag"),
+    "adamw": OptimizerSpec(AdamConfig, 0, "AdamW", "AdamW (identity basis), the baseline of AdaDiag."),
+    "adadiag": OptimizerSpec(
+        AdamConfig,
+        1,
+        "AdaDiag",
+        "AdaDiag (Algorithm 1): Adam moments in the one-sided eigenbasis, ``G~ = P^T G``.",
+    ),
+    "adadiag_pp": OptimizerSpec(
+        AdamConfig,
+        2,
+        "AdaDiagPP",
+        "AdaDiag++: Adam moments in the two-sided basis, ``G~ = P^T G Q``.",
+    ),
+    "adafactor": OptimizerSpec(
+        AdafactorConfig,
+        0,
+        "Adafactor",
+        "Adafactor: factored second moment ``V = r s^T / (1^T r)`` (identity basis).",
+    ),
+    "adafacdiag": OptimizerSpec(
+        AdafactorConfig,
+        1,
+        "AdafacDiag",
+        "AdafacDiag: Adafactor in the one-sided basis ``G~ = P^T G``.",
+    ),
+    "adafacdiag_pp": OptimizerSpec(
+        AdafactorConfig,
+        2,
+        "AdafacDiagPP",
+        "AdafacDiag++: Adafactor in the two-sided basis ``G~ = P^T G Q``.",
+    ),
+    "hfac": OptimizerSpec(HfacConfig, 0, "Hfac", "Hfac: factored first and second moments (identity basis)."),
+    "hfacdiag": OptimizerSpec(HfacConfig, 1, "HfacDiag", "HfacDiag: Hfac in the one-sided basis ``G~ = P^T G``."),
 }
 """The optimizer registry, by name: the library's eight, then any added by
 :func:`adadiag_ref.optim.families.register_family` (which adds the family's entry beside it)."""

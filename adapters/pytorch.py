@@ -50,17 +50,12 @@ from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.families import family_of
 
 __all__ = [
-    "AdaDiag",
-    "AdaDiagPP",
-    "AdafacDiag",
-    "AdafacDiagPP",
-    "Adafactor",
-    "AdamW",
+    "OPTIMIZER_CLASSES",
     "CoreOptimizer",
-    "Hfac",
-    "HfacDiag",
     "from_core_state",
+    "optimizer_class",
     "to_core_state",
+    *(entry.class_name for entry in ar.OPTIMIZERS.values()),
 ]
 
 
@@ -493,79 +488,27 @@ def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, i
     return out
 
 
-class AdamW(CoreOptimizer):
-    """AdamW (identity basis), the baseline of AdaDiag.
+_CLASSES: dict[str, type[CoreOptimizer]] = {}
 
-    The core's ``'adamw'``; keywords as :class:`CoreOptimizer`.
+
+def optimizer_class(name: str) -> type[CoreOptimizer]:
+    """The ``torch.optim.Optimizer`` class of registered optimizer ``name`` (made once, then the same object).
+
+    Generated from the registry (:data:`adadiag_ref.config.OPTIMIZERS`): a :class:`CoreOptimizer` whose
+    ``core_name`` is ``name``, called by the entry's ``class_name`` (``AdaDiagPP`` for ``adadiag_pp``).  The
+    library's eight are also this module's attributes (``pytorch.AdaDiag``); an optimizer registered later
+    (``register_family``) is reached through this function.  ``ValueError`` for a name that is not registered.
     """
-
-    core_name = "adamw"
-
-
-class AdaDiag(CoreOptimizer):
-    """AdaDiag (Algorithm 1): Adam moments in the one-sided eigenbasis, ``G~ = P^T G``.
-
-    The core's ``'adadiag'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "adadiag"
+    if name not in _CLASSES:
+        if name not in ar.OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
+        entry = ar.OPTIMIZERS[name]
+        doc = f"{entry.summary}\n\nThe core's ``{name!r}``; keywords as :class:`CoreOptimizer`.".lstrip()
+        attributes = {"core_name": name, "__doc__": doc, "__module__": __name__, "__qualname__": entry.class_name}
+        _CLASSES[name] = type(entry.class_name, (CoreOptimizer,), attributes)
+    return _CLASSES[name]
 
 
-class AdaDiagPP(CoreOptimizer):
-    """AdaDiag++: Adam moments in the two-sided basis, ``G~ = P^T G Q``.
-
-    The core's ``'adadiag_pp'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "adadiag_pp"
-
-
-class Adafactor(CoreOptimizer):
-    """Adafactor: factored second moment ``V = r s^T / (1^T r)`` (identity basis).
-
-    The core's ``'adafactor'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "adafactor"
-
-
-class AdafacDiag(CoreOptimizer):
-    """AdafacDiag: Adafactor in the one-sided basis ``G~ = P^T G``.
-
-    The core's ``'adafacdiag'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "adafacdiag"
-
-
-class AdafacDiagPP(CoreOptimizer):
-    """AdafacDiag++: Adafactor in the two-sided basis ``G~ = P^T G Q``.
-
-    The core's ``'adafacdiag_pp'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "adafacdiag_pp"
-
-
-class Hfac(CoreOptimizer):
-    """Hfac: factored first and second moments (identity basis).
-
-    The core's ``'hfac'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "hfac"
-
-
-class HfacDiag(CoreOptimizer):
-    """HfacDiag: Hfac in the one-sided basis ``G~ = P^T G``.
-
-    The core's ``'hfacdiag'``; keywords as :class:`CoreOptimizer`.
-    """
-
-    core_name = "hfacdiag"
-
-
-OPTIMIZER_CLASSES: dict[str, type[CoreOptimizer]] = {
-    cls.core_name: cls for cls in (AdamW, AdaDiag, AdaDiagPP, Adafactor, AdafacDiag, AdafacDiagPP, Hfac, HfacDiag)
-}
-"""Core name -> torch class."""
+OPTIMIZER_CLASSES: dict[str, type[CoreOptimizer]] = {name: optimizer_class(name) for name in ar.OPTIMIZERS}
+"""Core name -> torch class, for the optimizers registered when this module was imported."""
+globals().update({cls.__name__: cls for cls in OPTIMIZER_CLASSES.values()})  # pytorch.AdamW, pytorch.AdaDiag, ...

@@ -165,6 +165,11 @@ def test_torch_adapter_runs_the_family() -> None:
         opt.step()
         np.testing.assert_allclose(p.detach().numpy(), want[k], rtol=RTOL, atol=ATOL)
     assert set(opt.state[p]) == {"step", "P", "M", "param_shape"}
+    cls = pytorch.optimizer_class("heavyballdiag")  # the class the registry entry names, made once
+    assert cls.__name__ == "HeavyBallDiag" and cls.core_name == "heavyballdiag"
+    assert pytorch.optimizer_class("heavyballdiag") is cls and issubclass(cls, pytorch.CoreOptimizer)
+    with pytest.raises(ValueError, match="unknown optimizer 'nope'"):
+        pytorch.optimizer_class("nope")
     restored = pytorch.CoreOptimizer([p], name="heavyballdiag", **KW)
     restored.load_state_dict(opt.state_dict())  # the flat state dict round-trips through the family's state type
     assert torch.equal(restored.state[p]["M"], opt.state[p]["M"])
