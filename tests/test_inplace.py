@@ -151,3 +151,17 @@ def test_torch_kernel_route_never_uses_numba_pool(shape: tuple[int, ...], monkey
     state = ar.update_in_place(ar.refresh_basis(state, g, cfg), g, cfg, w, refreshed=True)
     ar.update_in_place(state, torch.randn(*shape, generator=gen), cfg, w)
     assert calls == []
+
+
+def test_buffers_whose_flags_have_no_writeable_field_are_accepted() -> None:
+    # CuPy's ndarray.flags has c_contiguous/f_contiguous/owndata but no writeable: the check raised AttributeError
+    from types import SimpleNamespace
+
+    from adadiag_ref.optim import inplace
+
+    cupy_like = SimpleNamespace(flags=SimpleNamespace(c_contiguous=True, f_contiguous=False, owndata=True))
+    inplace._check_writable({"parameter": cupy_like, "state field 'M'": None})
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="the parameter is read-only"):
+        inplace._check_writable({"parameter": read_only})
