@@ -61,25 +61,14 @@ from adadiag_ref.optim.core import preconditioned_direction
 from adadiag_ref.optim.layout import from_work
 
 __all__ = [
+    "ALIASES",
+    "SCALE_BY",
     "CoreTransformState",
-    "adadiag",
-    "adadiag_pp",
-    "adafacdiag",
-    "adafacdiag_pp",
-    "adafactor",
-    "adamw",
-    "hfac",
-    "hfacdiag",
+    "core_alias",
     "refresh_due",
-    "scale_by_adadiag",
-    "scale_by_adadiag_pp",
-    "scale_by_adafacdiag",
-    "scale_by_adafacdiag_pp",
-    "scale_by_adafactor",
-    "scale_by_adamw",
     "scale_by_core",
-    "scale_by_hfac",
-    "scale_by_hfacdiag",
+    *ar.OPTIMIZERS,
+    *(f"scale_by_{name}" for name in ar.OPTIMIZERS),
 ]
 
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
@@ -454,32 +443,10 @@ def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
     return alias
 
 
-scale_by_adamw = _scale_by("adamw")
-scale_by_adadiag = _scale_by("adadiag")
-scale_by_adadiag_pp = _scale_by("adadiag_pp")
-scale_by_adafactor = _scale_by("adafactor")
-scale_by_adafacdiag = _scale_by("adafacdiag")
-scale_by_adafacdiag_pp = _scale_by("adafacdiag_pp")
-scale_by_hfac = _scale_by("hfac")
-scale_by_hfacdiag = _scale_by("hfacdiag")
-
-adamw = _alias("adamw")
-adadiag = _alias("adadiag")
-adadiag_pp = _alias("adadiag_pp")
-adafactor = _alias("adafactor")
-adafacdiag = _alias("adafacdiag")
-adafacdiag_pp = _alias("adafacdiag_pp")
-hfac = _alias("hfac")
-hfacdiag = _alias("hfacdiag")
-
-ALIASES: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "adamw": adamw,
-    "adadiag": adadiag,
-    "adadiag_pp": adadiag_pp,
-    "adafactor": adafactor,
-    "adafacdiag": adafacdiag,
-    "adafacdiag_pp": adafacdiag_pp,
-    "hfac": hfac,
-    "hfacdiag": hfacdiag,
-}
-"""Core name -> optax alias."""
+ALIASES: dict[str, Callable[..., optax.GradientTransformation]] = {name: _alias(name) for name in ar.OPTIMIZERS}
+"""Core name -> optax alias, for the optimizers registered when this module was imported (``adamw``,
+``adadiag``, ...; an optimizer registered later: :func:`core_alias` and :func:`scale_by_core` take its name)."""
+SCALE_BY: dict[str, Callable[..., optax.GradientTransformation]] = {name: _scale_by(name) for name in ar.OPTIMIZERS}
+"""Core name -> ``scale_by_<name>`` block."""
+globals().update(ALIASES)  # optax-style module attributes: adamw, adadiag, ..., generated from the registry
+globals().update({block.__name__: block for block in SCALE_BY.values()})  # scale_by_adamw, ...
