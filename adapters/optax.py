@@ -48,8 +48,6 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
 import contextlib
 import copy
 import ctypes
-import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -65,7 +63,6 @@ from adadiag_ref.optim.layout import from_work
 __all__ = [
     "ALIASES",
     "SCALE_BY",
-    "OPTAX_ADAFACTOR_NAMES",
     "CoreTransformState",
     "core_alias",
     "refresh_due",
@@ -304,10 +301,8 @@ def _check_update_args(params: Any, needs_params: bool) -> None:
 
 def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
     def init_fn(params: Any) -> CoreTransformState:
-        # Traced hyperparameters (optax.inject_hyperparams under jax.jit) never shape the state: the fields that do
-        # are refused as traced (_options).  One decision remains, the Adafactor family's momentum (beta_1 > 0):
-        # with a traced beta_1 the placeholder keeps M, and a beta_1 of 0 then gives M_t = U exactly (the
-        # momentum-free update, at the memory of M); pass momentum=False as a static argument to drop M.
+        if opts.traced:  # the placeholders would decide the state's structure (momentum) unchecked
+            raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
         return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
 
     return init_fn
@@ -431,83 +426,20 @@ def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     return scale_by
 
 
-OPTAX_ADAFACTOR_NAMES: dict[str, str] = {
-    "clipping_threshold": "clip_threshold",
-    "multiply_by_parameter_scale": "scale_parameter",
-    "weight_decay_rate": "weight_decay",
-}
-"""``optax.adafactor``'s keywords that mean what one of ours means, accepted under optax's name by the Adafactor
-family's aliases (``decay_rate`` and ``eps`` already share their names).  Its others have no counterpart here:
-``min_dim_size_to_factor`` and ``factored`` (this Adafactor factors every matrix, as the paper's does; a value
-is refused), ``decay_offset``, ``momentum`` (a float ``beta_1`` there; here ``b1`` and the bool ``momentum``),
-``dtype_momentum`` and ``weight_decay_mask`` (use ``optax.masked``)."""
-
-_REFUSED_OPTAX_NAMES = ("min_dim_size_to_factor", "factored")
-
-
-def _alias_parameters(name: str) -> list[inspect.Parameter]:
-    """The alias's keywords: the common ones, the family's injectable numeric fields (so that
-    ``optax.inject_hyperparams`` sees them, e.g. ``clip_threshold``), and for the Adafactor family optax's
-    names (:data:`OPTAX_ADAFACTOR_NAMES`)."""
-    keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = [
-        inspect.Parameter("learning_rate", keyword),
-        *(inspect.Parameter(k, keyword, default=v) for k, v in
-          (("b1", 0.9), ("b2", 0.999), ("eps", None), ("weight_decay", 0.0), ("update_freq", 200))),
-    ]  # fmt: skip
-    config_type = ar.OPTIMIZERS[name].config_type
-    common = {f.name for f in dataclasses.fields(BaseConfig)}
-    for f in dataclasses.fields(config_type):
-        if f.init and f.name not in common and f.name in _TRACEABLE:
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default))
-    if issubclass(config_type, AdafactorConfig):
-        for optax_name in (*OPTAX_ADAFACTOR_NAMES, *_REFUSED_OPTAX_NAMES):
-            params.append(inspect.Parameter(optax_name, inspect.Parameter.KEYWORD_ONLY, default=None))
-    return [*params, inspect.Parameter("family_options", inspect.Parameter.VAR_KEYWORD)]
-
-
-def _from_optax_names(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with optax's keywords (given, not None) turned into ours; both spellings given is an error."""
-    for optax_name in _REFUSED_OPTAX_NAMES:
-        if options.pop(optax_name, None) is not None:
-            raise ValueError(
-                f"{optax_name!r} has no counterpart in {name!r}: it factors the second moment of every matrix "
-                "parameter (the paper's Adafactor); leave it unset"
-            )
-    for optax_name, ours in OPTAX_ADAFACTOR_NAMES.items():
-        value = options.pop(optax_name, None)
-        if value is None:
-            continue
-        given = options.get(ours, _ALIAS_DEFAULTS.get(ours))
-        # a traced value is the alias's own default injected by optax.inject_hyperparams, or cannot be compared
-        if not _is_traced(given) and _python(given) != _ALIAS_DEFAULTS.get(ours):
-            raise ValueError(f"{optax_name!r} (optax's name) and {ours!r} both given for {name!r}: pass one")
-        options[ours] = value
-    return options
-
-
-_ALIAS_DEFAULTS = {"weight_decay": 0.0, "clip_threshold": 1.0, "scale_parameter": False}
-
-
 def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
-    signature = inspect.Signature(_alias_parameters(name))
-
-    def alias(*args: Any, **kwargs: Any) -> optax.GradientTransformation:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        options = dict(bound.arguments)
-        # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.
-        options.update(options.pop("family_options", {}))
-        options = _from_optax_names(name, options)
-        return core_alias(name, **options)
+    def alias(
+        learning_rate: ScalarOrSchedule,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float | None = None,
+        weight_decay: Any = 0.0,
+        update_freq: int | None = 200,
+        **family_options: Any,
+    ) -> optax.GradientTransformation:
+        return core_alias(name, learning_rate, b1, b2, eps, weight_decay, update_freq, **family_options)
 
     alias.__name__ = alias.__qualname__ = name
-    alias.__doc__ = (
-        f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`."
-        + (" ``optax.adafactor``'s keywords of the same meaning are accepted (:data:`OPTAX_ADAFACTOR_NAMES`)."
-           if issubclass(ar.OPTIMIZERS[name].config_type, AdafactorConfig) else "")
-    )  # fmt: skip
-    alias.__signature__ = signature  # type: ignore[attr-defined]
+    alias.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`."
     return alias
 
 
