@@ -192,14 +192,18 @@ def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
 
 
 def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.ndarray, ...]]:
-    """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient, returning ``(P[, Q])``.
+    """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient -> ``(P[, Q], refreshed)``.
 
     The gradient and the previous bases ``P_{t-1}[, Q_{t-1}]`` cross to the host
     (the moments stay on the device); the host state is a fresh ``ar.init`` of the
     state dtype carrying those bases, so that a refresh that keeps the previous
     basis (a NaN or Inf gradient, a decomposition that fails on every rung;
     ``docs/reliability.md``) returns ``P_{t-1}[, Q_{t-1}]`` bit for bit, as the
-    eager core does, never the identity of a fresh state.
+    eager core does, never the identity of a fresh state.  ``refreshed`` (a 0-d
+    bool) is False when the basis was kept: the step's update must then not apply
+    the rotation noise floor, whose premise (``G~`` computed with the bases of
+    this very ``G``) does not hold, exactly as :func:`adadiag_ref.step` passes
+    ``refreshed=False`` (``new.P is not state.P``).
     The callback runs on an XLA thread whose floating-point environment is not
     Python's; :func:`adadiag_ref.refresh_basis` is therefore run with the
     default environment restored (:func:`_default_fp_environment`).
@@ -212,7 +216,8 @@ def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.nd
             P = np.asarray(previous[0], dtype=dtype)
             Q = np.asarray(previous[1], dtype=dtype) if len(previous) > 1 else None
             new = ar.refresh_basis(host_state._replace(P=P, Q=Q), grad, cfg)
-        return tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
+        bases = tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
+        return (*bases, np.asarray(new.P is not P))  # a kept basis comes back as the very object passed in
 
     return callback
 
@@ -258,27 +263,35 @@ def _default_fp_environment() -> Iterator[None]:
         _LIBC.fesetenv(saved)
 
 
-def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> Any:
-    """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable)."""
+def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> tuple[Any, Any]:
+    """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable).
+
+    Returns ``(state, refreshed)``: ``refreshed`` is a traced bool, true only when
+    a due refresh computed new bases from ``grad`` (false when none was due or
+    the refresh kept the previous basis), the core's ``refreshed`` of that step.
+    """
     if state.P is None:  # no rotated side: nothing to refresh
-        return state
+        return state, False
     bases = [b for b in (state.P, state.Q) if b is not None]
-    shapes = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases)
+    shapes = (*(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases), jax.ShapeDtypeStruct((), jnp.bool_))
     callback = _host_refresh(cfg, np.dtype(state.P.dtype))
 
-    def do_refresh(s: Any) -> Any:
-        new = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
-        return s._replace(P=new[0], Q=new[1] if s.Q is not None else None)
+    def do_refresh(s: Any) -> tuple[Any, jax.Array]:
+        *new, refreshed = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
+        return s._replace(P=new[0], Q=new[1] if s.Q is not None else None), refreshed
 
-    return jax.lax.cond(due, do_refresh, lambda s: s, state)
+    def keep(s: Any) -> tuple[Any, jax.Array]:
+        return s, jnp.asarray(False)
+
+    return jax.lax.cond(due, do_refresh, keep, state)  # type: ignore[no-any-return]
 
 
 def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseConfig, Any, Any]:
     """The leaf's config, its state with the bases refreshed when due, and the ``refreshed`` flag for the core."""
     cfg = _leaf_config(opts, state)
     due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
-    state = _refresh(state, grad, cfg, due)
-    return cfg, state, due if state.P is not None else False
+    state, refreshed = _refresh(state, grad, cfg, due)
+    return cfg, state, refreshed
 
 
 def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
