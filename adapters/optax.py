@@ -28,7 +28,8 @@ sides are decomposed; baselines (``adamw``, ``adafactor``, ``hfac``) never call
 back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
-keeps the previous bases, as the eager core does.
+keeps the previous bases and is no refresh for that step's update
+(``refreshed=False``: no rotation noise floor), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
 parameters whose leaves are the core's NamedTuple states (``AdamState``,
@@ -324,12 +325,81 @@ def _check_update_args(params: Any, needs_params: bool) -> None:
 
 
 def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
+    """``init``: ``ar.init`` per leaf, which reads only what is static.
+
+    The state's structure and values depend on the leaf's shape and dtype and on
+    the static config (``sides``, ``max_basis_dim``, ``state_dtype``, the family,
+    whether the Adafactor family keeps ``M``), never on a traced number, so
+    ``jax.jit(init)`` works with injected hyperparameters as optax's own aliases
+    do.  The one structural choice a traced number could make is the Adafactor
+    family's momentum (``b1 > 0``): with ``b1`` traced, ``M`` is kept (unless
+    ``momentum=False``), and a ``b1 = 0`` arriving later gives
+    ``M_t = beta_hat(0) M + U_t = U_t``, the momentum-free direction, at the cost
+    of ``M``'s memory; pass ``b1`` in ``static_args`` to decide it from its
+    value.  Traced values are not validated (optax validates none either); the
+    eager ``init`` sees them concretely and validates them.
+    """
+
     def init_fn(params: Any) -> CoreTransformState:
-        if opts.traced:  # the placeholders would decide the state's structure (momentum) unchecked
-            raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
         return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
 
     return init_fn
+
+
+_OPTAX_ADAFACTOR_NAMES = {"clipping_threshold": "clip_threshold", "multiply_by_parameter_scale": "scale_parameter"}
+"""``optax.adafactor``'s keywords that mean what an Adafactor-family option means -> that option's name."""
+
+
+def _from_optax_names(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Adafactor family: ``optax.adafactor``'s keywords with the same meaning, under the core's names.
+
+    * ``clipping_threshold=d`` is ``clip_threshold=d``: ``U / max(1, RMS(U) / d)``
+      after the factored normalisation and before momentum (optax's
+      ``clip_by_block_rms``); ``None`` disables it in both.
+    * ``multiply_by_parameter_scale`` is ``scale_parameter``: the step times
+      ``max(eps2, RMS(W_t))`` with ``eps2 = 1e-3`` (optax's
+      ``scale_by_param_block_rms``).  The default stays the core's ``False``
+      (optax's is ``True``).
+    * ``min_dim_size_to_factor``: optax factors a matrix only when its second
+      largest dimension is at least this; the core factors every matrix, which is
+      ``1`` (or ``None``, the default here); any other value raises
+      ``ValueError``.  Static, as in optax (``static_args``).
+    * ``decay_rate`` and ``eps`` already have optax's names and meanings
+      (``decay_rate`` is read under ``beta2_schedule="adafactor"``, optax's
+      ``1 - t^(-decay_rate)``).
+
+    Not accepted, because they mean something else here: optax's float
+    ``momentum`` (an EMA without bias correction; here ``momentum`` is a bool,
+    beta_1 is ``b1``), ``weight_decay_rate`` (not multiplied by the learning
+    rate; here ``weight_decay`` is), ``decay_offset``, ``dtype_momentum``,
+    ``factored`` and ``weight_decay_mask``.
+    """
+    cls = ar.OPTIMIZERS.get(name, (None, 0))[0]
+    if cls is not AdafactorConfig:
+        return options
+    options = dict(options)
+    for theirs, ours in _OPTAX_ADAFACTOR_NAMES.items():
+        if theirs in options:
+            if ours in options:
+                raise ValueError(f"pass {ours}= or optax's name {theirs}=, not both")
+            options[ours] = options.pop(theirs)
+    if "min_dim_size_to_factor" in options:
+        size = options.pop("min_dim_size_to_factor")
+        if _is_traced(size):
+            raise TypeError("'min_dim_size_to_factor' is static (pass it in static_args)")
+        size = _python(size)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size > 1):
+            raise ValueError(
+                f"min_dim_size_to_factor must be None or an int <= 1 (the core factors the second moment of "
+                f"every matrix), got {size!r}"
+            )
+    momentum = options.get("momentum")
+    if momentum is not None and not isinstance(momentum, bool):
+        raise ValueError(
+            f"momentum must be True, False or None (whether M is kept; beta_1 is b1), got {momentum!r}; "
+            "optax.adafactor's momentum=b (an EMA without bias correction) has no equivalent option"
+        )
+    return options
 
 
 def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
@@ -342,6 +412,7 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
     the state and are static.
     """
     options.pop("lr", None)
+    options = _from_optax_names(name, options)
     opts = _options(name, {**options, "weight_decay": 0.0})
     needs_params = isinstance(opts.cfg, AdafactorConfig) and (opts.cfg.scale_parameter or opts.cfg.relative_step)
 
@@ -416,10 +487,13 @@ def core_alias(
     traced under ``jax.jit`` (``update_freq`` included: the refresh predicate
     takes a traced period); ``update_freq=None`` and the family options that
     shape the state (``max_basis_dim``, ``momentum``, ``relative_step``, ...)
-    stay static.
+    stay static.  ``init`` reads only static values, so it jits with injected
+    hyperparameters too (``_init_fn``).  The Adafactor family also takes
+    ``optax.adafactor``'s keywords of the same meaning (``_from_optax_names``).
     """
     # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.
     family_options = {**family_options.pop("family_options", {}), **family_options}
+    family_options = _from_optax_names(name, family_options)
     _check_weight_decay(weight_decay)
     options = {"betas": (b1, b2), "eps": eps, "update_freq": update_freq, **family_options}
     cfg = _options(name, {**options, "weight_decay": 0.0}).cfg
@@ -432,6 +506,10 @@ def core_alias(
     )
 
 
+def _is_adafactor(name: str) -> bool:
+    return ar.OPTIMIZERS[name][0] is AdafactorConfig
+
+
 def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     def scale_by(
         b1: float = 0.9,
@@ -442,12 +520,24 @@ def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     ) -> optax.GradientTransformation:
         return scale_by_core(name, betas=(b1, b2), eps=eps, update_freq=update_freq, **family_options)
 
-    scale_by.__name__ = scale_by.__qualname__ = f"scale_by_{name}"
-    scale_by.__doc__ = (
+    def scale_by_adafactor_family(
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float | None = None,
+        update_freq: int | None = 200,
+        min_dim_size_to_factor: int | None = None,
+        **family_options: Any,
+    ) -> optax.GradientTransformation:
+        return scale_by(b1, b2, eps, update_freq, min_dim_size_to_factor=min_dim_size_to_factor, **family_options)
+
+    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
+    function = scale_by_adafactor_family if _is_adafactor(name) else scale_by
+    function.__name__ = function.__qualname__ = f"scale_by_{name}"
+    function.__doc__ = (
         f"Preconditioned direction of the core's ``{name!r}`` (no learning rate, no weight decay); "
         "see :func:`scale_by_core`."
     )
-    return scale_by
+    return function
 
 
 def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
@@ -462,9 +552,29 @@ def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
     ) -> optax.GradientTransformation:
         return core_alias(name, learning_rate, b1, b2, eps, weight_decay, update_freq, **family_options)
 
-    alias.__name__ = alias.__qualname__ = name
-    alias.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`."
-    return alias
+    def adafactor_family_alias(
+        learning_rate: ScalarOrSchedule,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float | None = None,
+        weight_decay: Any = 0.0,
+        update_freq: int | None = 200,
+        min_dim_size_to_factor: int | None = None,
+        **family_options: Any,
+    ) -> optax.GradientTransformation:
+        options = {"min_dim_size_to_factor": min_dim_size_to_factor, **family_options}
+        return alias(learning_rate, b1, b2, eps, weight_decay, update_freq, **options)
+
+    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
+    function = adafactor_family_alias if _is_adafactor(name) else alias
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`." + (
+        "  Also takes ``optax.adafactor``'s ``clipping_threshold``, ``multiply_by_parameter_scale`` and "
+        "``min_dim_size_to_factor`` (:func:`_from_optax_names`)."
+        if _is_adafactor(name)
+        else ""
+    )
+    return function
 
 
 scale_by_adamw = _scale_by("adamw")
