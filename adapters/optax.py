@@ -28,7 +28,8 @@ sides are decomposed; baselines (``adamw``, ``adafactor``, ``hfac``) never call
 back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
-keeps the previous bases, as the eager core does.
+keeps the previous bases and is no refresh for that step's update
+(``refreshed=False``: no rotation noise floor), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
 parameters whose leaves are the core's NamedTuple states (``AdamState``,
@@ -181,14 +182,18 @@ def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
 
 
 def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.ndarray, ...]]:
-    """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient, returning ``(P[, Q])``.
+    """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient -> ``(P[, Q], refreshed)``.
 
     The gradient and the previous bases ``P_{t-1}[, Q_{t-1}]`` cross to the host
     (the moments stay on the device); the host state is a fresh ``ar.init`` of the
     state dtype carrying those bases, so that a refresh that keeps the previous
     basis (a NaN or Inf gradient, a decomposition that fails on every rung;
     ``docs/reliability.md``) returns ``P_{t-1}[, Q_{t-1}]`` bit for bit, as the
-    eager core does, never the identity of a fresh state.
+    eager core does, never the identity of a fresh state.  ``refreshed`` (a 0-d
+    bool) is False when the basis was kept: the step's update must then not apply
+    the rotation noise floor, whose premise (``G~`` computed with the bases of
+    this very ``G``) does not hold, exactly as :func:`adadiag_ref.step` passes
+    ``refreshed=False`` (``new.P is not state.P``).
     The callback runs on an XLA thread whose floating-point environment is not
     Python's; :func:`adadiag_ref.refresh_basis` is therefore run with the
     default environment restored (:func:`_default_fp_environment`).
@@ -201,7 +206,8 @@ def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.nd
             P = np.asarray(previous[0], dtype=dtype)
             Q = np.asarray(previous[1], dtype=dtype) if len(previous) > 1 else None
             new = ar.refresh_basis(host_state._replace(P=P, Q=Q), grad, cfg)
-        return tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
+        bases = tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
+        return (*bases, np.asarray(new.P is not P))  # a kept basis comes back as the very object passed in
 
     return callback
 
@@ -247,27 +253,35 @@ def _default_fp_environment() -> Iterator[None]:
         _LIBC.fesetenv(saved)
 
 
-def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> Any:
-    """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable)."""
+def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> tuple[Any, Any]:
+    """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable).
+
+    Returns ``(state, refreshed)``: ``refreshed`` is a traced bool, true only when
+    a due refresh computed new bases from ``grad`` (false when none was due or
+    the refresh kept the previous basis), the core's ``refreshed`` of that step.
+    """
     if state.P is None:  # no rotated side: nothing to refresh
-        return state
+        return state, False
     bases = [b for b in (state.P, state.Q) if b is not None]
-    shapes = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases)
+    shapes = (*(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases), jax.ShapeDtypeStruct((), jnp.bool_))
     callback = _host_refresh(cfg, np.dtype(state.P.dtype))
 
-    def do_refresh(s: Any) -> Any:
-        new = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
-        return s._replace(P=new[0], Q=new[1] if s.Q is not None else None)
+    def do_refresh(s: Any) -> tuple[Any, jax.Array]:
+        *new, refreshed = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
+        return s._replace(P=new[0], Q=new[1] if s.Q is not None else None), refreshed
 
-    return jax.lax.cond(due, do_refresh, lambda s: s, state)
+    def keep(s: Any) -> tuple[Any, jax.Array]:
+        return s, jnp.asarray(False)
+
+    return jax.lax.cond(due, do_refresh, keep, state)  # type: ignore[no-any-return]
 
 
 def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseConfig, Any, Any]:
     """The leaf's config, its state with the bases refreshed when due, and the ``refreshed`` flag for the core."""
     cfg = _leaf_config(opts, state)
     due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
-    state = _refresh(state, grad, cfg, due)
-    return cfg, state, due if state.P is not None else False
+    state, refreshed = _refresh(state, grad, cfg, due)
+    return cfg, state, refreshed
 
 
 def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
@@ -300,12 +314,81 @@ def _check_update_args(params: Any, needs_params: bool) -> None:
 
 
 def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
+    """``init``: ``ar.init`` per leaf, which reads only what is static.
+
+    The state's structure and values depend on the leaf's shape and dtype and on
+    the static config (``sides``, ``max_basis_dim``, ``state_dtype``, the family,
+    whether the Adafactor family keeps ``M``), never on a traced number, so
+    ``jax.jit(init)`` works with injected hyperparameters as optax's own aliases
+    do.  The one structural choice a traced number could make is the Adafactor
+    family's momentum (``b1 > 0``): with ``b1`` traced, ``M`` is kept (unless
+    ``momentum=False``), and a ``b1 = 0`` arriving later gives
+    ``M_t = beta_hat(0) M + U_t = U_t``, the momentum-free direction, at the cost
+    of ``M``'s memory; pass ``b1`` in ``static_args`` to decide it from its
+    value.  Traced values are not validated (optax validates none either); the
+    eager ``init`` sees them concretely and validates them.
+    """
+
     def init_fn(params: Any) -> CoreTransformState:
-        if opts.traced:  # the placeholders would decide the state's structure (momentum) unchecked
-            raise TypeError("init needs concrete hyperparameters (optax.inject_hyperparams passes them concretely)")
         return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
 
     return init_fn
+
+
+_OPTAX_ADAFACTOR_NAMES = {"clipping_threshold": "clip_threshold", "multiply_by_parameter_scale": "scale_parameter"}
+"""``optax.adafactor``'s keywords that mean what an Adafactor-family option means -> that option's name."""
+
+
+def _from_optax_names(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Adafactor family: ``optax.adafactor``'s keywords with the same meaning, under the core's names.
+
+    * ``clipping_threshold=d`` is ``clip_threshold=d``: ``U / max(1, RMS(U) / d)``
+      after the factored normalisation and before momentum (optax's
+      ``clip_by_block_rms``); ``None`` disables it in both.
+    * ``multiply_by_parameter_scale`` is ``scale_parameter``: the step times
+      ``max(eps2, RMS(W_t))`` with ``eps2 = 1e-3`` (optax's
+      ``scale_by_param_block_rms``).  The default stays the core's ``False``
+      (optax's is ``True``).
+    * ``min_dim_size_to_factor``: optax factors a matrix only when its second
+      largest dimension is at least this; the core factors every matrix, which is
+      ``1`` (or ``None``, the default here); any other value raises
+      ``ValueError``.  Static, as in optax (``static_args``).
+    * ``decay_rate`` and ``eps`` already have optax's names and meanings
+      (``decay_rate`` is read under ``beta2_schedule="adafactor"``, optax's
+      ``1 - t^(-decay_rate)``).
+
+    Not accepted, because they mean something else here: optax's float
+    ``momentum`` (an EMA without bias correction; here ``momentum`` is a bool,
+    beta_1 is ``b1``), ``weight_decay_rate`` (not multiplied by the learning
+    rate; here ``weight_decay`` is), ``decay_offset``, ``dtype_momentum``,
+    ``factored`` and ``weight_decay_mask``.
+    """
+    cls = ar.OPTIMIZERS.get(name, (None, 0))[0]
+    if cls is not AdafactorConfig:
+        return options
+    options = dict(options)
+    for theirs, ours in _OPTAX_ADAFACTOR_NAMES.items():
+        if theirs in options:
+            if ours in options:
+                raise ValueError(f"pass {ours}= or optax's name {theirs}=, not both")
+            options[ours] = options.pop(theirs)
+    if "min_dim_size_to_factor" in options:
+        size = options.pop("min_dim_size_to_factor")
+        if _is_traced(size):
+            raise TypeError("'min_dim_size_to_factor' is static (pass it in static_args)")
+        size = _python(size)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size > 1):
+            raise ValueError(
+                f"min_dim_size_to_factor must be None or an int <= 1 (the core factors the second moment of "
+                f"every matrix), got {size!r}"
+            )
+    momentum = options.get("momentum")
+    if momentum is not None and not isinstance(momentum, bool):
+        raise ValueError(
+            f"momentum must be True, False or None (whether M is kept; beta_1 is b1), got {momentum!r}; "
+            "optax.adafactor's momentum=b (an EMA without bias correction) has no equivalent option"
+        )
+    return options
 
 
 def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
@@ -318,6 +401,7 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
     the state and are static.
     """
     options.pop("lr", None)
+    options = _from_optax_names(name, options)
     opts = _options(name, {**options, "weight_decay": 0.0})
     needs_params = isinstance(opts.cfg, AdafactorConfig) and (opts.cfg.scale_parameter or opts.cfg.relative_step)
 
@@ -392,10 +476,13 @@ def core_alias(
     traced under ``jax.jit`` (``update_freq`` included: the refresh predicate
     takes a traced period); ``update_freq=None`` and the family options that
     shape the state (``max_basis_dim``, ``momentum``, ``relative_step``, ...)
-    stay static.
+    stay static.  ``init`` reads only static values, so it jits with injected
+    hyperparameters too (``_init_fn``).  The Adafactor family also takes
+    ``optax.adafactor``'s keywords of the same meaning (``_from_optax_names``).
     """
     # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.
     family_options = {**family_options.pop("family_options", {}), **family_options}
+    family_options = _from_optax_names(name, family_options)
     _check_weight_decay(weight_decay)
     options = {"betas": (b1, b2), "eps": eps, "update_freq": update_freq, **family_options}
     cfg = _options(name, {**options, "weight_decay": 0.0}).cfg
@@ -408,6 +495,10 @@ def core_alias(
     )
 
 
+def _is_adafactor(name: str) -> bool:
+    return ar.OPTIMIZERS[name][0] is AdafactorConfig
+
+
 def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     def scale_by(
         b1: float = 0.9,
@@ -418,12 +509,24 @@ def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     ) -> optax.GradientTransformation:
         return scale_by_core(name, betas=(b1, b2), eps=eps, update_freq=update_freq, **family_options)
 
-    scale_by.__name__ = scale_by.__qualname__ = f"scale_by_{name}"
-    scale_by.__doc__ = (
+    def scale_by_adafactor_family(
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float | None = None,
+        update_freq: int | None = 200,
+        min_dim_size_to_factor: int | None = None,
+        **family_options: Any,
+    ) -> optax.GradientTransformation:
+        return scale_by(b1, b2, eps, update_freq, min_dim_size_to_factor=min_dim_size_to_factor, **family_options)
+
+    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
+    function = scale_by_adafactor_family if _is_adafactor(name) else scale_by
+    function.__name__ = function.__qualname__ = f"scale_by_{name}"
+    function.__doc__ = (
         f"Preconditioned direction of the core's ``{name!r}`` (no learning rate, no weight decay); "
         "see :func:`scale_by_core`."
     )
-    return scale_by
+    return function
 
 
 def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
@@ -438,9 +541,29 @@ def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
     ) -> optax.GradientTransformation:
         return core_alias(name, learning_rate, b1, b2, eps, weight_decay, update_freq, **family_options)
 
-    alias.__name__ = alias.__qualname__ = name
-    alias.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`."
-    return alias
+    def adafactor_family_alias(
+        learning_rate: ScalarOrSchedule,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float | None = None,
+        weight_decay: Any = 0.0,
+        update_freq: int | None = 200,
+        min_dim_size_to_factor: int | None = None,
+        **family_options: Any,
+    ) -> optax.GradientTransformation:
+        options = {"min_dim_size_to_factor": min_dim_size_to_factor, **family_options}
+        return alias(learning_rate, b1, b2, eps, weight_decay, update_freq, **options)
+
+    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
+    function = adafactor_family_alias if _is_adafactor(name) else alias
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`." + (
+        "  Also takes ``optax.adafactor``'s ``clipping_threshold``, ``multiply_by_parameter_scale`` and "
+        "``min_dim_size_to_factor`` (:func:`_from_optax_names`)."
+        if _is_adafactor(name)
+        else ""
+    )
+    return function
 
 
 ALIASES: dict[str, Callable[..., optax.GradientTransformation]] = {name: _alias(name) for name in ar.OPTIMIZERS}

@@ -285,12 +285,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label))
         self._check_finite(work)
         due = [ar.refresh_due(int(item.flat["step"]), item.cfg) for item in work]  # host counters: no device sync
-        bases = self._refresh([item for item, d in zip(work, due, strict=True) if d])
-        for item, refreshed in zip(work, due, strict=True):
+        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
+        for item, is_due in zip(work, due, strict=True):
             # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
             # moments in place, so only the counter and new bases need writing back, into the same tensor objects
             state = to_core_state(item.flat, item.cfg)
-            new_bases = bases.pop(0) if refreshed else {}
+            # a refresh that kept the previous basis is no refresh for the update (no noise floor), as in ar.step
+            new_bases, refreshed = next(refreshes) if is_due else ({}, False)
             if new_bases:
                 state = state._replace(**new_bases)
             # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
@@ -333,20 +334,28 @@ class CoreOptimizer(torch.optim.Optimizer):
             "no parameter and no optimizer state was changed"
         )
 
-    def _refresh(self, items: list[_Work]) -> list[dict[str, torch.Tensor]]:
-        """New bases ``{"P"[, "Q"]}`` (``refresh_basis``) of the parameters due, split over ranks when asked."""
+    def _refresh(self, items: list[_Work]) -> list[tuple[dict[str, torch.Tensor], bool]]:
+        """``({"P"[, "Q"]}, refreshed)`` per parameter due (``refresh_basis``), split over ranks when asked.
+
+        ``refreshed`` is the core's (:func:`adadiag_ref.step`): False when the refresh kept the previous basis
+        (a failed decomposition), which ``refresh_basis`` returns as the very same tensors.  The bases are then
+        the previous ones and the step's update applies no rotation noise floor.
+        """
         dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
         if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             pairs = zip(states, items, strict=True)
-            news = [ar.refresh_basis(s, item.grad, item.cfg, name=item.name) for s, item in pairs]
-            return [_bases(s) for s in news]
+            news = [(s, ar.refresh_basis(s, item.grad, item.cfg, name=item.name)) for s, item in pairs]
+            return [(_bases(new), new.P is not old.P) for old, new in news]
         world, rank = dist.get_world_size(), dist.get_rank()
         out = []
+        refreshed = torch.zeros(len(items), dtype=torch.int32, device=items[0].p.device if items else "cpu")
         for j, (state, item) in enumerate(zip(states, items, strict=True)):
             owner = j % world
             if owner == rank:
-                state = ar.refresh_basis(state, item.grad, item.cfg, name=item.name)
+                new = ar.refresh_basis(state, item.grad, item.cfg, name=item.name)
+                refreshed[j] = int(new.P is not state.P)
+                state = new
             else:  # receive into fresh buffers: the old bases stay intact until every refresh succeeded
                 state = state._replace(
                     **{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None}
@@ -355,7 +364,9 @@ class CoreOptimizer(torch.optim.Optimizer):
                 if basis is not None:
                     dist.broadcast(basis, src=owner)
             out.append(_bases(state))
-        return out
+        if items:  # each owner's flags, the others' zeros: one collective gives every rank every flag
+            dist.all_reduce(refreshed)
+        return list(zip(out, (bool(f) for f in refreshed.tolist()), strict=True))
 
     @staticmethod
     def _checked_grad(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:

@@ -68,3 +68,61 @@ def worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+
+
+KEPT_NAMES = ["adadiag", "adadiag_pp", "adafacdiag", "hfacdiag"]
+KEPT_STEPS, KEPT_FREQ, KEPT_FAULT = 6, 2, 3  # refreshes due at t = 1, 3, 5; the one at t = 3 fails and keeps P
+
+
+def kept_basis_stream(name: str, rank: int | None) -> list[torch.Tensor]:
+    """Two (5, 7) parameters (one owned by each rank under split_refresh) trained on rank-2 gradients ``A B_t``
+    (``P^T G`` then has rows of rounding noise, which the noise floor zeroes on a refresh step only); the
+    decomposition fails at ``t = KEPT_FAULT``.  ``rank=None``: the core's ``ar.step``, in one process."""
+    import warnings
+
+    import numpy as np
+
+    import adadiag_ref as ar
+    from adadiag_ref import linalg
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 7, generator=gen, dtype=torch.float64) for _ in range(2)]
+    spans = [torch.randn(5, 2, generator=gen, dtype=torch.float64) for _ in params]
+    cfg = ar.make_config(name, update_freq=KEPT_FREQ)
+    if rank is None:
+        states = [ar.init(p, cfg) for p in params]
+    else:
+        params = [torch.nn.Parameter(p) for p in params]
+        opt = OPTIMIZER_CLASSES[name](params, lr=0.01, update_freq=KEPT_FREQ, split_refresh=True)
+    ladder = linalg.DECOMPOSITION_LADDER
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise np.linalg.LinAlgError("injected: SVD did not converge")
+
+    for t in range(1, KEPT_STEPS + 1):
+        grads = [a @ torch.randn(2, 7, generator=gen, dtype=torch.float64) for a in spans]
+        if t == KEPT_FAULT:
+            linalg.DECOMPOSITION_LADDER = [(rung, broken) for rung, _ in ladder]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", linalg.DecompositionWarning)
+                if rank is None:
+                    for i, g in enumerate(grads):
+                        params[i], states[i] = ar.step(states[i], g, cfg, params[i], lr=0.01)
+                else:
+                    for p, g in zip(params, grads, strict=True):
+                        p.grad = g
+                    opt.step()
+        finally:
+            linalg.DECOMPOSITION_LADDER = ladder
+    return [p.detach().clone() for p in params]
+
+
+def kept_basis_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        results = {name: kept_basis_stream(name, rank) for name in KEPT_NAMES}
+        torch.save(results, os.path.join(out_dir, f"kept{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()

@@ -344,3 +344,76 @@ def test_fused_adafactor_alias_applies_an_injected_weight_decay():
     factory = optax.inject_hyperparams(ao.adafacdiag, static_args=("update_freq", "b1", "b2", "eps"))
     traj, _ = _run(factory(learning_rate=0.01, weight_decay=0.1, update_freq=FREQ, **opts), w0, grads, steps=6)
     _assert_matches_replay(traj, w0, grads, "adafacdiag", lr=0.01, weight_decay=0.1, update_freq=FREQ, **opts)
+
+
+ADAFACTOR_FAMILY = ["adafactor", "adafacdiag", "adafacdiag_pp"]
+
+
+@pytest.mark.parametrize("name", ADAFACTOR_FAMILY)
+def test_optax_adafactor_keywords_are_the_core_options_of_the_same_meaning(name):
+    w0, grads = _stream(steps=4, shapes=MATRIX)
+    core_names = {"clip_threshold": 0.5, "scale_parameter": True}
+    ours, _ = _run(ao.ALIASES[name](0.01, update_freq=FREQ, **core_names), w0, grads, steps=4)
+    optax_names = {"clipping_threshold": 0.5, "multiply_by_parameter_scale": True, "min_dim_size_to_factor": 1}
+    theirs, _ = _run(ao.ALIASES[name](0.01, update_freq=FREQ, **optax_names), w0, grads, steps=4)
+    np.testing.assert_array_equal(theirs["w"], ours["w"])  # the same config: the same computation
+    scaled, _ = _run(getattr(ao, f"scale_by_{name}")(update_freq=FREQ, clipping_threshold=0.5), w0, grads, steps=4)
+    direct, _ = _run(getattr(ao, f"scale_by_{name}")(update_freq=FREQ, clip_threshold=0.5), w0, grads, steps=4)
+    np.testing.assert_array_equal(scaled["w"], direct["w"])
+
+
+def test_adafactor_with_optax_names_equals_optax_adafactor():
+    """Where both define the same algorithm (no momentum, optax's ``1 - t^(-0.8)`` second-moment decay, every
+    matrix factored, RMS clipping at 1, the step scaled by ``max(1e-3, RMS(W))``), ``adafactor`` with optax's
+    keywords is ``optax.adafactor``.  Tolerance: optax computes its decay from a float32 step counter; measured
+    relative difference of the displacement ``W_t - W_0`` 1.3e-8, checked at rtol 1e-6."""
+    w0, grads = _stream(steps=6, shapes=MATRIX)
+    shared = {"decay_rate": 0.8, "clipping_threshold": 1.0, "multiply_by_parameter_scale": True}
+    reference, _ = _run(optax.adafactor(0.01, min_dim_size_to_factor=1, eps=1e-30, **shared), w0, grads, steps=6)
+    ours, _ = _run(ao.adafactor(0.01, b1=0.0, beta2_schedule="adafactor", **shared), w0, grads, steps=6)
+    np.testing.assert_allclose(ours["w"] - w0["w"], reference["w"] - w0["w"], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"min_dim_size_to_factor": 128}, r"min_dim_size_to_factor must be None or an int <= 1 .*got 128"),
+        ({"momentum": 0.9}, r"momentum must be True, False or None .*got 0\.9"),
+        ({"clipping_threshold": 0.5, "clip_threshold": 0.5}, r"pass clip_threshold= or optax's name clipping_thr"),
+    ],
+)
+def test_optax_adafactor_keywords_that_mean_something_else_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        ao.adafactor(0.01, **options)
+    with pytest.raises(ValueError, match=message):
+        ao.scale_by_adafacdiag(**options)
+
+
+def test_min_dim_size_to_factor_is_static_under_inject_hyperparams():
+    """A number optax would trace: not a config field here, so ``init`` under jit asks for ``static_args``."""
+    injected = optax.inject_hyperparams(ao.adafactor)(learning_rate=0.1, min_dim_size_to_factor=1)
+    with pytest.raises(TypeError, match=r"'min_dim_size_to_factor' is static \(pass it in static_args\)"):
+        jax.jit(injected.init)({"w": jnp.ones((2, 3))})
+    static = optax.inject_hyperparams(ao.adafactor, static_args=("min_dim_size_to_factor",))
+    jax.jit(static(learning_rate=0.1, min_dim_size_to_factor=1).init)({"w": jnp.ones((2, 3))})
+
+
+@pytest.mark.parametrize("name", ADAFACTOR_FAMILY)
+def test_a_traced_b1_keeps_the_first_moment_and_b1_zero_is_the_momentum_free_direction(name):
+    """``jax.jit(init)`` cannot read ``b1 > 0`` from a traced ``b1``: the state keeps ``M``, and a ``b1 = 0``
+    injected afterwards gives ``M_t = U_t``, the direction of the alias without momentum (float64: equal to
+    rounding, rtol 1e-12); ``momentum=False`` stays static and drops ``M``."""
+    w0, grads = _stream(steps=4, shapes=MATRIX)
+    injected = optax.inject_hyperparams(ao.ALIASES[name])(learning_rate=0.01, update_freq=FREQ)
+    params = _device(w0)
+    state = jax.jit(injected.init)(params)
+    assert state.inner_state[0].states["w"].M is not None
+    state.hyperparams["b1"] = jnp.zeros_like(state.hyperparams["b1"])
+    update = jax.jit(injected.update)
+    for t in range(4):
+        updates, state = update(_device({k: v[t] for k, v in grads.items()}), state, params)
+        params = optax.apply_updates(params, updates)
+    plain, _ = _run(ao.ALIASES[name](0.01, b1=0.0, update_freq=FREQ), w0, grads, steps=4)
+    np.testing.assert_allclose(np.asarray(params["w"]), plain["w"][-1], rtol=RTOL, atol=1e-14)
+    off = optax.inject_hyperparams(ao.ALIASES[name])(learning_rate=0.01, momentum=False)
+    assert jax.jit(off.init)(_device(w0)).inner_state[0].states["w"].M is None

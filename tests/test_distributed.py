@@ -105,3 +105,20 @@ def test_core_runs_eagerly_on_sharded_jax_arrays():
     assert report["devices"] == 2
     for name, diff in report["max_abs_diff"].items():
         assert diff <= 1e-12, (name, diff)  # sharded reductions round differently: 1e-12 on O(1) float64 values
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_split_refresh_with_a_kept_basis_gives_the_bits_of_ar_step(tmp_path):
+    """Under split_refresh only the owner decomposes, so only it sees a refresh keep the previous basis: every
+    rank must still pass the update the owner's ``refreshed`` (False when kept, True otherwise), as ``ar.step``."""
+    import _ddp_worker
+
+    torch.multiprocessing.spawn(
+        _ddp_worker.kept_basis_worker, args=(_free_port(), str(tmp_path)), nprocs=_ddp_worker.WORLD, join=True
+    )
+    ranks = [torch.load(tmp_path / f"kept{r}.pt") for r in range(_ddp_worker.WORLD)]
+    for name in _ddp_worker.KEPT_NAMES:
+        reference = _ddp_worker.kept_basis_stream(name, None)
+        for r in range(_ddp_worker.WORLD):
+            for p, ref in zip(ranks[r][name], reference, strict=True):
+                assert torch.equal(p, ref), (name, r)
