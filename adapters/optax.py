@@ -363,8 +363,7 @@ def _from_optax_names(name: str, options: dict[str, Any]) -> dict[str, Any]:
     rate; here ``weight_decay`` is), ``decay_offset``, ``dtype_momentum``,
     ``factored`` and ``weight_decay_mask``.
     """
-    cls = ar.OPTIMIZERS.get(name, (None, 0))[0]
-    if cls is not AdafactorConfig:
+    if not _is_adafactor(name):
         return options
     options = dict(options)
     for theirs, ours in _OPTAX_ADAFACTOR_NAMES.items():
@@ -496,7 +495,8 @@ def core_alias(
 
 
 def _is_adafactor(name: str) -> bool:
-    return ar.OPTIMIZERS[name][0] is AdafactorConfig
+    entry = ar.OPTIMIZERS.get(name)
+    return entry is not None and issubclass(entry.config_type, AdafactorConfig)
 
 
 def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
