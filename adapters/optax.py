@@ -58,7 +58,7 @@ import numpy as np
 
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig
-from adadiag_ref.optim.core import preconditioned_direction
+from adadiag_ref.optim.core import preconditioned_direction, work_dtype
 from adadiag_ref.optim.layout import from_work
 
 __all__ = [
@@ -155,7 +155,7 @@ def _leaf_config(opts: _Options, state: Any) -> BaseConfig:
     """
     if not opts.traced:
         return opts.cfg
-    dtype = (state.r if hasattr(state, "r") else state.V).dtype
+    dtype = work_dtype(state)
     cfg = copy.copy(opts.cfg)
     object.__setattr__(cfg, "__class__", _fixed_momentum(type(opts.cfg)))
     object.__setattr__(cfg, "_momentum", getattr(state, "M", None) is not None)

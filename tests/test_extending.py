@@ -194,6 +194,28 @@ def test_optax_adapter_runs_the_family_under_jit() -> None:
         np.testing.assert_allclose(np.asarray(params), want[k], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.usefixtures("jax_x64")
+def test_optax_adapter_takes_injected_hyperparameters_for_the_family() -> None:
+    # traced betas are cast to the state's dtype, which the adapter reads from the registered state (not V or r)
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+    from adadiag_ref.adapters import optax as ar_optax
+
+    w0, grads = _stream(5)
+    want = reference_trajectory("heavyballdiag", w0, grads, KW["lr"], KW["betas"][0], KW["update_freq"])
+    tx = optax.inject_hyperparams(ar_optax.core_alias, static_args=("name",))(
+        name="heavyballdiag", learning_rate=KW["lr"], b1=KW["betas"][0], update_freq=3
+    )
+    params = jnp.asarray(w0)
+    state = jax.jit(tx.init)(params)
+    update = jax.jit(tx.update)
+    for k, g in enumerate(grads):
+        updates, state = update(jnp.asarray(g), state, params)
+        params = params + updates
+        np.testing.assert_allclose(np.asarray(params), want[k], rtol=RTOL, atol=ATOL)
+
+
 def test_the_ode_checker_confirms_its_hamiltonian() -> None:
     from adadiag_ref import ode
     from adadiag_ref.ode.systems import systems

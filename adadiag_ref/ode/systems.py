@@ -55,6 +55,7 @@ from ..optim.families import (
     HfacODEState,
     MomentumODEState,
     ODEState,
+    flows,
 )
 from ..optim.rotation import Basis, parameter_velocity, rotate, unrotate
 
@@ -90,7 +91,7 @@ __all__ = [
 
 def _flows() -> dict[str, Flow]:
     """Continuous-time forms by family, read from the registry at each call (a family registered later counts)."""
-    return {"momentum": MOMENTUM_FLOW, **{name: s.flow for name, s in FAMILIES.items() if s.flow is not None}}
+    return {"momentum": MOMENTUM_FLOW, **flows()}
 
 
 def systems() -> dict[str, tuple[str, int]]:

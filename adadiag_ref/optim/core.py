@@ -140,7 +140,7 @@ def check_orientation(state: State, shape: tuple[int, ...]) -> None:
         )
 
 
-def _work_dtype(state: State, xp: Namespace) -> Any:
+def work_dtype(state: State) -> Any:
     """The state dtype, in which every step computes: that of the state's arrays (the first moment present, else
     the ``param_shape`` record, else a basis)."""
     for name in state._fields[3:]:
@@ -207,7 +207,7 @@ def refresh_basis(
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
-    g = to_work(xp.astype(grad, _work_dtype(state, xp), copy=False), layout, xp)
+    g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
     label = f"gradient of {_where(name, state, layout.shape)}"
     try:
         svd = canonical_svd(
@@ -262,7 +262,7 @@ def prepare_step(state: State, grad: Array, cfg: BaseConfig, param: Array, refre
     """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms)."""
     layout = layout_for(tuple(param.shape), cfg)
     _check_static(state, grad, param, layout, cfg)
-    dtype = _work_dtype(state, xp)
+    dtype = work_dtype(state)
     # copy=False: no copy of G and W when they already have the state dtype (nothing here mutates them)
     g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
     w = to_work(xp.astype(param, dtype, copy=False), layout, xp)

@@ -247,10 +247,10 @@ def _applies(
     state: AdamState, t: Array, g_rot: Array, w: Array, cfg: BaseConfig, lr: Any, xp: Namespace
 ) -> _Scalars | None:
     """The fused route's scalars, or ``None`` when it does not apply (see the module docstring)."""
-    if cfg.kernels == "reference" or isinstance(lr, bool) or not isinstance(lr, int | float):
+    if isinstance(lr, bool) or not isinstance(lr, int | float):
         return None
     M0, V0 = state.M, state.V  # type: ignore[union-attr]
-    if M0 is None or not _kernels.usable(xp, g_rot, M0, V0, w):
+    if M0 is None or not _kernels.selected(cfg, xp, g_rot, M0, V0, w):
         return None
     rotated = state.P is not None or state.Q is not None
     if not alike(g_rot, M0, V0, *(() if rotated else (w,))):
