@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
-from array_api_compat import is_torch_namespace
+from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, to_numpy
 from .config import BASIS_METHODS
@@ -287,8 +287,20 @@ def canonicalize_svd(
     cheaper steps: clusters wide enough for :func:`_cholesky_pays` and the
     completion by the pivoted Cholesky factorisation of their projector
     (:func:`_projector_columns`), narrower clusters by an in-place Gram-Schmidt.
+
+    Factors of any other backend than NumPy (CuPy, torch, JAX, ``array_api_strict``) are canonicalised on a
+    host copy: the rules are sequential (a pivot per column, a decision per cluster), so on a device they
+    would cost a few device calls and a host read per column (about 75,000 calls for a 512 x 512 matrix with
+    a decaying spectrum); on the host they are NumPy (and numba) steps, and the result goes back in one copy
+    per factor (:func:`_on_backend`; CPU torch tensors without a copy).  The same rules, so the same bases to
+    rounding.
     """
     xp = namespace(U, S, xp=xp)
+    if not is_numpy_namespace(xp):
+        host_vh = None if Vh is None else to_numpy(Vh)
+        host = canonicalize_svd(to_numpy(U), to_numpy(S), host_vh, shape, compute_p=compute_p, compute_q=compute_q,
+                                fast=fast)  # fmt: skip
+        return _on_backend(host, U, xp)
     m, n = shape
     dtype_eps = float(xp.finfo(U.dtype).eps)
     rtol = dtype_eps**0.5  # tie tolerance, see the module docstring
@@ -392,13 +404,6 @@ def canonical_svd(
             return fast
     U, S, Vh = _thin_svd(G, where, xp)
     fast_steps = method != "svd"  # "svd": the reference canonicalisation, step by step
-    if fast_steps and _on_torch_cpu(G, xp):  # the fast steps are NumPy + numba: on zero-copy views of the factors
-        import torch
-
-        host = canonicalize_svd(to_numpy(U), to_numpy(S), to_numpy(Vh) if compute_q else None, (m, n),
-                                compute_p=compute_p, compute_q=compute_q, fast=True)  # fmt: skip
-        back = [None if a is None else torch.from_numpy(a) for a in (host.P, host.S, host.Q)]
-        return CanonicalSVD(back[0], back[1], back[2], host.rank)
     return canonicalize_svd(U, S, Vh if compute_q else None, (m, n), compute_p=compute_p, compute_q=compute_q, xp=xp,
                             fast=fast_steps)  # fmt: skip
 
@@ -406,6 +411,23 @@ def canonical_svd(
 def _on_torch_cpu(G: Array, xp: Namespace) -> bool:
     """A float32/float64 torch tensor in CPU memory (its factors have NumPy views, no copy)."""
     return is_torch_namespace(xp) and G.device.type == "cpu" and G.dtype in (xp.float32, xp.float64)
+
+
+def _on_backend(host: CanonicalSVD, like: Array, xp: Namespace) -> CanonicalSVD:
+    """A canonical SVD computed on the host, on ``like``'s backend and device: one copy per factor (CPU torch
+    tensors share the NumPy arrays' memory instead)."""
+    if _on_torch_cpu(like, xp):
+        import torch
+
+        convert: Callable[[np.ndarray], Array] = torch.from_numpy
+    else:
+        device = creation_device(like)
+
+        def convert(a: np.ndarray) -> Array:
+            return xp.asarray(a, device=device)
+
+    P, S, Q = (None if a is None else convert(a) for a in (host.P, host.S, host.Q))
+    return CanonicalSVD(P, S, Q, host.rank)
 
 
 # ----------------------------------------------------------------------------- failures and the retry ladder
@@ -576,7 +598,9 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
     the exact singular values more closely than the float32 SVD.
 
     Returns ``None`` (the caller takes the SVD) when the backend cannot form a
-    float64 Gram matrix or ``eigh`` fails or returns NaN/Inf.
+    float64 Gram matrix or ``eigh`` fails or returns NaN/Inf.  The Gram matrix and
+    ``eigh`` run on ``G``'s backend; the eigenvectors are then copied to the host
+    once, and the ordering and the canonical rules run there (:func:`canonicalize_svd`).
     """
     G64 = xp.astype(G, xp.float64)
     if G64.dtype != xp.float64:  # pragma: no cover - a backend without float64 (JAX with x64 off)
@@ -586,12 +610,12 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
         lam, vecs = xp.linalg.eigh(gram)
     except np.linalg.LinAlgError:
         return None  # the SVD ladder decides
-    if not (bool(xp.all(xp.isfinite(lam))) and bool(xp.all(xp.isfinite(vecs)))):
+    lam_host, vecs_host = to_numpy(lam), to_numpy(vecs)  # NumPy: the same arrays
+    if not (bool(np.all(np.isfinite(lam_host))) and bool(np.all(np.isfinite(vecs_host)))):
         return None
-    lam_host = to_numpy(lam)[::-1].copy()
-    sigma_host = np.sqrt(np.clip(lam_host, 0.0, None))
+    sigma_host = np.sqrt(np.clip(lam_host[::-1].copy(), 0.0, None))
     k = min(m, n)
-    order = xp.asarray(np.arange(m - 1, m - 1 - k, -1), device=creation_device(G))
-    U = xp.astype(xp.take(vecs, order, axis=1), G.dtype)
-    S = xp.asarray(sigma_host[:k], dtype=G.dtype, device=creation_device(G))
-    return canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, xp=xp, fast=True)
+    U = np.take(vecs_host, np.arange(m - 1, m - 1 - k, -1), axis=1).astype(np.float32)  # the route's input dtype
+    S = sigma_host[:k].astype(np.float32)
+    host = canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, fast=True)
+    return _on_backend(host, G, xp)

@@ -3,6 +3,7 @@
 from .core import check_inputs, init, refresh_basis, refresh_due, rotate, step, unrotate, update
 from .inplace import supports_in_place, update_in_place
 from .layout import Layout, from_work, layout_for, to_work
+from .multi import multi_step
 
 __all__ = [
     "Layout",
@@ -10,6 +11,7 @@ __all__ = [
     "from_work",
     "init",
     "layout_for",
+    "multi_step",
     "refresh_basis",
     "refresh_due",
     "rotate",

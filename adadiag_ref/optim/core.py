@@ -18,6 +18,8 @@ import contextlib
 import warnings
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
@@ -25,7 +27,7 @@ from .dispatch import direction as family_direction
 from .families import State, family_of
 from .layout import Layout, from_work, layout_for, to_work
 from .rotation import rotate, unrotate
-from .schedules import learning_rate
+from .schedules import host_step, learning_rate
 from .tail import parameter_delta
 
 __all__ = [
@@ -157,10 +159,11 @@ class NonFiniteGradientWarning(RuntimeWarning):
     """An unvalidated refresh met a gradient with NaN or Inf and kept the previous basis."""
 
 
-def _where(name: str | None, state: State, shape: tuple[int, ...]) -> str:
-    """``"parameter 'fc.weight' (shape (7, 9)) at step 5"`` for error and warning messages."""
+def _where(name: str | None, state: State, shape: tuple[int, ...], count: int | None = None) -> str:
+    """``"parameter 'fc.weight' (shape (7, 9)) at step 5"`` for error and warning messages (``count``: the host
+    counter, when the caller keeps one; else the state's is read)."""
     try:
-        t: Any = int(state.count) + 1
+        t: Any = (int(state.count) if count is None else count) + 1
     except Exception:  # a traced counter (jax.jit): no concrete step
         t = "?"
     who = f"parameter {name!r}" if name else "parameter"
@@ -175,6 +178,7 @@ def refresh_basis(
     name: str | None = None,
     on_nonfinite: str = "keep",
     on_failure: str = "keep",
+    count: int | None = None,
     xp: Namespace | None = None,
 ) -> State:
     """``P_t, _, Q_t^T = canonical_svd(G_t)``: new bases, moments untouched.
@@ -198,7 +202,8 @@ def refresh_basis(
       :class:`~adadiag_ref.linalg.DecompositionWarning`; ``"raise"`` raises
       :class:`~adadiag_ref.linalg.DecompositionError`.
 
-    A kept basis is returned as the very same objects (``new.P is state.P``).
+    A kept basis is returned as the very same objects (``new.P is state.P``).  ``count`` (the steps taken, a
+    host int, as in :func:`step`) only names the step in messages, without reading the state's counter.
     """
     if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
         raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
@@ -208,7 +213,7 @@ def refresh_basis(
     if not layout.rotate_left:
         return state
     g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
-    label = f"gradient of {_where(name, state, layout.shape)}"
+    label = f"gradient of {_where(name, state, layout.shape, count)}"
     try:
         svd = canonical_svd(
             g, compute_p=True, compute_q=layout.rotate_right, method=cfg.basis_method, label=label, xp=xp
@@ -258,8 +263,25 @@ class StepInput(NamedTuple):
     g_rot: Array  # G~ = P^T G Q, noise floor applied on a refresh step
 
 
-def prepare_step(state: State, grad: Array, cfg: BaseConfig, param: Array, refreshed: Any, xp: Namespace) -> StepInput:
-    """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms)."""
+def host_count(count: Any) -> int | None:
+    """``count`` (the steps taken, kept by the caller on the host) checked: ``None`` or an int ``>= 0``."""
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int | np.integer):
+        raise TypeError(f"count must be a host int (the number of steps taken) or None, got {type(count).__name__}")
+    if count < 0:
+        raise ValueError(f"count must be >= 0 (the number of steps taken), got {count}")
+    return int(count)
+
+
+def prepare_step(
+    state: State, grad: Array, cfg: BaseConfig, param: Array, refreshed: Any, xp: Namespace, count: int | None = None
+) -> StepInput:
+    """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms).
+
+    ``t = count + 1`` from the host counter when given (:func:`~adadiag_ref.optim.schedules.host_step`: the
+    coefficients are then host numbers), else from the state's counter.
+    """
     layout = layout_for(tuple(param.shape), cfg)
     _check_static(state, grad, param, layout, cfg)
     dtype = work_dtype(state)
@@ -269,7 +291,8 @@ def prepare_step(state: State, grad: Array, cfg: BaseConfig, param: Array, refre
     g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
         g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
-    return StepInput(layout, xp.astype(state.count + 1, dtype), g, w, g_rot)
+    t = host_step(count, dtype, xp) if count is not None else xp.astype(state.count + 1, dtype)
+    return StepInput(layout, t, g, w, g_rot)
 
 
 def update(
@@ -280,6 +303,7 @@ def update(
     *,
     lr: Any = None,
     refreshed: Any = False,
+    count: int | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
     """One optimizer update with the current bases (never refreshes).
@@ -293,9 +317,13 @@ def update(
     bases were just computed from this very gradient.  Then ``G~`` is ``Sigma``
     (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its entries
     below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
+
+    ``count``: the steps taken (``state.count``) as a host int, for a caller that keeps its own counter
+    (:func:`step`): the step's coefficients are then host numbers, not device arrays.
     """
     xp = namespace(grad, param, xp=xp)
-    return update_prepared(state, prepare_step(state, grad, cfg, param, refreshed, xp), cfg, param, lr, xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
+    return update_prepared(state, step_in, cfg, param, lr, xp)
 
 
 def update_prepared(
@@ -319,7 +347,14 @@ def update_prepared(
 
 
 def preconditioned_direction(
-    state: State, grad: Array, cfg: BaseConfig, param: Array, *, refreshed: Any = False, xp: Namespace | None = None
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    *,
+    refreshed: Any = False,
+    count: int | None = None,
+    xp: Namespace | None = None,
 ) -> tuple[Array, State, StepInput]:
     """The preconditioned direction ``U = P U~ Q^T`` of one step, without step size or weight decay.
 
@@ -330,10 +365,10 @@ def preconditioned_direction(
     :func:`update` is ``delta = -eta_t (U + lambda W_t)`` on top of it; an
     optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` comes
     from the family function or its numba kernel, as ``cfg.kernels`` selects
-    (:mod:`adadiag_ref.optim.dispatch`).
+    (:mod:`adadiag_ref.optim.dispatch`); ``count`` as in :func:`update`.
     """
     xp = namespace(grad, param, xp=xp)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
     return (*_direction(state, step_in, cfg, xp), step_in)
 
 
@@ -393,13 +428,15 @@ def check_inputs(
     param: Array,
     *,
     name: str | None = None,
+    count: int | None = None,
     xp: Namespace | None = None,
 ) -> None:
     """Eager validation of one step's input; raises ``ValueError`` and touches nothing.
 
     Checks shapes against the parameter and the state, that parameter and
     gradient share one real floating dtype, and that the gradient is finite
-    (the message names the parameter, ``name`` when given, and the step).
+    (the message names the parameter, ``name`` when given, and the step: ``count + 1`` when the caller keeps
+    the counter on the host, else read from the state).  One host synchronisation: the finiteness verdict.
     """
     xp = namespace(grad, param, xp=xp)
     _check_form(state, grad, cfg, param, xp)
@@ -407,7 +444,7 @@ def check_inputs(
     if bad:
         raise ValueError(
             f"non-finite gradient: {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'} in the gradient of "
-            f"{_where(name, state, tuple(param.shape))}; the optimizer state was left unchanged"
+            f"{_where(name, state, tuple(param.shape), count)}; the optimizer state was left unchanged"
         )
 
 
@@ -421,6 +458,7 @@ def step(
     check: bool = True,
     name: str | None = None,
     out: Array | None = None,
+    count: int | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
     """Eager driver: validate, refresh the basis when due, update: ``W_{t+1} = W_t + delta``.
@@ -440,24 +478,34 @@ def step(
     raises, ``state`` may have been partly updated (the owner discards it).  ``check`` is always on with
     ``out``; on a step without refresh a fused route may count ``G~``'s non-finite entries in its moments pass
     instead of scanning ``G`` first (the same ``ValueError``).
+
+    ``count`` (a host int, the steps taken: ``state.count``'s value, which the caller promises and which is not
+    read back to check it): the refresh schedule and the step's coefficients come from it instead of from the
+    state's counter, so a step on a device backend (CuPy, CUDA torch) waits for the device only where it must:
+    never on a step without refresh with ``check=False``, once (the finiteness verdict) with ``check=True``.
+    Without ``count`` the state's counter is read (one synchronisation on a device backend).  The result is the
+    same; on NumPy, bit for bit.
     """
     xp = namespace(grad, param, xp=xp)
+    count = host_count(count)
     if out is not None:
         return out, _step_owned(state, grad, cfg, param, out, lr, xp)
     if check:
-        check_inputs(state, grad, cfg, param, name=name, xp=xp)
-    state, refreshed = _refresh_if_due(state, grad, cfg, name, xp)
-    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, xp=xp)
+        check_inputs(state, grad, cfg, param, name=name, count=count, xp=xp)
+    state, refreshed = _refresh_if_due(state, grad, cfg, name, xp, count)
+    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, count=count, xp=xp)
     return param + delta, state
 
 
-def _refresh_if_due(state: State, grad: Array, cfg: BaseConfig, name: str | None, xp: Namespace) -> tuple[State, bool]:
-    """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`);
-    ``refreshed`` is False when no refresh was due or a failed one kept the previous basis (not computed from
-    this ``G``: no noise floor)."""
-    if not refresh_due(int(state.count), cfg):
+def _refresh_if_due(
+    state: State, grad: Array, cfg: BaseConfig, name: str | None, xp: Namespace, count: int | None = None
+) -> tuple[State, bool]:
+    """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`;
+    ``count`` the host counter, else the state's); ``refreshed`` is False when no refresh was due or a failed one
+    kept the previous basis (not computed from this ``G``: no noise floor)."""
+    if not refresh_due(int(state.count) if count is None else count, cfg):
         return state, False
-    new = refresh_basis(state, grad, cfg, name=name, xp=xp)
+    new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)
     return new, new.P is not state.P
 
 
@@ -471,7 +519,6 @@ def _step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: A
     from that step's two products are silenced (a finite ``G`` whose ``G~`` overflows then proceeds as in
     ``step``, without NumPy's overflow warning).
     """
-    import numpy as np
 
     _check_form(state, grad, cfg, param, xp)
     routes = family_of(cfg).routes.step_owned

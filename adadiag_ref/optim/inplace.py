@@ -21,7 +21,7 @@ from array_api_compat import is_cupy_namespace, is_numpy_namespace, is_torch_nam
 
 from .._xp import Array, Namespace, namespace, native_module
 from ..config import BaseConfig
-from .core import prepare_step, update_prepared
+from .core import host_count, prepare_step, update_prepared
 from .families import State, family_of
 from .schedules import learning_rate
 from .tail import commit
@@ -66,6 +66,7 @@ def update_in_place(
     *,
     lr: Any = None,
     refreshed: Any = False,
+    count: int | None = None,
     xp: Namespace | None = None,
 ) -> State:
     """``W <- W + delta`` and the moments overwritten, as :func:`~adadiag_ref.optim.update` defines them.
@@ -87,13 +88,16 @@ def update_in_place(
     objects, the same values, one pass over memory less each (views taken of
     them earlier keep the old values; on the in-place CPU route they see the new ones,
     as with ``torch.optim.AdamW``).
+
+    ``count`` (the steps taken, a host int) as in :func:`~adadiag_ref.step`: the step's coefficients are then
+    host numbers and nothing is read back from the device.
     """
     xp = namespace(grad, param, xp=xp)
     native_module(xp)  # TypeError for immutable arrays (JAX), before anything else
     fields = {f"state field {k!r}": v for k, v in zip(state._fields[1:], state[1:])}
     _check_writable({"parameter": param, **fields})
     spec = family_of(cfg)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
     eta = learning_rate(cfg, lr)
     for route in spec.routes.in_place:
         if route(state, step_in, cfg, param, eta, xp):

@@ -1,7 +1,14 @@
 """Scalar schedules and the small shared pieces of the update rules.
 
 All functions take the step ``t`` (1, 2, ...) as a floating array so that they
-trace under ``jax.jit``; none converts an array to a Python number.
+trace under ``jax.jit``; none converts a device array to a Python number.
+
+**Host steps.**  A driver that counts its steps on the host (``count=`` of :func:`~adadiag_ref.step`) passes
+``t`` as a NumPy 0-d array in the state's precision (:func:`host_step`).  With arrays of another backend (CuPy,
+CUDA torch, ``array_api_strict``) every coefficient is then computed on the host by the same expressions in
+the same precision and returned as a Python float holding that value exactly: a scalar kernel argument
+instead of a chain of one-element device kernels.  On NumPy the result is what the array code gives (the
+same 0-d arrays).
 """
 
 from __future__ import annotations
@@ -9,7 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._xp import Array, Namespace
+import numpy as np
+from array_api_compat import is_numpy_namespace
+
+from .._xp import Array, Namespace, creation_device, is_float64
 
 __all__ = [
     "adafactor_beta2",
@@ -17,10 +27,37 @@ __all__ = [
     "beta_hats",
     "clip_by_rms",
     "first_moment_decay",
+    "host_step",
     "learning_rate",
     "one_minus_power",
+    "relative_step",
     "rms",
 ]
+
+
+def host_step(count: int, dtype: Any, xp: Namespace) -> np.ndarray:
+    """The step ``t = count + 1`` on the host: a NumPy 0-d array of ``dtype``'s precision (float64 or float32).
+
+    On NumPy it equals ``astype(state.count + 1, dtype)`` (the device counter's ``t``) exactly.
+    """
+    return np.asarray(count + 1, dtype=np.float64 if is_float64(dtype, xp) else np.float32)
+
+
+def _host_scalars(t: Any, xp: Namespace, *numbers: Any) -> bool:
+    """Whether a coefficient of host step ``t`` is computed on the host (module docstring): ``t`` is NumPy, the
+    arrays are not, and every other input is a Python number (an array hyperparameter stays on its device)."""
+    return (
+        isinstance(t, np.ndarray | np.generic)
+        and not is_numpy_namespace(xp)
+        and all(isinstance(x, int | float) for x in numbers)
+    )
+
+
+def _on_device(t: Any, xp: Namespace, like: Any) -> Any:
+    """A host step ``t`` moved beside the array hyperparameter ``like`` (for the arithmetic that mixes them)."""
+    if isinstance(t, np.ndarray | np.generic) and not is_numpy_namespace(xp):
+        return xp.asarray(float(t), dtype=like.dtype, device=creation_device(like))
+    return t
 
 
 def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
@@ -29,7 +66,10 @@ def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
     ``beta`` may be a 0-d array (a hyperparameter traced under ``jax.jit``); then
     ``beta = 0`` is selected with ``where`` instead of a Python branch.
     """
+    if _host_scalars(t, xp, beta):
+        return float(one_minus_power(beta, t, np))
     if not isinstance(beta, int | float):
+        t = _on_device(t, xp, beta)
         positive = beta > 0
         safe = xp.where(positive, beta, xp.ones_like(beta))  # log(0) never evaluated
         return xp.where(positive, -xp.expm1(t * xp.log(safe)), one_minus_power(0.0, t, xp))
@@ -46,6 +86,10 @@ def beta_hat(beta: float, t: Array, xp: Namespace, *, bias_correction: bool = Tr
     bias-corrected moment ``EMA_beta(X)_t / (1 - beta^t)`` exactly.  At t = 1 it
     is 0.  With ``bias_correction=False`` it is the constant ``beta``.
     """
+    if _host_scalars(t, xp, beta):
+        return float(beta_hat(beta, t, np, bias_correction=bias_correction))
+    if not isinstance(beta, int | float):
+        t = _on_device(t, xp, beta)
     if not bias_correction:
         return xp.full_like(t, beta)
     if isinstance(beta, int | float) and beta == 0.0:  # an array beta = 0 gives 0 * 1 / 1 below
@@ -70,7 +114,20 @@ def learning_rate(cfg: Any, lr: Any) -> Any:
 
 def adafactor_beta2(t: Array, decay_rate: float, xp: Namespace) -> Array:
     """Adafactor's increasing decay ``beta2_t = 1 - t^(-c)`` (0 at t = 1), c = ``decay_rate``."""
+    if _host_scalars(t, xp, decay_rate):
+        return float(adafactor_beta2(t, decay_rate, np))
+    if not isinstance(decay_rate, int | float):
+        t = _on_device(t, xp, decay_rate)
     return -xp.expm1(-decay_rate * xp.log(t))
+
+
+def relative_step(lr: Any, t: Array, xp: Namespace) -> Any:
+    """Adafactor's relative step size ``rho_t = min(lr, 1 / sqrt(t))``, in ``t``'s dtype."""
+    if _host_scalars(t, xp, lr):
+        return float(relative_step(lr, t, np))
+    if not isinstance(lr, int | float):
+        t = _on_device(t, xp, lr)
+    return xp.minimum(lr * xp.ones_like(t), 1.0 / xp.sqrt(t))
 
 
 def rms(x: Array, xp: Namespace) -> Array:

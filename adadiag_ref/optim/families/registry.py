@@ -75,6 +75,11 @@ class FamilySpec:
         flow: the continuous-time form, or ``None`` (then no ODE system is made for it).
         routes: the fast routes (:class:`Routes`).
         report_lr: the learning rate ``adadiag-ref report`` runs it with.
+        entrywise: the moment update and the direction are entrywise (entry ``(i, j)`` of ``U~`` and of every
+            new moment depends on entry ``(i, j)`` of ``G~`` and of the old moments alone) and ``step_size``
+            does not read ``W_t``: then :func:`~adadiag_ref.optim.multi.multi_step` runs them once over the
+            concatenation of many parameters (the Adam family; not Adafactor or Hfac, whose factored moments
+            sum rows and columns).
     """
 
     name: str
@@ -86,6 +91,7 @@ class FamilySpec:
     flow: Flow | None = None
     routes: Routes = field(default_factory=Routes)
     report_lr: float = 1e-2
+    entrywise: bool = False
 
     @property
     def moment_fields(self) -> tuple[str, ...]:

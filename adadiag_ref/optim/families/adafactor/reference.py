@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from ...._xp import Array, Namespace
 from ....config import AdafactorConfig, BaseConfig
-from ...schedules import adafactor_beta2, beta_hat, clip_by_rms, first_moment_decay, rms
+from ...schedules import adafactor_beta2, beta_hat, clip_by_rms, first_moment_decay, relative_step, rms
 from .. import common
 from ..common import Constants, FlowField, Moments
 
@@ -76,8 +76,7 @@ def step_size(cfg: BaseConfig, t: Array, w: Array, lr: Any, xp: Namespace) -> An
     assert isinstance(cfg, AdafactorConfig)
     eta = lr
     if cfg.relative_step:
-        lr_t = lr * xp.ones_like(t)
-        eta = xp.minimum(lr_t, 1.0 / xp.sqrt(t))
+        eta = relative_step(lr, t, xp)
     if cfg.scale_parameter:
         scale = rms(w, xp)
         eta = eta * xp.maximum(scale, xp.full_like(scale, cfg.eps2))

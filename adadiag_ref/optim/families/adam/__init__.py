@@ -40,4 +40,5 @@ SPEC = FamilySpec(
         in_place=(torch_route.in_place, inplace.in_place),
     ),
     report_lr=3e-2,
+    entrywise=True,
 )

@@ -1,0 +1,224 @@
+"""One step over many parameters: :func:`multi_step`, for drivers that update a whole model per call.
+
+Per parameter it computes what :func:`~adadiag_ref.step` computes.  What it adds is the grouping a device
+backend needs, where each call on an array is a kernel launch and each value read back is a synchronisation:
+
+* **one synchronisation for the checks**: every gradient's finiteness is reduced to one number per parameter
+  and the verdict over all of them is read once (a suspect is then examined exactly, only on the error path);
+  everything is validated before anything is computed, so an error leaves every state untouched;
+* **a host counter** (``count``): the refresh schedule and the coefficients of the step never read a device
+  counter (with ``count=None`` each state's counter is read once);
+* **launches that do not grow with the number of parameters**: for a family whose moment rule is entrywise
+  (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, the Adam family), the parameters sharing a
+  dtype form one flat group: the rotated gradients ``G~``, the moments, ``W`` and the directions are
+  concatenated, and the moment update, the direction and the tail ``delta = -eta (P U~ Q^T + lambda W)`` run
+  once over the concatenation (their entries do not interact).  Only the rotations (GEMMs, per rotated
+  parameter) and views remain per parameter.  The new parameters and moments are views into the group's
+  flat results.  On NumPy, where a call costs no launch and a concatenation costs a pass over memory, each
+  parameter takes :func:`~adadiag_ref.step` instead (its fused numba routes).
+
+Each entry of a flat group is computed by the same expression with the same scalar coefficients as the
+per-parameter step, so the results are those of :func:`~adadiag_ref.step` with the same ``count``: bit for
+bit where both take the reference arithmetic, to rounding where one of them takes a fused kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from array_api_compat import is_numpy_namespace
+
+from .._xp import Array, Namespace, count_nonfinite, creation_device, namespace
+from ..config import BaseConfig
+from .core import _check_form, _refresh_if_due, _where, host_count, prepare_step, step
+from .dispatch import direction as family_direction
+from .families import State, family_of
+from .layout import from_work, to_work
+from .rotation import unrotate
+from .schedules import learning_rate
+from .tail import decays
+
+__all__ = ["multi_step"]
+
+
+def _as_lists(states: Any, grads: Any, params: Any, names: Any) -> tuple[list[Any], ...]:
+    """The four inputs as equal-length lists (a mapping of parameters gives the order and the names)."""
+    if isinstance(params, Mapping):
+        keys = list(params)
+        for label, other in (("states", states), ("grads", grads)):
+            if not isinstance(other, Mapping) or set(other) != set(keys):
+                raise ValueError(f"params is a mapping: {label} must be a mapping with the same keys")
+        return [states[k] for k in keys], [grads[k] for k in keys], [params[k] for k in keys], [str(k) for k in keys]
+    if not all(isinstance(x, Sequence) for x in (states, grads, params)):
+        raise TypeError("multi_step takes sequences (lists or tuples) or mappings of states, gradients and parameters")
+    if not len(states) == len(grads) == len(params):
+        raise ValueError(
+            f"multi_step needs one state and one gradient per parameter, got {len(states)} states, "
+            f"{len(grads)} gradients and {len(params)} parameters"
+        )
+    if names is None:
+        names = [None] * len(params)
+    elif len(names) != len(params):
+        raise ValueError(f"names has {len(names)} entries for {len(params)} parameters")
+    return list(states), list(grads), list(params), list(names)
+
+
+def _host_counts(count: Any, states: list[State], n: int) -> list[int]:
+    """The steps taken per parameter: ``count`` (an int for all, or one per parameter) or each state's counter."""
+    if count is None:
+        return [int(s.count) for s in states]  # one read per state: pass count to avoid them
+    if isinstance(count, Sequence) and not isinstance(count, str):
+        if len(count) != n:
+            raise ValueError(f"count has {len(count)} entries for {n} parameters")
+        checked = [host_count(c) for c in count]
+    else:
+        checked = [host_count(count)] * n
+    if None in checked:
+        raise TypeError("count must be a host int, or one per parameter, not None entries")
+    return checked  # type: ignore[return-value]
+
+
+def _check_finite_all(
+    states: list[State], grads: list[Array], params: list[Array], names: list[Any], counts: list[int], xp: Namespace
+) -> None:
+    """Every gradient finite, read back once: one sum per gradient, the verdict over all of them in one value.
+
+    A sum is NaN or Inf whenever an entry is, and may also overflow on finite entries, so a non-finite sum is
+    only a suspicion, settled exactly (:func:`~adadiag_ref._xp.count_nonfinite`) for the suspects alone.
+    """
+    if not grads:
+        return
+    if is_numpy_namespace(xp):  # no device: the exact scan, per gradient
+        suspects = list(range(len(grads)))
+    else:
+        sums = xp.stack([xp.astype(xp.sum(g), xp.float32) for g in grads])
+        if bool(xp.all(xp.isfinite(sums))):  # the one synchronisation of a step
+            return
+        flags = xp.isfinite(sums)
+        suspects = [i for i in range(len(grads)) if not bool(flags[i])]
+    for i in suspects:
+        bad = count_nonfinite(grads[i], xp)
+        if bad:
+            raise ValueError(
+                f"non-finite gradient: {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'} in the gradient of "
+                f"{_where(names[i], states[i], tuple(params[i].shape), counts[i])}; no parameter and no "
+                "optimizer state was changed"
+            )
+
+
+def multi_step(
+    states: Any,
+    grads: Any,
+    cfg: BaseConfig,
+    params: Any,
+    *,
+    lr: Any = None,
+    check: bool = True,
+    names: Sequence[str | None] | None = None,
+    count: int | Sequence[int] | None = None,
+    xp: Namespace | None = None,
+) -> tuple[Any, Any]:
+    """:func:`~adadiag_ref.step` for every parameter of a model at once: ``W_{t+1} = W_t + delta`` for each.
+
+    ``states``, ``grads`` and ``params`` are equal-length sequences (lists, tuples), or mappings with the same
+    keys (the keys then name the parameters in messages); returns ``(new_params, new_states)`` in the same
+    form (lists for sequences, dicts for mappings).  ``cfg``, ``lr`` and ``check`` are ``step``'s;
+    ``names`` labels the parameters of sequences in messages.  ``count`` (host ints, the steps taken): one
+    int for all parameters or one per parameter; ``None`` reads each state's counter.
+
+    Order of work (module docstring): the shapes and dtypes of every parameter, then with ``check=True``
+    the finiteness of every gradient (one host synchronisation), then the refreshes due, then the updates.
+    An invalid input raises ``ValueError`` before any state or parameter is computed; the inputs are never
+    modified.  With ``count`` given and ``check=False``, a step without refresh reads nothing back from the
+    device.
+    """
+    mapping_keys = list(params) if isinstance(params, Mapping) else None
+    states_l, grads_l, params_l, names_l = _as_lists(states, grads, params, names)
+    if not params_l:
+        return ({} if mapping_keys is not None else []), ({} if mapping_keys is not None else [])
+    xp = namespace(*grads_l, *params_l, xp=xp)
+    counts = _host_counts(count, states_l, len(params_l))
+    for s, g, p in zip(states_l, grads_l, params_l, strict=True):
+        _check_form(s, g, cfg, p, xp)
+    if check:
+        _check_finite_all(states_l, grads_l, params_l, names_l, counts, xp)
+    if is_numpy_namespace(xp) or not family_of(cfg).entrywise:
+        pairs = [
+            step(s, g, cfg, p, lr=lr, check=False, name=nm, count=c, xp=xp)
+            for s, g, p, nm, c in zip(states_l, grads_l, params_l, names_l, counts, strict=True)
+        ]
+        new_params, new_states = [p for p, _ in pairs], [s for _, s in pairs]
+    else:
+        refreshed = [_refresh_if_due(s, g, cfg, nm, xp, c) for s, g, nm, c in
+                     zip(states_l, grads_l, names_l, counts, strict=True)]  # fmt: skip
+        new_params, new_states = _flat_update(
+            [s for s, _ in refreshed], grads_l, cfg, params_l, [r for _, r in refreshed], counts, lr, xp
+        )
+    if mapping_keys is not None:
+        return dict(zip(mapping_keys, new_params, strict=True)), dict(zip(mapping_keys, new_states, strict=True))
+    return new_params, new_states
+
+
+def _flat(arrays: list[Array], xp: Namespace) -> Array:
+    """The arrays' entries, each array in its row-major order, one after another (one concatenation)."""
+    return xp.concat([xp.reshape(a, (-1,)) for a in arrays])
+
+
+def _pieces(flat: Array, like: list[Array], xp: Namespace) -> list[Array]:
+    """:func:`_flat` undone: views of ``flat`` shaped like each of ``like``."""
+    out, start = [], 0
+    for a in like:
+        size = a.shape[0] * a.shape[1]
+        out.append(xp.reshape(flat[start : start + size], tuple(a.shape)))
+        start += size
+    return out
+
+
+def _flat_update(
+    states: list[State],
+    grads: list[Array],
+    cfg: BaseConfig,
+    params: list[Array],
+    refreshed: list[bool],
+    counts: list[int],
+    lr: Any,
+    xp: Namespace,
+) -> tuple[list[Array], list[State]]:
+    """The updates of an entrywise family, one flat group per (state dtype, parameter dtype, step)."""
+    inputs = zip(states, grads, params, refreshed, counts, strict=True)
+    prepared = [prepare_step(s, g, cfg, p, r, xp, c) for s, g, p, r, c in inputs]
+    groups: dict[tuple[Any, Any, int], list[int]] = {}
+    for i, (step_in, p) in enumerate(zip(prepared, params, strict=True)):
+        groups.setdefault((step_in.g_rot.dtype, p.dtype, counts[i]), []).append(i)
+    new_params: list[Array] = [None] * len(params)
+    new_states: list[Any] = [None] * len(params)
+    family = family_of(cfg)
+    eta = learning_rate(cfg, lr)
+    for members in groups.values():
+        g_rot = [prepared[i].g_rot for i in members]
+        old = {name: _flat([getattr(states[i], name) for i in members], xp) for name in family.moment_fields}
+        flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
+        t = prepared[members[0]].t
+        u_flat, moments = family_direction(flat_state, _flat(g_rot, xp), t, cfg, xp)
+        directions = [
+            unrotate(u, states[i].P, states[i].Q, xp, transposed=prepared[i].layout.transposed)
+            for u, i in zip(_pieces(u_flat, g_rot, xp), members, strict=True)
+        ]
+        # the tail of tail.parameter_delta, the same expressions over the group: -eta_t (D + lambda W)
+        w_flat = _flat([prepared[i].w for i in members], xp)
+        d_flat = _flat(directions, xp)
+        eta_t = family.step_size(cfg, t, w_flat, eta, xp)
+        if decays(cfg):
+            d_flat = d_flat + cfg.weight_decay * w_flat
+        delta = xp.astype(-eta_t * d_flat, params[members[0]].dtype, copy=False)
+        # W + delta in the parameter's dtype, entry by entry in the work frame's order (that of the flat arrays)
+        w_new = _pieces(_flat([to_work(params[i], prepared[i].layout, xp) for i in members], xp) + delta, g_rot, xp)
+        new_moments = {name: _pieces(value, g_rot, xp) for name, value in moments.items()}
+        # the group's common new counter, made once from the host count (one transfer, not a kernel per parameter)
+        first = states[members[0]].count
+        new_count = xp.asarray(counts[members[0]] + 1, dtype=first.dtype, device=creation_device(first))
+        for k, i in enumerate(members):
+            new_params[i] = from_work(w_new[k], prepared[i].layout, xp)
+            new_states[i] = states[i]._replace(count=new_count, **{name: new_moments[name][k] for name in new_moments})
+    return new_params, new_states
