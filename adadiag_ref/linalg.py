@@ -53,6 +53,7 @@ __all__ = [
     "NonFiniteInputError",
     "canonical_complement",
     "canonical_svd",
+    "canonical_svd_batch",
     "canonicalize_svd",
     "decomposition_budget",
     "gram_route_applies",
@@ -610,12 +611,132 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
         lam, vecs = xp.linalg.eigh(gram)
     except np.linalg.LinAlgError:
         return None  # the SVD ladder decides
-    lam_host, vecs_host = to_numpy(lam), to_numpy(vecs)  # NumPy: the same arrays
-    if not (bool(np.all(np.isfinite(lam_host))) and bool(np.all(np.isfinite(vecs_host)))):
+    host = _gram_canonical(to_numpy(lam), to_numpy(vecs), m, n, compute_p)  # NumPy: the same arrays
+    return None if host is None else _on_backend(host, G, xp)
+
+
+def _gram_canonical(lam: np.ndarray, vecs: np.ndarray, m: int, n: int, compute_p: bool) -> CanonicalSVD | None:
+    """The host half of :func:`_gram_route`: ``eigh``'s ascending ``lambda, V`` of ``G G^T`` to the canonical
+    float32 ``P`` (``sigma = sqrt(max(lambda, 0))``, descending); ``None`` when they hold NaN or Inf."""
+    if not (bool(np.all(np.isfinite(lam))) and bool(np.all(np.isfinite(vecs)))):
         return None
-    sigma_host = np.sqrt(np.clip(lam_host[::-1].copy(), 0.0, None))
+    sigma = np.sqrt(np.clip(lam[::-1].copy(), 0.0, None))
     k = min(m, n)
-    U = np.take(vecs_host, np.arange(m - 1, m - 1 - k, -1), axis=1).astype(np.float32)  # the route's input dtype
-    S = sigma_host[:k].astype(np.float32)
-    host = canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, fast=True)
-    return _on_backend(host, G, xp)
+    U = np.take(vecs, np.arange(m - 1, m - 1 - k, -1), axis=1).astype(np.float32)  # the route's input dtype
+    S = sigma[:k].astype(np.float32)
+    return canonicalize_svd(U, S, None, (m, n), compute_p=compute_p, compute_q=False, fast=True)
+
+
+# ----------------------------------------------------------------------------- a batch of refreshes
+
+
+def canonical_svd_batch(
+    matrices: list[Array],
+    /,
+    *,
+    compute_p: bool = True,
+    compute_q: bool = True,
+    method: str = "svd",
+    xp: Namespace | None = None,
+) -> list[CanonicalSVD | None]:
+    """:func:`canonical_svd` of several matrices of one shape and dtype, with one decomposition call for all.
+
+    On a device backend (CuPy, CUDA torch) a refresh is a handful of launches and host reads per matrix, and
+    the decomposition libraries take stacks (cuSOLVER's batched ``syevj``/``gesvdj``, ``torch.linalg.eigh``):
+    here the matrices are stacked once, their finiteness is read back once, the route's decomposition runs
+    once over the stack (``eigh`` of the float64 Gram stack ``G_i G_i^T`` where :func:`gram_route_applies`,
+    else the thin ``svd``), its factors come to the host in one copy per factor, the canonical rules run on
+    each matrix there (:func:`canonicalize_svd`, as for one matrix), and the bases go back in one copy per
+    factor; entry ``i`` of the result holds views into those stacked copies.  The same rules on the same kind
+    of factors, so the same bases as :func:`canonical_svd` of each matrix to rounding (bit for bit where the
+    backend's stacked decomposition computes each matrix as its single one does, as NumPy's does).
+
+    Entry ``i`` is ``None`` where the batch does not decide and :func:`canonical_svd` of matrix ``i`` must run
+    (which then raises or falls back with its messages): the matrix holds NaN or Inf, or the stacked
+    decomposition raised or returned NaN or Inf.  NumPy input, a single matrix and a set decomposition budget
+    (:func:`set_decomposition_budget`, which times single calls) get ``None`` everywhere: a stack saves nothing
+    on the host.
+    """
+    if method not in REFRESH_METHODS:
+        raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+    if not matrices:
+        return []
+    xp = namespace(*matrices, xp=xp)
+    shape, dtype = tuple(matrices[0].shape), matrices[0].dtype
+    if any(tuple(G.shape) != shape or G.dtype != dtype for G in matrices):
+        raise ValueError("canonical_svd_batch needs matrices of one shape and one dtype")
+    if len(shape) != 2 or 0 in shape:
+        raise ValueError(f"canonical_svd_batch expects non-empty matrices, got shape {shape}")
+    undecided: list[CanonicalSVD | None] = [None] * len(matrices)
+    if is_numpy_namespace(xp) or len(matrices) < 2 or _BUDGET_S is not None:
+        return undecided
+    m, n = shape
+    stack = xp.stack(matrices)
+    finite = to_numpy(xp.all(xp.isfinite(stack), axis=(1, 2)))  # the one read-back of the checks
+    members = [i for i in range(len(matrices)) if finite[i]]
+    if len(members) < len(matrices):
+        stack = xp.stack([matrices[i] for i in members]) if members else None
+    if stack is None:
+        return undecided
+    hosts = _decide_stack(stack, m, n, compute_p, compute_q, method, xp)
+    decided = [(i, host) for i, host in zip(members, hosts, strict=True) if host is not None]
+    for i, result in zip((i for i, _ in decided), _stack_on_backend([h for _, h in decided], stack, xp), strict=True):
+        undecided[i] = result
+    return undecided
+
+
+def _decide_stack(
+    stack: Array, m: int, n: int, compute_p: bool, compute_q: bool, method: str, xp: Namespace
+) -> list[CanonicalSVD | None]:
+    """The canonical SVD of every matrix of a finite stack, computed on the host from one stacked decomposition
+    of the stack's backend (``None`` for the whole stack when the decomposition raised, for one matrix when its
+    factors hold NaN or Inf)."""
+    count = int(stack.shape[0])
+    if gram_route_applies(stack[0, ...], method, compute_q=compute_q, xp=xp):
+        G64 = xp.astype(stack, xp.float64)
+        if G64.dtype == xp.float64:
+            try:
+                lam, vecs = xp.linalg.eigh(G64 @ xp.matrix_transpose(G64))
+            except (np.linalg.LinAlgError, RuntimeError, ValueError):
+                return [None] * count
+            lam_host, vecs_host = to_numpy(lam), to_numpy(vecs)
+            return [_gram_canonical(lam_host[i], vecs_host[i], m, n, compute_p) for i in range(count)]
+    try:
+        U, S, Vh = xp.linalg.svd(stack, full_matrices=False)
+    except (np.linalg.LinAlgError, RuntimeError, ValueError):
+        return [None] * count
+    U_host, S_host = to_numpy(U), to_numpy(S)
+    Vh_host = to_numpy(Vh) if compute_q else None
+    results: list[CanonicalSVD | None] = []
+    for i in range(count):
+        factors = [U_host[i], S_host[i]] + ([] if Vh_host is None else [Vh_host[i]])
+        if not all(bool(np.all(np.isfinite(f))) for f in factors):
+            results.append(None)  # the single matrix's ladder decides
+            continue
+        results.append(canonicalize_svd(U_host[i], S_host[i], None if Vh_host is None else Vh_host[i], (m, n),
+                                        compute_p=compute_p, compute_q=compute_q, fast=method != "svd"))  # fmt: skip
+    return results
+
+
+def _stack_on_backend(hosts: list[CanonicalSVD], like: Array, xp: Namespace) -> list[CanonicalSVD]:
+    """Host canonical SVDs of one shape on ``like``'s backend: each factor stacked and copied in one transfer
+    (:func:`_on_backend`), entry ``i`` views of the stacked copies."""
+    if not hosts:
+        return []
+    first = hosts[0]
+    stacked = CanonicalSVD(
+        P=None if first.P is None else np.stack([h.P for h in hosts if h.P is not None]),
+        S=np.stack([h.S for h in hosts]),
+        Q=None if first.Q is None else np.stack([h.Q for h in hosts if h.Q is not None]),
+        rank=0,
+    )
+    on_device = _on_backend(stacked, like, xp)
+    return [
+        CanonicalSVD(
+            P=None if on_device.P is None else on_device.P[i, ...],
+            S=on_device.S[i, ...],
+            Q=None if on_device.Q is None else on_device.Q[i, ...],
+            rank=h.rank,
+        )
+        for i, h in enumerate(hosts)
+    ]

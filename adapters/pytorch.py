@@ -344,9 +344,17 @@ class CoreOptimizer(torch.optim.Optimizer):
         dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
         if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            pairs = zip(states, items, strict=True)
-            news = [(s, ar.refresh_basis(s, item.grad, item.cfg, name=item.name)) for s, item in pairs]
-            return [(_bases(new), new.P is not old.P) for old, new in news]
+            # batched per config (ar.refresh_bases): one stacked decomposition per work shape on a device
+            by_config: dict[BaseConfig, list[int]] = {}
+            for j, item in enumerate(items):
+                by_config.setdefault(item.cfg, []).append(j)
+            news: list[Any] = [None] * len(items)
+            for cfg, members in by_config.items():
+                fresh = ar.refresh_bases([states[j] for j in members], [items[j].grad for j in members], cfg,
+                                         names=[items[j].name for j in members])  # fmt: skip
+                for j, new in zip(members, fresh, strict=True):
+                    news[j] = new
+            return [(_bases(new), new.P is not old.P) for old, new in zip(states, news, strict=True)]
         world, rank = dist.get_world_size(), dist.get_rank()
         out = []
         refreshed = torch.zeros(len(items), dtype=torch.int32, device=items[0].p.device if items else "cpu")

@@ -6,7 +6,8 @@
 
 Prints, per optimizer, one step without refresh (state counter vs host counter ``count=``, ``check`` off and
 on) and a refresh of a ``1/i``-spectrum float32 matrix at sides 256 and 512, then ``multi_step`` over 2 and 16
-parameters.  The limits the tests hold (``tests/test_device_traffic.py``) are printed beside them.
+parameters, then the refreshes due at one step over 2 and 16 parameters, one by one (``refresh_basis``) and
+batched (``refresh_bases``).  The limits the tests hold (``tests/test_device_traffic.py``) are printed beside them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def many(name: str, n: int, rng: np.random.Generator) -> str:
     return f"{name:8s} {n:3d} params  {traffic.host_conversions:3d} {traffic.namespace_calls:5d} (views {views})"
 
 
+def refreshes(name: str, method: str, n: int, rng: np.random.Generator) -> str:
+    cfg = ar.make_config(name, basis_method=method)
+    gs = [xs.asarray(rng.standard_normal((32, 48)).astype(np.float32)) for _ in range(n)]
+    states = [ar.init(g, cfg) for g in gs]
+    cells = []
+    for batched in (False, True):
+        with count_traffic() as traffic:
+            if batched:
+                ar.refresh_bases(states, gs, cfg)
+            else:
+                for state, g in zip(states, gs, strict=True):
+                    ar.refresh_basis(state, g, cfg)
+        cells.append(f"{traffic.host_conversions:4d} {traffic.namespace_calls:5d}")
+    return f"{name:11s} {method:5s} {n:3d} params  " + " | ".join(cells)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     print("one step without refresh, 64 x 96 float32: host conversions, namespace calls")
@@ -77,6 +94,11 @@ def main() -> None:
     for name in ("adamw", "adadiag", "adafactor"):
         for n in (2, 16):
             print(many(name, n, rng))
+    print("\nthe refreshes of one step, 32 x 48 float32: conversions, namespace calls")
+    print(f"{'optimizer':11s} {'basis':5s} {'':10s}  {'one by one':>10s} | {'batched':>10s}")
+    for name, method in (("adadiag", "auto"), ("adadiag", "svd"), ("adadiag_pp", "auto")):
+        for n in (2, 16):
+            print(refreshes(name, method, n, rng))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import to_np
 
 import adadiag_ref as ar
 from adadiag_ref.perf.traffic import count_traffic
@@ -294,3 +295,159 @@ def test_multi_step_launches_do_not_grow_with_the_parameter_count(name):
     growth = many - few
     per_rotation = 2 if name == "adadiag" else 0  # P^T G and P U~
     assert growth == Counter({"sum": 14, **({"__matmul__": 14 * per_rotation} if per_rotation else {})}), growth
+
+
+# ----------------------------------------------------------------------------- the refreshes of a step, batched
+
+ROTATED = [name for name, spec in ar.OPTIMIZERS.items() if spec.sides]
+REFRESH_SHAPES = [(6, 9), (9, 6), (6, 9), (4, 4), (4, 4), (5,), (7, 3)]  # groups of 3 (work 6 x 9), 2 and 1
+
+
+def _fields_equal(a, b):
+    for field in ("P", "Q"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x is None) == (y is None), field
+        if x is not None:
+            np.testing.assert_array_equal(host(x), host(y))
+
+
+def _gradients(rng, shapes, dtype):
+    return [strict(rng.standard_normal(s).astype(dtype)) for s in shapes]
+
+
+@pytest.mark.parametrize("name", ROTATED)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("method", ["svd", "gram", "auto"])
+def test_refresh_bases_equals_refresh_basis(name, dtype, method):
+    """Bit for bit on array_api_strict: NumPy's stacked ``svd``/``eigh`` decompose each matrix as the single
+    call does, and the canonical rules run on the same host factors."""
+    rng = np.random.default_rng(11)
+    cfg = ar.make_config(name, basis_method=method)
+    states = [ar.init(strict(np.zeros(s, dtype)), cfg) for s in REFRESH_SHAPES]
+    grads = _gradients(rng, REFRESH_SHAPES, dtype)
+    batched = ar.refresh_bases(states, grads, cfg)
+    for state, grad, new in zip(states, grads, batched, strict=True):
+        _fields_equal(new, ar.refresh_basis(state, grad, cfg))
+        moments = state._fields[3:-1]
+        assert all(getattr(new, f) is getattr(state, f) for f in moments) and new.count is state.count
+
+
+@pytest.mark.parametrize("method", ["svd", "auto"])
+def test_refresh_bases_reads_back_once_per_group(method):
+    """Three host conversions per group (the finiteness verdict and the factors), whatever its size; one refresh
+    at a time converts per matrix."""
+    rng = np.random.default_rng(12)
+    cfg = ar.make_config("adadiag", basis_method=method)
+
+    def conversions(n, batched):
+        grads = _gradients(rng, [(8, 12)] * n, np.float32)
+        states = [ar.init(g, cfg) for g in grads]
+        with count_traffic() as traffic:
+            if batched:
+                ar.refresh_bases(states, grads, cfg)
+            else:
+                for s, g in zip(states, grads, strict=True):
+                    ar.refresh_basis(s, g, cfg)
+        return traffic.host_conversions
+
+    assert conversions(2, True) == conversions(16, True) == 3
+    assert conversions(16, False) >= 16 * 3
+
+
+def test_multi_step_refresh_reads_back_per_group_not_per_parameter():
+    rng = np.random.default_rng(13)
+    cfg = ar.make_config("adadiag_pp", update_freq=5)
+
+    def conversions(n):
+        ws = _gradients(rng, [(6, 10)] * n, np.float32)
+        states = [ar.init(w, cfg) for w in ws]
+        with count_traffic() as traffic:
+            ar.multi_step(states, _gradients(rng, [(6, 10)] * n, np.float32), cfg, ws, count=0, check=False)
+        return traffic.host_conversions
+
+    assert conversions(2) == conversions(12) == 4  # the verdict, U, S and Vh of the one stacked SVD
+
+
+def test_refresh_bases_keeps_the_failure_policy_of_refresh_basis():
+    rng = np.random.default_rng(14)
+    cfg = ar.make_config("adadiag")
+    grads = _gradients(rng, [(4, 6)] * 3, np.float64)
+    states = [ar.init(g, cfg) for g in grads]
+    states = ar.refresh_bases(states, grads, cfg)
+    bad = host(grads[1]).copy()
+    bad[1, 2] = np.nan
+    grads[1] = strict(bad)
+    with pytest.warns(ar.optim.core.NonFiniteGradientWarning, match="parameter 'b'"):
+        new = ar.refresh_bases(states, grads, cfg, names=["a", "b", "c"])
+    assert new[1].P is states[1].P  # the previous basis, as the very same object
+    for i in (0, 2):
+        _fields_equal(new[i], ar.refresh_basis(states[i], grads[i], cfg))
+    with pytest.raises(ValueError, match=r"parameter 'b'.*left unchanged"):
+        ar.refresh_bases(states, grads, cfg, names=["a", "b", "c"], on_nonfinite="raise")
+
+
+def test_refresh_bases_falls_back_per_matrix_when_the_stacked_decomposition_fails(monkeypatch):
+    rng = np.random.default_rng(15)
+    cfg = ar.make_config("adadiag_pp")
+    grads = _gradients(rng, [(5, 7)] * 4, np.float64)
+    states = [ar.init(g, cfg) for g in grads]
+    expected = [ar.refresh_basis(s, g, cfg) for s, g in zip(states, grads, strict=True)]
+    single_svd = xs.linalg.svd
+
+    def no_stacks(x, /, **kwargs):
+        if x.ndim > 2:
+            raise np.linalg.LinAlgError("no stacks today")
+        return single_svd(x, **kwargs)
+
+    monkeypatch.setattr(xs.linalg, "svd", no_stacks)
+    for new, ref in zip(ar.refresh_bases(states, grads, cfg), expected, strict=True):
+        _fields_equal(new, ref)
+
+
+def test_refresh_bases_refuses_bad_input_before_any_work():
+    rng = np.random.default_rng(16)
+    cfg = ar.make_config("adadiag")
+    grads = _gradients(rng, [(4, 6), (4, 6)], np.float64)
+    states = [ar.init(g, cfg) for g in grads]
+    with pytest.raises(ValueError, match="one gradient per state"):
+        ar.refresh_bases(states, grads[:1], cfg)
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        ar.refresh_bases(states, grads, cfg, on_nonfinite="skip")
+    with pytest.raises(ValueError, match="names has 1"):
+        ar.refresh_bases(states, grads, cfg, names=["a"])
+    with pytest.raises(ValueError, match="shape"):
+        ar.refresh_bases(states, [grads[0], strict(np.ones((6, 5)))], cfg)
+    with pytest.raises(ValueError, match="one shape and one dtype"):
+        ar.linalg.canonical_svd_batch([grads[0], strict(np.ones((4, 5)))])
+    with pytest.raises(ValueError, match="method"):
+        ar.linalg.canonical_svd_batch(grads, method="qr")
+
+
+def test_canonical_svd_batch_leaves_numpy_and_single_matrices_to_canonical_svd():
+    rng = np.random.default_rng(17)
+    mats = [rng.standard_normal((3, 5)) for _ in range(3)]
+    assert ar.linalg.canonical_svd_batch(mats) == [None, None, None]
+    assert ar.linalg.canonical_svd_batch([strict(mats[0])]) == [None]
+    assert ar.linalg.canonical_svd_batch([]) == []
+
+
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_refresh_bases_on_every_backend(xp, name, dtype):
+    """Every backend's stacked decomposition gives the single refresh's bases: to 1e-12 in float64 and 1e-5 in
+    float32 (two calls of one LAPACK or cuSOLVER routine, batched or not, agree to a few ulps; the canonical
+    rules then remove every choice), and the NumPy reference's."""
+    rng = np.random.default_rng(18)
+    cfg = ar.make_config(name, basis_method="auto")
+    shapes = [(5, 8), (8, 5), (5, 8), (3,)]
+    host_grads = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [xp.asarray(g) for g in host_grads]
+    states = [ar.init(g, cfg) for g in grads]
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == np.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for i, new in enumerate(ar.refresh_bases(states, grads, cfg)):
+        reference = ar.refresh_basis(ar.init(host_grads[i], cfg), host_grads[i], cfg)
+        for field in ("P", "Q"):
+            got, want = getattr(new, field), getattr(reference, field)
+            assert (got is None) == (want is None)
+            if got is not None:
+                np.testing.assert_allclose(to_np(got), want, **tol)

@@ -3,7 +3,7 @@
 from .core import check_inputs, init, refresh_basis, refresh_due, rotate, step, unrotate, update
 from .inplace import supports_in_place, update_in_place
 from .layout import Layout, from_work, layout_for, to_work
-from .multi import multi_step
+from .multi import multi_step, refresh_bases
 
 __all__ = [
     "Layout",
@@ -12,6 +12,7 @@ __all__ = [
     "init",
     "layout_for",
     "multi_step",
+    "refresh_bases",
     "refresh_basis",
     "refresh_due",
     "rotate",

@@ -8,6 +8,9 @@ backend needs, where each call on an array is a kernel launch and each value rea
   everything is validated before anything is computed, so an error leaves every state untouched;
 * **a host counter** (``count``): the refresh schedule and the coefficients of the step never read a device
   counter (with ``count=None`` each state's counter is read once);
+* **the refreshes due at the step batched** (:func:`refresh_bases`): the gradients of one work shape and dtype
+  are decomposed by one stacked call of the backend's ``svd`` (or ``eigh`` of their Gram stack), whose factors
+  come to the host once for the canonical rules and go back in one copy;
 * **launches that do not grow with the number of parameters**: for a family whose moment rule is entrywise
   (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, the Adam family), the parameters sharing a
   dtype form one flat group: the rotated gradients ``G~``, the moments, ``W`` and the directions are
@@ -31,15 +34,27 @@ from array_api_compat import is_numpy_namespace
 
 from .._xp import Array, Namespace, count_nonfinite, creation_device, namespace
 from ..config import BaseConfig
-from .core import _check_form, _refresh_if_due, _where, host_count, prepare_step, step
+from ..linalg import canonical_svd_batch
+from .core import (
+    _check_form,
+    _where,
+    check_orientation,
+    host_count,
+    prepare_step,
+    refresh_basis,
+    refresh_due,
+    step,
+    update,
+    work_dtype,
+)
 from .dispatch import direction as family_direction
 from .families import State, family_of
-from .layout import from_work, to_work
+from .layout import from_work, layout_for, to_work
 from .rotation import unrotate
 from .schedules import learning_rate
 from .tail import decays
 
-__all__ = ["multi_step"]
+__all__ = ["multi_step", "refresh_bases"]
 
 
 def _as_lists(states: Any, grads: Any, params: Any, names: Any) -> tuple[list[Any], ...]:
@@ -143,21 +158,95 @@ def multi_step(
         _check_form(s, g, cfg, p, xp)
     if check:
         _check_finite_all(states_l, grads_l, params_l, names_l, counts, xp)
-    if is_numpy_namespace(xp) or not family_of(cfg).entrywise:
+    if is_numpy_namespace(xp):  # no launches to save: each parameter takes step's fused routes
         pairs = [
             step(s, g, cfg, p, lr=lr, check=False, name=nm, count=c, xp=xp)
             for s, g, p, nm, c in zip(states_l, grads_l, params_l, names_l, counts, strict=True)
         ]
         new_params, new_states = [p for p, _ in pairs], [s for _, s in pairs]
     else:
-        refreshed = [_refresh_if_due(s, g, cfg, nm, xp, c) for s, g, nm, c in
-                     zip(states_l, grads_l, names_l, counts, strict=True)]  # fmt: skip
-        new_params, new_states = _flat_update(
-            [s for s, _ in refreshed], grads_l, cfg, params_l, [r for _, r in refreshed], counts, lr, xp
-        )
+        current, refreshed = _refresh_all_due(states_l, grads_l, cfg, names_l, counts, xp)
+        if family_of(cfg).entrywise:
+            new_params, new_states = _flat_update(current, grads_l, cfg, params_l, refreshed, counts, lr, xp)
+        else:
+            new_params, new_states = [], []
+            for s, g, p, r, c in zip(current, grads_l, params_l, refreshed, counts, strict=True):
+                delta, new = update(s, g, cfg, p, lr=lr, refreshed=r, count=c, xp=xp)
+                new_params.append(p + delta)
+                new_states.append(new)
     if mapping_keys is not None:
         return dict(zip(mapping_keys, new_params, strict=True)), dict(zip(mapping_keys, new_states, strict=True))
     return new_params, new_states
+
+
+def _refresh_all_due(
+    states: list[State], grads: list[Array], cfg: BaseConfig, names: list[Any], counts: list[int], xp: Namespace
+) -> tuple[list[State], list[bool]]:
+    """The states after the refreshes due at this step (:func:`refresh_bases`, batched), and per parameter whether
+    its bases were computed from this gradient (``False`` when none was due or a failed one kept the old)."""
+    due = [i for i, c in enumerate(counts) if refresh_due(c, cfg)]
+    current, refreshed = list(states), [False] * len(states)
+    if due:
+        new = refresh_bases([states[i] for i in due], [grads[i] for i in due], cfg, names=[names[i] for i in due],
+                            count=[counts[i] for i in due], xp=xp)  # fmt: skip
+        for i, state in zip(due, new, strict=True):
+            current[i], refreshed[i] = state, state.P is not states[i].P
+    return current, refreshed
+
+
+def refresh_bases(
+    states: Sequence[State],
+    grads: Sequence[Array],
+    cfg: BaseConfig,
+    *,
+    names: Sequence[str | None] | None = None,
+    on_nonfinite: str = "keep",
+    on_failure: str = "keep",
+    count: int | Sequence[int] | None = None,
+    xp: Namespace | None = None,
+) -> list[State]:
+    """:func:`~adadiag_ref.refresh_basis` of many parameters: ``P_t, _, Q_t^T = canonical_svd(G_t)`` for each.
+
+    The gradients are grouped by work shape, dtype and sides, and each group of two or more is decomposed by
+    :func:`~adadiag_ref.linalg.canonical_svd_batch`: one stacked decomposition on a device backend (cuSOLVER
+    and ``torch.linalg`` take stacks), one host copy of its factors for the canonical rules, one copy back.
+    Every parameter the batch does not decide (NumPy, a group of one, a non-finite gradient, a failed
+    stacked decomposition) takes :func:`~adadiag_ref.refresh_basis`, so the failure policy (``on_nonfinite``,
+    ``on_failure``, the warnings and the kept bases) and the messages are exactly its.  The bases are those of
+    :func:`~adadiag_ref.refresh_basis` to rounding.  ``names`` and ``count`` (host ints, one for all or one per
+    parameter) only label messages.  Returns the new states, in order; moments untouched.
+    """
+    if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
+        raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
+    states_l, grads_l = list(states), list(grads)
+    if len(states_l) != len(grads_l):
+        raise ValueError(f"refresh_bases needs one gradient per state, got {len(states_l)} states and {len(grads_l)}")
+    if not states_l:
+        return []
+    names_l = [None] * len(states_l) if names is None else list(names)
+    if len(names_l) != len(states_l):
+        raise ValueError(f"names has {len(names_l)} entries for {len(states_l)} states")
+    counts: list[Any] = [None] * len(states_l) if count is None else _host_counts(count, states_l, len(states_l))
+    xp = namespace(*grads_l, xp=xp)
+    for state, grad in zip(states_l, grads_l, strict=True):
+        check_orientation(state, tuple(grad.shape))
+    groups: dict[tuple[Any, ...], list[tuple[int, Array]]] = {}
+    for i, (state, grad) in enumerate(zip(states_l, grads_l, strict=True)):
+        layout = layout_for(tuple(grad.shape), cfg)
+        if layout.rotate_left:
+            g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
+            groups.setdefault((tuple(g.shape), g.dtype, layout.rotate_right), []).append((i, g))
+    out = list(states_l)
+    for (_, _, right), members in groups.items():
+        batch = canonical_svd_batch([g for _, g in members], compute_p=True, compute_q=right, method=cfg.basis_method,
+                                    xp=xp)  # fmt: skip
+        for (i, _), svd in zip(members, batch, strict=True):
+            if svd is None:
+                out[i] = refresh_basis(states_l[i], grads_l[i], cfg, name=names_l[i], on_nonfinite=on_nonfinite,
+                                       on_failure=on_failure, count=counts[i], xp=xp)  # fmt: skip
+            else:
+                out[i] = states_l[i]._replace(P=svd.P, Q=svd.Q if right else None)
+    return out
 
 
 def _flat(arrays: list[Array], xp: Namespace) -> Array:
