@@ -451,3 +451,24 @@ def test_refresh_bases_on_every_backend(xp, name, dtype):
             assert (got is None) == (want is None)
             if got is not None:
                 np.testing.assert_allclose(to_np(got), want, **tol)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+def test_multi_step_keeps_the_parameters_memory_order(name):
+    """A tall parameter's state matrices are the transposed views of parameter-ordered buffers (``init``), so
+    that ``G``, ``W`` and the moments are read in one order; ``multi_step``'s flat groups keep it (flattening in
+    the parameter's orientation is a view, the work frame's a transposing copy), and the new parameter stays
+    contiguous, so the next step reads it in order too."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config(name)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(s, generator=gen) for s in [(12, 4), (4, 12), (6, 2, 3)]]
+    states = [ar.init(w, cfg) for w in ws]
+    for count in range(3):
+        gs = [torch.randn(w.shape, generator=gen) for w in ws]
+        ws, states = ar.multi_step(states, gs, cfg, ws, count=count)
+        for w, s in zip(ws, states, strict=True):
+            assert w.is_contiguous()
+            tall = w.shape[0] > w[0].numel()
+            for moment in (s.M, s.V):
+                assert (moment.mT if tall else moment).is_contiguous(), (count, tuple(w.shape))

@@ -249,17 +249,27 @@ def refresh_bases(
     return out
 
 
-def _flat(arrays: list[Array], xp: Namespace) -> Array:
-    """The arrays' entries, each array in its row-major order, one after another (one concatenation)."""
-    return xp.concat([xp.reshape(a, (-1,)) for a in arrays])
+def _in_memory_order(x: Array, layout: Any, xp: Namespace) -> Array:
+    """A work-frame matrix in the parameter's orientation: the transposed view for a tall parameter, whose
+    state matrices, ``G~`` and ``W`` keep the parameter's memory order (:func:`~adadiag_ref.init`), so that
+    flattening it is a view, not a transposing copy."""
+    return xp.matrix_transpose(x) if layout.transposed else x
 
 
-def _pieces(flat: Array, like: list[Array], xp: Namespace) -> list[Array]:
-    """:func:`_flat` undone: views of ``flat`` shaped like each of ``like``."""
+def _flat(arrays: list[Array], layouts: list[Any], xp: Namespace) -> Array:
+    """The arrays' entries one after another (one concatenation), each in its parameter's orientation: an
+    entrywise rule does not care about the order of entries, only that every array of a parameter uses the same."""
+    return xp.concat([xp.reshape(_in_memory_order(a, lay, xp), (-1,)) for a, lay in zip(arrays, layouts, strict=True)])
+
+
+def _pieces(flat: Array, like: list[Array], layouts: list[Any], xp: Namespace) -> list[Array]:
+    """:func:`_flat` undone: views of ``flat`` shaped like each of ``like`` (work frame), in the parameter's
+    memory order."""
     out, start = [], 0
-    for a in like:
+    for a, lay in zip(like, layouts, strict=True):
         size = a.shape[0] * a.shape[1]
-        out.append(xp.reshape(flat[start : start + size], tuple(a.shape)))
+        shape = (a.shape[1], a.shape[0]) if lay.transposed else tuple(a.shape)
+        out.append(_in_memory_order(xp.reshape(flat[start : start + size], shape), lay, xp))
         start += size
     return out
 
@@ -286,24 +296,26 @@ def _flat_update(
     eta = learning_rate(cfg, lr)
     for members in groups.values():
         g_rot = [prepared[i].g_rot for i in members]
-        old = {name: _flat([getattr(states[i], name) for i in members], xp) for name in family.moment_fields}
+        layouts = [prepared[i].layout for i in members]
+        old = {name: _flat([getattr(states[i], name) for i in members], layouts, xp) for name in family.moment_fields}
         flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
         t = prepared[members[0]].t
-        u_flat, moments = family_direction(flat_state, _flat(g_rot, xp), t, cfg, xp)
+        u_flat, moments = family_direction(flat_state, _flat(g_rot, layouts, xp), t, cfg, xp)
         directions = [
             unrotate(u, states[i].P, states[i].Q, xp, transposed=prepared[i].layout.transposed)
-            for u, i in zip(_pieces(u_flat, g_rot, xp), members, strict=True)
+            for u, i in zip(_pieces(u_flat, g_rot, layouts, xp), members, strict=True)
         ]
         # the tail of tail.parameter_delta, the same expressions over the group: -eta_t (D + lambda W)
-        w_flat = _flat([prepared[i].w for i in members], xp)
-        d_flat = _flat(directions, xp)
+        w_flat = _flat([prepared[i].w for i in members], layouts, xp)
+        d_flat = _flat(directions, layouts, xp)
         eta_t = family.step_size(cfg, t, w_flat, eta, xp)
         if decays(cfg):
             d_flat = d_flat + cfg.weight_decay * w_flat
         delta = xp.astype(-eta_t * d_flat, params[members[0]].dtype, copy=False)
-        # W + delta in the parameter's dtype, entry by entry in the work frame's order (that of the flat arrays)
-        w_new = _pieces(_flat([to_work(params[i], prepared[i].layout, xp) for i in members], xp) + delta, g_rot, xp)
-        new_moments = {name: _pieces(value, g_rot, xp) for name, value in moments.items()}
+        # W + delta in the parameter's dtype, entry by entry (the parameter's own order: its reshape is a view)
+        params_flat = _flat([to_work(params[i], prepared[i].layout, xp) for i in members], layouts, xp)
+        w_new = _pieces(params_flat + delta, g_rot, layouts, xp)
+        new_moments = {name: _pieces(value, g_rot, layouts, xp) for name, value in moments.items()}
         # the group's common new counter, made once from the host count (one transfer, not a kernel per parameter)
         first = states[members[0]].count
         new_count = xp.asarray(counts[members[0]] + 1, dtype=first.dtype, device=creation_device(first))
