@@ -417,3 +417,48 @@ def test_a_traced_b1_keeps_the_first_moment_and_b1_zero_is_the_momentum_free_dir
     np.testing.assert_allclose(np.asarray(params["w"]), plain["w"][-1], rtol=RTOL, atol=1e-14)
     off = optax.inject_hyperparams(ao.ALIASES[name])(learning_rate=0.01, momentum=False)
     assert jax.jit(off.init)(_device(w0)).inner_state[0].states["w"].M is None
+
+
+# ----------------------------------------------------------------------------- tall leaves: the stored orientation
+
+ORIENTED = {"tall": (9, 4), "wide": (4, 9), "k": (6, 2, 1), "b": (3,)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_core_states_give_the_cores_states(name):
+    """``core_states`` of the adapter's state equals the core's ``ar.step`` states (shapes and values, rtol 1e-12:
+    jax and NumPy arrays, the same operations); a tall leaf without a basis is stored in its own orientation."""
+    steps = 5
+    w0, grads = _stream(steps=steps, shapes=ORIENTED)
+    traj, state = _run(ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=FREQ), w0, grads, steps=steps)
+    cfg = ar.make_config(name, lr=0.01, weight_decay=0.1, update_freq=FREQ)
+    params = {k: traj[k][-1] for k in w0}
+    converted = ao.core_states(state[0], params)
+    for k, w in w0.items():
+        core = ar.init(w, cfg)
+        for t in range(steps):
+            w, core = ar.step(core, grads[k][t], cfg, w)
+        np.testing.assert_allclose(traj[k][-1], w, rtol=RTOL, atol=1e-14)
+        leaf, stored = converted[k], state[0].states[k]
+        assert type(leaf) is type(core)
+        for field in core._fields[1:-1]:
+            want, got = getattr(core, field), getattr(leaf, field)
+            assert (want is None) == (got is None), (k, field)
+            if want is not None:
+                assert got.shape == want.shape, (k, field)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=1e-14, err_msg=f"{k}.{field}")
+        flipped = core.P is None and k in ("tall", "k")
+        for field in core._fields[3:-1]:
+            value = getattr(core, field)
+            if value is not None and value.ndim == 2:
+                expected = value.shape[::-1] if flipped else value.shape
+                assert getattr(stored, field).shape == expected, (k, field)
+
+
+def test_adamw_on_a_tall_leaf_compiles_without_transposes():
+    """Stored in the work frame, a tall leaf's moments meet ``G`` transposed, and XLA transposes on every step
+    (three transposes for AdamW; 5.5x ``optax.adamw``'s time on a 4096 x 1024 leaf on a CPU)."""
+    tx = ao.adamw(1e-3, weight_decay=0.1)
+    params = {"w": jnp.ones((64, 16))}
+    compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+    assert "transpose(" not in compiled

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from .._xp import Array, Namespace
 from ..config import BaseConfig
 
-__all__ = ["Layout", "from_work", "layout_for", "to_work"]
+__all__ = ["Layout", "from_work", "layout_for", "to_work", "transposed_frame"]
 
 
 class Layout(NamedTuple):
@@ -33,18 +33,29 @@ class Layout(NamedTuple):
     rotate_right: bool  # Q exists (n x n)
 
 
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, cols)`` of the parameter as a matrix, before the work frame's transposition."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def transposed_frame(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` works in its transpose (a matrix with more rows than columns); the
+    same for every config."""
+    a, b = _matrix_shape(tuple(int(d) for d in shape))
+    return a > b
+
+
 def layout_for(shape: tuple[int, ...], cfg: BaseConfig) -> Layout:
     """Apply the shape rules to a parameter of ``shape`` under ``cfg``."""
     shape = tuple(int(d) for d in shape)
     if any(d == 0 for d in shape):
         raise ValueError(f"empty parameters are not supported, got shape {shape}")
-    if len(shape) == 0:
-        a, b = 1, 1
-    elif len(shape) == 1:
-        a, b = 1, shape[0]
-    else:
-        a, b = shape[0], math.prod(shape[1:])
-    transposed = a > b
+    a, b = _matrix_shape(shape)
+    transposed = transposed_frame(shape)
     m, n = (b, a) if transposed else (a, b)
     matrix = len(shape) >= 2
     rotate_left = cfg.sides >= 1 and m <= cfg.max_basis_dim
