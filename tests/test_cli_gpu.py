@@ -186,6 +186,33 @@ def test_torch_direct_adadiag_runs_on_the_cpu() -> None:
     del torch
 
 
+def test_torch_adapter_step_runs_on_the_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.memory import llama_parameters
+    from adadiag_ref.perf.gpu import ADAPTER_OPTIMIZERS, _torch_adapter_step
+    from adadiag_ref.perf.params import QUICK
+
+    for name in ADAPTER_OPTIMIZERS:
+        step = _torch_adapter_step(torch, name, llama_parameters(QUICK), "paper", device="cpu")
+        step()
+        step()
+
+
+@pytest.mark.parametrize("kind", ["optax_adamw", "optax_adapter_adamw", "optax_adapter_adadiag"])
+def test_optax_steps_run_on_the_cpu_device(kind: str) -> None:
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    from adadiag_ref.memory import llama_parameters
+    from adadiag_ref.perf.gpu import _optax_step
+    from adadiag_ref.perf.params import QUICK
+
+    specs = llama_parameters(QUICK)
+    step, sync = _optax_step(jax, jax.devices("cpu")[0], kind, specs, "paper")
+    step()
+    step()
+    sync()
+
+
 def test_gpu_tables_print_measured_and_missing_rows() -> None:
     from adadiag_ref.perf.gpu import _print
 

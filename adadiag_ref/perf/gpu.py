@@ -18,7 +18,7 @@ two device synchronisations, divided by ``inner``):
 * ``torch_adapter_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``: the torch adapter's ``opt.step()`` on CUDA;
 * ``optax_adamw``: ``optax.adamw`` jitted on the JAX GPU device; ``optax_adapter_adamw`` /
   ``optax_adapter_adadiag``: the optax adapter's ``adamw`` / ``adadiag`` (the latter through
-  ``optax.multi_transform`` with the adapter's ``adamw`` for the unrotated parameters), jitted.
+  ``optax.transforms.partition`` with the adapter's ``adamw`` for the unrotated parameters), jitted.
 
 Bounds, measured in the same run:
 
@@ -268,11 +268,13 @@ def torch_direct_adadiag(specs: list[ParamSpec], rule: str = "paper", device: An
     return one
 
 
-def _torch_adapter_step(torch: Any, name: str, specs: list[ParamSpec], rule: str) -> Callable[[], None]:
-    """The torch adapter's ``opt.step()`` on CUDA: ``name`` for the rotated parameters, AdamW for the rest."""
+def _torch_adapter_step(
+    torch: Any, name: str, specs: list[ParamSpec], rule: str, device: Any = "cuda"
+) -> Callable[[], None]:
+    """The torch adapter's ``opt.step()`` on ``device``: ``name`` for the rotated parameters, AdamW for the rest."""
     from adadiag_ref.adapters import pytorch
 
-    params = _torch_params(torch, specs, torch.device("cuda"))
+    params = _torch_params(torch, specs, torch.device(device))
     rotated = [p for p, s in zip(params, specs, strict=True) if name != "adamw" and is_rotated(s, rule)]
     ids = {id(p) for p in rotated}
     others = [p for p in params if id(p) not in ids]
@@ -313,7 +315,7 @@ def _optax_step(jax: Any, device: Any, kind: str, specs: list[ParamSpec], rule: 
     import optax
 
     with jax.default_device(device):
-        key = jax.random.PRNGKey(5)
+        key = jax.random.key(5)
         params, grads = {}, {}
         for i, s in enumerate(specs):
             k1, k2 = jax.random.split(jax.random.fold_in(key, i))
@@ -328,10 +330,11 @@ def _optax_step(jax: Any, device: Any, kind: str, specs: list[ParamSpec], rule: 
                 opt = ox.ALIASES["adamw"](LR, update_freq=None)
             else:
                 labels = {s.name: "rotated" if is_rotated(s, rule) else "base" for s in specs}
-                rotated = ox.ALIASES["adadiag"](LR, update_freq=None)
-                opt = optax.multi_transform(
-                    {"rotated": rotated, "base": ox.ALIASES["adamw"](LR, update_freq=None)}, labels
-                )
+                parts = {"rotated": ox.ALIASES["adadiag"](LR, update_freq=None),
+                         "base": ox.ALIASES["adamw"](LR, update_freq=None)}  # fmt: skip
+                transforms = getattr(optax, "transforms", None)  # optax.transforms.partition: the newer name
+                partition = getattr(transforms, "partition", None) or optax.multi_transform
+                opt = partition(parts, labels)
         state = opt.init(params)
 
     @jax.jit
@@ -512,7 +515,7 @@ def run(
     n_rows = 3 + len(CORE_OPTIMIZERS) + 2 + len(ADAPTER_OPTIMIZERS) + 3 + (9 if refresh else 0)
     bar = tqdm(total=n_rows, desc="bench --gpu", file=sys.stderr, leave=False, disable=bar_disable(progress))
     with bar:
-        bw = copy_bandwidth(cp, (1 << 22) if quick else (1 << 28), reps)
+        bw = copy_bandwidth(cp, (1 << 24) if quick else (1 << 28), reps)  # 64 MiB / 1 GiB: beyond the L2 cache
         bar.update()
         res["bandwidth_gbs"] = bw / 1e9
         bounds = {"bandwidth": 1e3 * 7 * 4 * size / bw}
@@ -549,9 +552,9 @@ def run(
 
             def measure(key: str = key) -> float:
                 if key == "torch_fused_adamw":
-                    opt = torch.optim.AdamW(_torch_params(torch, specs, torch.device("cuda")), lr=LR,
-                                            weight_decay=0.0, fused=True)  # fmt: skip
-                    fn = opt.step
+                    params = _torch_params(torch, specs, torch.device("cuda"))
+                    fn = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
+                    del params  # held by the optimizer: freed with it
                 elif key == "torch_direct_adadiag":
                     fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
                 else:
