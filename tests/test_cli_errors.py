@@ -215,6 +215,7 @@ _SLOW_WORK = [  # (module, attribute): what each subcommand calls once its optio
     ("adadiag_ref.reproduce.train", "compare"),
     ("adadiag_ref.perf.bench", "run"),
     ("adadiag_ref.perf.steady", "run"),
+    ("adadiag_ref.perf.gpu", "run"),
     ("adadiag_ref.perf.refresh", "run_routes"),
     ("adadiag_ref.perf.refresh", "run_scaling"),
     ("adadiag_ref.ode.cli", "check"),
@@ -256,6 +257,7 @@ _BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["reproduce", "--json", "{missing}"], "--json"),
     (["reproduce", "--json", "{folder}"], "--json"),
     (["reproduce", "--plot", "{missing}"], "--plot"),
+    (["reproduce", "--device", "tpu"], "--device"),
     (["bench", "--quick", "--reps", "-1"], "--reps"),
     (["bench", "--reps", "0"], "--reps"),
     (["bench", "--period", "0"], "--period"),
@@ -264,6 +266,9 @@ _BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["bench", "--refresh-scaling", "--sides", "0,64"], "--sides"),
     (["bench", "--refresh-scaling", "--plot", "{missing}"], "--plot"),
     (["bench", "--plot", "{folder}/scaling.png"], "--plot"),  # --plot draws only --refresh-scaling's figure
+    (["bench", "--gpu", "--json", "{missing}"], "--json"),
+    (["bench", "--gpu", "--json", "{folder}"], "--json"),
+    (["bench", "--json", "{folder}/gpu.json"], "--json"),  # --json writes only --gpu's tables
     (["memory", "--dtype", "fp8"], "--dtype"),
     (["ode", "--optimizer", "adam", "--plot", "{missing}"], "--plot"),
     (["ode", "--optimizer", "adam", "--plot", "{folder}"], "--plot"),
@@ -276,7 +281,10 @@ _BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["report", "--steps", "0"], "--steps"),
     (["report", "--plot", "{missing}"], "--plot"),
 ]
-_ALSO_NAMED = {("bench", "--plot"): {"--refresh-scaling"}}  # a message may name the option that is missing
+_ALSO_NAMED = {
+    ("bench", "--plot"): {"--refresh-scaling"},
+    ("bench", "--json"): {"--gpu"},
+}  # a message may name the option that is missing
 
 
 @pytest.mark.parametrize(("template", "option"), _BAD_OPTIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)

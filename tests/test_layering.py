@@ -13,10 +13,11 @@ Floors, from the bottom:
 1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
    core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
-3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``, ``perf.allocator``;
+3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``, ``perf.allocator``,
+   ``perf.params``;
 4. framework adapters: ``adapters`` (torch, optax);
 5. applications: the command lines (``cli``, ``golden.cli``, ``ode.cli``, ``perf.cli``), ``perf.bench`` (with its
-   sections ``perf.refresh`` and ``perf.steady``),
+   sections ``perf.refresh`` and ``perf.steady``), ``perf.gpu`` (``bench --gpu``),
    ``report`` and ``reproduce`` (which trains through the torch adapter).
 
 The library also reads no environment variable and never ends the process: ``SystemExit`` and
@@ -38,9 +39,20 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("_xp", "config", "linalg", "_kernels", "buffers", "_cli"),
     ("optim", "memory", "replay"),
     ("",),  # the package's __init__ (the public facade)
-    ("golden", "testing", "ode", "perf", "perf.engine", "perf.allocator"),
+    ("golden", "testing", "ode", "perf", "perf.engine", "perf.allocator", "perf.params"),
     ("adapters",),
-    ("cli", "golden.cli", "ode.cli", "perf.cli", "perf.bench", "perf.refresh", "perf.steady", "report", "reproduce"),
+    (
+        "cli",
+        "golden.cli",
+        "ode.cli",
+        "perf.cli",
+        "perf.bench",
+        "perf.refresh",
+        "perf.steady",
+        "perf.gpu",
+        "report",
+        "reproduce",
+    ),
 )
 
 

@@ -44,10 +44,9 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from ..memory import LLAMA_CONFIGS, LlamaConfig, ParamSpec, llama_parameters
-from .engine import coefficients, is_rotated
-
-QUICK = LlamaConfig(hidden=64, intermediate=172, layers=2, heads=2, vocab=1000)
+from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
+from .engine import coefficients
+from .params import QUICK, gradient_with_spectrum, is_rotated
 
 
 def _setup_threads() -> int:
@@ -246,7 +245,7 @@ def measure_gemm(shapes: list[tuple[int, int]], reps: int) -> dict[tuple[int, in
 
 
 def _work_specs(specs: list[ParamSpec]) -> list[tuple[ParamSpec, tuple[int, int]]]:
-    from .engine import work_shape
+    from .params import work_shape
 
     return [(s, work_shape(s.shape)) for s in specs]
 
@@ -453,19 +452,6 @@ def torch_adapter_ratio(
         "ratio": statistics.median(ratios),
         "ratios": ratios,
     }
-
-
-def gradient_with_spectrum(shape: tuple[int, ...], spectrum: str, rng: np.random.Generator) -> np.ndarray:
-    """A float32 test gradient: ``"decaying"``: ``U diag(sigma) V^T`` with ``sigma_i = 1/i`` and random
-    orthonormal ``U, V`` (the decaying spectrum of real gradients); ``"flat"``: Gaussian entries (the
-    worst case for the Gram route's conditioning is not reached, but it is the slowest SVD)."""
-    if spectrum == "flat":
-        return rng.standard_normal(shape, dtype=np.float32)
-    a, b = shape[0], math.prod(shape[1:])
-    k = min(a, b)
-    U, _ = np.linalg.qr(rng.standard_normal((a, k)))
-    V, _ = np.linalg.qr(rng.standard_normal((b, k)))
-    return ((U / np.arange(1, k + 1)) @ V.T).astype(np.float32).reshape(shape)
 
 
 def bench_refresh(

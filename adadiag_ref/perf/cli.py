@@ -7,13 +7,39 @@ import importlib.util
 import sys
 from typing import Any
 
-from .._cli import ErrorParser, int_list, output_file, parse_and_run, positive_int
+from .._cli import ErrorParser, fail, int_list, output_file, parse_and_run, positive_int
 from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, dtype_nbytes, state_nbytes
 
-__all__ = ["add_parser", "main", "run_bench", "run_memory"]
+__all__ = ["add_parser", "main", "run_bench", "run_gpu_bench", "run_memory"]
+
+
+#: bench options that measure the CPU only: refused with ``--gpu`` (``dest``, as typed).
+_CPU_ONLY = (("steady", "--steady"), ("refresh_routes", "--refresh-routes"), ("refresh_scaling", "--refresh-scaling"),
+             ("plot", "--plot"), ("threads", "--threads"), ("retain_freed_memory", "--retain-freed-memory"),
+             ("no_functional", "--no-functional"))  # fmt: skip
+
+
+def run_gpu_bench(args: argparse.Namespace) -> int:
+    """``bench --gpu``: the options and the device checked before any work (one error line, exit 2), then
+    :func:`adadiag_ref.perf.gpu.run`.  Needs neither numba nor threadpoolctl."""
+    conflict = next((flag for dest, flag in _CPU_ONLY if getattr(args, dest, None)), None)
+    if conflict:
+        return fail(f"--gpu cannot be combined with {conflict} (a CPU measurement); run them separately")
+    from . import gpu
+
+    missing = gpu.missing_requirement()
+    if missing:
+        return fail(missing)
+    gpu.run(args.model, quick=args.quick, reps=args.reps, period=args.period, rule=args.rule,
+            use_torch=not args.no_torch, refresh=not args.no_refresh, json_path=args.json)  # fmt: skip
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.gpu:  # decided first: the GPU bench needs neither numba nor threadpoolctl
+        return run_gpu_bench(args)
+    if args.json:
+        return fail(f"--json {args.json} writes the tables of --gpu; add --gpu")
     # the in-place engine (the roofline rows and the thread policy) is numba code, and BLAS threads are set
     # through threadpoolctl: say what is missing before any work
     if args.plot and not args.refresh_scaling:
@@ -117,6 +143,13 @@ def add_parser(subparsers: Any) -> None:
         "functional rows reuse pages instead of faulting fresh ones (adadiag_ref.perf.allocator)",
     )
     b.add_argument("--plot", default=None, type=output_file, help="save the --refresh-scaling log-log plot here (PNG)")
+    b.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the GPU path on the current CUDA device (needs CuPy): the CuPy core's step for five optimizers, "
+        "torch and optax peers, bandwidth and GEMM bounds, the refresh (adadiag_ref.perf.gpu)",
+    )
+    b.add_argument("--json", metavar="PATH", type=output_file, help="with --gpu: write the tables as JSON")
     b.set_defaults(func=run_bench)
     m = subparsers.add_parser("memory", help="optimizer-state memory (the paper's table) from the state layout")
     m.add_argument("--model", action="append", choices=list(LLAMA_CONFIGS), help="repeatable; default all four")

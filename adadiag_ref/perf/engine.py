@@ -45,16 +45,9 @@ from .. import _kernels
 from ..memory import ParamSpec
 from ..optim.families.adam import numba_route as adam_kernels
 from ..optim.schedules import beta_hat
+from .params import is_rotated, work_shape
 
 __all__ = ["AdaDiagEngine", "AdamWEngine", "balanced_groups", "coefficients", "is_rotated", "work_shape"]
-
-
-def work_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The library's work frame ``(m, n)``, ``m <= n`` (see ``layout_for``)."""
-    if len(shape) == 1:
-        return 1, shape[0]
-    a, b = shape[0], math.prod(shape[1:])
-    return (b, a) if a > b else (a, b)
 
 
 def coefficients(t: int, betas: tuple[float, float], dtype: Any) -> tuple[Any, Any, Any, Any]:
@@ -101,15 +94,6 @@ def balanced_groups(items: list[dict[str, np.ndarray]], k: int) -> list[list[dic
         groups[j].append(it)
         load[j] += it["P"].shape[0] ** 2 * it["G"].shape[1]
     return [g for g in groups if g]
-
-
-def is_rotated(spec: ParamSpec, rule: str) -> bool:
-    """Whether AdaDiag rotates ``spec``: ``rule="paper"`` rotates only the transformer blocks' matrices
-    (embedding and LM head take the unrotated baseline, as in the paper's memory table, see
-    ``adadiag_ref.memory``); ``rule="all"`` rotates every matrix (the library's own layout)."""
-    if work_shape(spec.shape)[0] == 1:
-        return False
-    return rule == "all" or spec.role == "block"
 
 
 class AdaDiagEngine:

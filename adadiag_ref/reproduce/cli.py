@@ -71,6 +71,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch", type=positive_int, help="minibatch size (default charlm 16 x 64 characters, digits 64)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel processes (default 1; same numbers)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model, the batches and the optimizer live (default cpu; cuda: torch's current CUDA "
+        "device, runs not bit-reproducible)",
+    )
     p.add_argument("--json", metavar="PATH", type=output_file, help="write the results as JSON")
     p.add_argument("--plot", metavar="PNG", type=output_file, help="draw the validation-loss curves (needs matplotlib)")
     add_progress_flags(p)
@@ -88,7 +95,7 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def _machine() -> dict[str, Any]:
+def _machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     cpu = platform.processor()
@@ -98,19 +105,29 @@ def _machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"python": platform.python_version(), "torch": torch.__version__, "num_threads": torch.get_num_threads(),
-            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform()}  # fmt: skip
+            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, write JSON and plot."""
     import torch
 
+    from .train import deterministic
+
     # counts and output paths are checked by the parser (adadiag_ref._cli), before a run of minutes
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise ValueError(f"--device cuda needs a CUDA device, and torch sees none ({build}); install a CUDA build "
+                         "of torch (https://pytorch.org/get-started/locally/) or run with --device cpu")  # fmt: skip
     previous = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    # bit-reproducible on the CPU; on CUDA, cuBLAS and some kernels (cross-entropy's NLL) have no deterministic
+    # mode without CUBLAS_WORKSPACE_CONFIG, which the library does not set: there the flag would raise
+    torch.use_deterministic_algorithms(deterministic(device))
     try:
         return _run(args)
     finally:  # leave the process as we found it (the CLI may be called in-process)
@@ -134,11 +151,11 @@ def _run(args: argparse.Namespace) -> int:
                  else CharLMConfig(len(VOCAB), context=64))  # fmt: skip
     batch = args.batch or (16 if args.task == "charlm" else 64)
     cfg = RunConfig(task=args.task, steps=steps, batch=batch, update_freq=args.update_freq, model=model,
-                    eval_windows=16 if args.quick else 64)  # fmt: skip
+                    eval_windows=16 if args.quick else 64, device=getattr(args, "device", "cpu"))  # fmt: skip
     start = time.perf_counter()
     result = compare(cfg, optimizers, seeds, grid, progress=getattr(args, "progress", None), jobs=args.jobs)
     result["wall_s"] = time.perf_counter() - start
-    result["machine"] = _machine()
+    result["machine"] = _machine(cfg.device)
     result["quick"] = bool(args.quick)
     result["command"] = "adadiag-ref " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("adadiag-ref") else None
     _print_table(result)

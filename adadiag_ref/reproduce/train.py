@@ -49,6 +49,7 @@ class RunConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     model: CharLMConfig | None = None  # charlm only
     eval_windows: int = 64  # charlm: validation windows
+    device: str = "cpu"  # where the model, batches and optimizer states live ("cpu" or "cuda")
 
     def refresh_period(self) -> int:
         """T: ``update_freq``, or ``max(1, steps // 50)``, the paper's 10K steps / T = 200 ratio."""
@@ -58,6 +59,19 @@ class RunConfig:
         """0 (the initial model), then ``eval_points`` evenly spaced steps ending at ``steps``."""
         points = min(self.eval_points, self.steps)
         return [0, *sorted({round(self.steps * (i + 1) / points) for i in range(points)})]
+
+
+def deterministic(device: str) -> bool:
+    """Whether runs on ``device`` use ``torch.use_deterministic_algorithms(True)``: on the CPU (bit-reproducible
+    runs); not on CUDA, where cuBLAS and cross-entropy's kernels would raise without ``CUBLAS_WORKSPACE_CONFIG``
+    (an environment variable the library does not set)."""
+    return device == "cpu"
+
+
+def _sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock measures it; nothing on the CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 class Task(NamedTuple):
@@ -81,14 +95,18 @@ def _digits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 
 
 def build_task(cfg: RunConfig) -> Task:
-    """Load the data of ``cfg.task`` once; the returned closures are shared by all runs."""
+    """Load the data of ``cfg.task`` once; the returned closures are shared by all runs.
+
+    The minibatches are drawn on the host (the same batches on every device) and moved to ``cfg.device``; the
+    validation data lives there."""
+    device = torch.device(cfg.device)
     if cfg.task == "charlm":
         model_cfg = cfg.model or CharLMConfig(vocab=len(data.VOCAB))
         corpus = data.load_corpus()
-        val = data.fixed_windows(corpus.val, cfg.eval_windows, model_cfg.context)
+        val = data.fixed_windows(corpus.val, cfg.eval_windows, model_cfg.context).to(device)
 
         def charlm_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-            w = data.random_windows(corpus.train, cfg.batch, model_cfg.context, gen)
+            w = data.random_windows(corpus.train, cfg.batch, model_cfg.context, gen).to(device)
             return w[:, :-1], w[:, 1:]
 
         info = {
@@ -97,7 +115,7 @@ def build_task(cfg: RunConfig) -> Task:
                        "val_chars": len(corpus.val), "vocab": len(data.VOCAB)},
         }  # fmt: skip
         return Task(
-            lambda: CharLM(model_cfg),
+            lambda: CharLM(model_cfg).to(device),
             charlm_batch,
             _charlm_loss,
             lambda model: _eval(model, _charlm_loss, val[:, :-1], val[:, 1:]),
@@ -108,14 +126,15 @@ def build_task(cfg: RunConfig) -> Task:
 
         def digits_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
             idx = torch.randint(0, len(digits.train_y), (cfg.batch,), generator=gen)
-            return digits.train_x[idx], digits.train_y[idx]
+            return digits.train_x[idx].to(device), digits.train_y[idx].to(device)
 
         info = {"data": {"train": len(digits.train_y), "val": len(digits.val_y)}}
+        val_x, val_y = digits.val_x.to(device), digits.val_y.to(device)
         return Task(
-            DigitsCNN,
+            lambda: DigitsCNN().to(device),
             digits_batch,
             _digits_loss,
-            lambda model: _eval(model, _digits_loss, digits.val_x, digits.val_y),
+            lambda model: _eval(model, _digits_loss, val_x, val_y),
             info,
         )
     raise ValueError(f"unknown task {cfg.task!r}; choose charlm or digits")
@@ -166,6 +185,7 @@ def train_run(
     bar = tqdm(range(1, cfg.steps + 1), desc=f"{name} lr={lr:g} seed={seed}", leave=False, file=sys.stderr,
                disable=bar_disable(progress))  # fmt: skip
     for step in bar:
+        _sync(cfg.device)
         start = time.perf_counter()
         x, y = task.batch(gen)
         loss = task.loss(model, x, y)
@@ -174,12 +194,15 @@ def train_run(
         for opt in optimizers:
             opt.zero_grad()
         loss.backward()
+        _sync(cfg.device)
         opt_start = time.perf_counter()
         for opt in optimizers:
             opt.step()
+        _sync(cfg.device)
         opt_seconds += time.perf_counter() - opt_start
         for scheduler in schedulers:
             scheduler.step()
+        _sync(cfg.device)
         step_seconds += time.perf_counter() - start
         done = step
         if step in eval_at:
@@ -212,7 +235,7 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(cfg: RunConfig, threads: int) -> None:
     """A worker process: same thread and determinism settings as the parent, its own copy of the task."""
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(deterministic(cfg.device))
     _WORKER["cfg"], _WORKER["task"] = cfg, build_task(cfg)
 
 
@@ -300,5 +323,6 @@ def compare(
         "weight_decay": cfg.weight_decay,
         "betas": list(cfg.betas),
         "jobs": jobs,
+        "device": cfg.device,
         **task.info,
     }
