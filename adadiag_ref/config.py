@@ -48,7 +48,7 @@ Beta2Schedule = Literal["bias_corrected", "adafactor"]
 Kernels = Literal["auto", "numba", "reference"]
 
 KERNELS: tuple[str, ...] = ("auto", "numba", "reference")
-"""Values of :attr:`BaseConfig.kernels`: who computes a family's moment update on NumPy arrays."""
+"""Values of :attr:`BaseConfig.kernels`: who computes a family's moment update (numba on NumPy, CuPy on CUDA)."""
 
 BASIS_METHODS = ("svd", "gram", "auto")
 """Values of ``basis_method``: the route of a basis refresh (:func:`adadiag_ref.linalg.canonical_svd`)."""
@@ -101,18 +101,22 @@ class BaseConfig:
             completes ``Q`` 15-30x faster).  In float64 every method is the SVD,
             so golden runs are exact to their tolerance.
         kernels: who computes the moment update and direction ``U~`` of a step
-            on float32/float64 NumPy arrays.  ``"reference"``: the generic
-            array-API family code (:mod:`adadiag_ref.optim.families`), always.
-            ``"numba"``: the fused numba kernels (:mod:`adadiag_ref._kernels`),
-            which compute the same formulas in the same order and agree with the
-            reference to rounding (tested at ``rtol = 1e-12`` in float64); needs
-            numba installed (``ValueError`` otherwise).  ``"auto"`` (default):
-            ``"numba"`` when numba is importable, else ``"reference"``.  On
-            float32/float64 CPU torch tensors ``update_in_place`` (the torch
-            adapter's step) runs the Adam family through the kernels too, on
-            NumPy views of the tensors and with torch's own ``sqrt``, bit for bit
-            the torch reference.  Other backends (JAX, CuPy, CUDA torch) always
-            take the reference code.  An
+            on float32/float64 arrays.  ``"reference"``: the generic array-API
+            family code (:mod:`adadiag_ref.optim.families`), always.
+            ``"numba"``: the fused numba kernels (:mod:`adadiag_ref._kernels`)
+            on NumPy arrays, which compute the same formulas in the same order
+            and agree with the reference to rounding (tested at ``rtol = 1e-12``
+            in float64); needs numba installed (``ValueError`` otherwise); on
+            any other backend, CuPy included, the reference.  ``"auto"``
+            (default): the fused kernels of the arrays' backend: numba on NumPy
+            when numba is importable, the CuPy kernels
+            (:mod:`adadiag_ref._kernels.cupy_kernels`, ``cupy.ElementwiseKernel``
+            passes, equal to the reference to rounding) on CuPy, else the
+            reference.  On float32/float64 CPU torch tensors ``update_in_place``
+            (the torch adapter's step) runs the Adam family through the numba
+            kernels too (``"auto"`` or ``"numba"``), on NumPy views of the
+            tensors and with torch's own ``sqrt``, bit for bit the torch
+            reference.  JAX and CUDA torch always take the reference code.  An
             execution choice, not a hyperparameter: golden files do not record it.
     """
 

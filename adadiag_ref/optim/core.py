@@ -364,7 +364,7 @@ def preconditioned_direction(
     the :class:`StepInput` (``t``, ``G``, ``W``, ``G~``) it was computed from.
     :func:`update` is ``delta = -eta_t (U + lambda W_t)`` on top of it; an
     optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` comes
-    from the family function or its numba kernel, as ``cfg.kernels`` selects
+    from the family function or its fast route (numba on NumPy, CuPy kernels on CuPy), as ``cfg.kernels`` selects
     (:mod:`adadiag_ref.optim.dispatch`); ``count`` as in :func:`update`.
     """
     xp = namespace(grad, param, xp=xp)

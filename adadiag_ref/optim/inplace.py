@@ -5,9 +5,9 @@
 allocating new ones.  It is how the torch adapter applies updates.
 
 The arithmetic is the family's: its in-place routes (:attr:`~adadiag_ref.optim.families.Routes.in_place`,
-tried in order; the Adam family has a torch CPU route, a numba route and a route on the backend's own
-ufuncs, ``optim/families/adam/``), and for a family without one the functional update whose results are then
-copied into the buffers.  Every route ends in the shared tail (:mod:`adadiag_ref.optim.tail`).
+tried in order; the Adam family has a torch CPU route, a numba route, a CuPy kernel route and a route on the
+backend's own ufuncs, ``optim/families/adam/``), and for a family without one the functional update whose
+results are then copied into the buffers.  Every route ends in the shared tail (:mod:`adadiag_ref.optim.tail`).
 
 Only backends with mutable arrays qualify (NumPy, CuPy, PyTorch); JAX arrays are immutable and get a
 ``TypeError``.

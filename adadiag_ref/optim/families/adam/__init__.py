@@ -4,6 +4,7 @@
   (the paper's Adam-ODE, ``H``, ``dH/dt``), in array-API code: the definition every route is tested against;
 * :mod:`.numba_route`: the numba kernels (NumPy) of the direction, the functional update and ``replay``'s
   owned step;
+* :mod:`.cupy_route`: the CuPy kernels (CUDA) of the direction, the functional update and ``update_in_place``;
 * :mod:`.torch_route`: ``update_in_place`` on CPU torch tensors (numba on zero-copy views, torch's ``sqrt``);
 * :mod:`.inplace`: ``update_in_place`` on any mutable backend (the numba moments, or the backend's ufuncs).
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from ....config import AdamConfig, BaseConfig
 from ..common import flow_of, paper_defaults
 from ..registry import FamilySpec, Routes
-from . import inplace, numba_route, reference, torch_route
+from . import cupy_route, inplace, numba_route, reference, torch_route
 from .reference import AdamODEState, AdamState
 
 __all__ = ["SPEC", "AdamODEState", "AdamState"]
@@ -34,10 +35,10 @@ SPEC = FamilySpec(
     direction=reference.direction,
     flow=flow_of(reference, AdamODEState, *paper_defaults(AdamConfig)),
     routes=Routes(
-        direction=(numba_route.direction,),
-        update=(numba_route.update,),
+        direction=(numba_route.direction, cupy_route.direction),
+        update=(numba_route.update, cupy_route.update),
         step_owned=(numba_route.step_owned,),
-        in_place=(torch_route.in_place, inplace.in_place),
+        in_place=(torch_route.in_place, cupy_route.in_place, inplace.in_place),
     ),
     report_lr=3e-2,
     entrywise=True,

@@ -5,7 +5,9 @@
 (:func:`.numba_route.moments_in_place`), else by the backend's own ufuncs with at most two new arrays
 (:func:`moments_with_ufuncs`); then ``P U~ Q^T`` and the shared tail
 (:func:`adadiag_ref.optim.tail.parameter_delta`) on this call's scratch.  Everything that can fail runs before
-the first write; torch tensors adopt their scratch's storage (:func:`adadiag_ref.optim.tail.commit`).
+the first write; torch tensors adopt their scratch's storage (:func:`adadiag_ref.optim.tail.commit`).  On CuPy
+arrays with ``kernels="auto"`` the fused kernels of :mod:`.cupy_route` run first; this route takes what they
+decline (``kernels="reference"`` or ``"numba"``, a parameter of another dtype than the state).
 """
 
 from __future__ import annotations

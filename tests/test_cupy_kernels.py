@@ -1,0 +1,385 @@
+"""The CuPy kernels (``optim/families/<family>/cupy_route.py``) against the generic CuPy path.
+
+Both are selected through the config option ``kernels``: ``"auto"`` runs the CuPy kernels on CuPy arrays,
+``"reference"`` (and ``"numba"``, which names the NumPy kernels) the generic array-API code.  The kernels run
+the reference's operations in its order without multiply-add contraction; only the summation order of
+``sum(U^2)`` differs, so the two agree to rounding: ``rtol = 1e-12`` in float64, ``1e-5`` in float32, as for the
+numba kernels (``tests/test_kernels.py``).
+
+The tests marked ``gpu`` need CuPy and a CUDA device (skipped otherwise); the others check on the CPU what can
+be checked without one: when the routes apply, the scalars they pass, the kernel sources' constants, and that
+nothing imports CuPy before a CuPy array arrives.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import _load_backend, to_np
+
+import adadiag_ref as ar
+from adadiag_ref import _kernels
+from adadiag_ref._kernels import cupy_kernels as ck
+from adadiag_ref._xp import namespace
+from adadiag_ref.optim.core import preconditioned_direction, prepare_step
+from adadiag_ref.optim.families import FAMILIES
+from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
+from adadiag_ref.optim.families.adam import cupy_route as adam_route
+from adadiag_ref.optim.families.hfac import cupy_route as hfac_route
+from adadiag_ref.optim.rotation import unrotate
+
+NAMES = list(ar.OPTIMIZERS)
+ROUTES = {"adam": adam_route, "adafactor": adafactor_route, "hfac": hfac_route}
+RTOL = {"float64": 1e-12, "float32": 1e-5}
+
+# ----------------------------------------------------------------------------- CPU: registration and selection
+
+
+def test_every_family_registers_its_cupy_routes() -> None:
+    for family, module in ROUTES.items():
+        assert module.direction in FAMILIES[family].routes.direction
+    routes = FAMILIES["adam"].routes
+    assert adam_route.update in routes.update
+    # before the route on CuPy's ufuncs, which always applies
+    assert routes.in_place.index(adam_route.in_place) < len(routes.in_place) - 1
+
+
+def _cpu_backend(name: str) -> Any:
+    return _load_backend(name)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "array_api_strict", "torch"])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_cupy_routes_decline_other_backends(backend: str, name: str, kernels: str) -> None:
+    mod = _cpu_backend(backend)
+    cfg = ar.make_config(name, kernels=kernels, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    w = mod.asarray(rng.standard_normal((3, 5)))
+    g = mod.asarray(rng.standard_normal((3, 5)))
+    xp = namespace(w)
+    state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+    step_in = prepare_step(state, g, cfg, w, True, xp)
+    route = ROUTES[cfg.family]
+    assert route.direction(state, step_in.g_rot, step_in.t, cfg, xp) is None
+    if cfg.family == "adam":
+        assert (
+            adam_route.update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, 1e-2, unrotate, xp)
+            is None
+        )
+        assert adam_route.in_place(state, step_in, cfg, w, 1e-2, xp) is False
+
+
+class _FakeDeviceArray:
+    """Stands for a CuPy array in the selection logic only (nothing is computed with it)."""
+
+    def __init__(self, dtype: Any, ndim: int = 2) -> None:
+        self.dtype = np.dtype(dtype)
+        self.ndim = ndim
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A namespace named ``cupy`` and :class:`_FakeDeviceArray` recognised as its arrays (by the selection only)."""
+    monkeypatch.setattr(ck, "is_cupy_array", lambda a: isinstance(a, _FakeDeviceArray))
+    return types.ModuleType("cupy")
+
+
+def test_only_auto_selects_the_cupy_kernels(fake_cupy: Any) -> None:
+    # "numba" names the NumPy kernels: on CuPy it takes the reference, as "reference" does
+    a, b = _FakeDeviceArray(np.float32), _FakeDeviceArray(np.float32)
+    assert ck.selected(ar.make_config("adamw", kernels="auto"), fake_cupy, a, None, b)
+    for kernels in ("numba", "reference"):
+        assert not ck.selected(ar.make_config("adamw", kernels=kernels), fake_cupy, a, b)
+
+
+def test_cupy_kernels_need_one_float_dtype_and_cupy_arrays(fake_cupy: Any) -> None:
+    f32, f64 = _FakeDeviceArray(np.float32), _FakeDeviceArray(np.float64)
+    assert ck.usable(fake_cupy, f64, f64)
+    assert not ck.usable(fake_cupy, f32, f64)  # mixed dtypes
+    assert not ck.usable(fake_cupy, _FakeDeviceArray(np.float16))
+    assert not ck.usable(fake_cupy, f32, np.zeros(3, np.float32))  # a host array among device ones
+    assert not ck.usable(fake_cupy, None)  # no array at all
+    assert not ck.usable(np, f32)  # another namespace
+
+
+def test_host_coefficients_are_scalars_of_the_state_dtype() -> None:
+    # a Python number is rounded to the state dtype as CuPy rounds the generic code's weak scalar
+    c = ck.coefficient(0.1, np.float32)
+    assert type(c) is np.float32 and c == np.float32(0.1)
+    assert type(ck.coefficient(3, np.float64)) is np.float64
+    assert ck.coefficient(np.float32(2.5), np.float32) == 2.5
+    assert ck.coefficient(np.asarray(2.5, np.float32), np.float32) == 2.5
+    # a strong NumPy value of another dtype would promote the generic code's result: the route declines
+    assert ck.coefficient(np.float64(0.1), np.float32) is None
+    assert ck.coefficient(np.zeros(2, np.float32), np.float32) is None
+    assert ck.coefficient(True, np.float32) is None
+    assert ck.coefficient(object(), np.float32) is None
+
+
+def test_ema_coefficients_round_one_minus_beta_as_the_reference() -> None:
+    # the reference computes (1.0 - beta_t) from the host float and the array op rounds it to the state dtype
+    beta = 0.9 * (1 - 0.9**3) / (1 - 0.9**4)
+    b, c = ck.ema_coefficients(beta, np.float32)
+    assert b == np.float32(beta) and c == np.float32(1.0 - beta)
+    assert ck.ema_coefficients(np.float64(beta), np.float32) is None
+
+
+def test_tail_expression_adds_decay_only_when_it_is_nonzero() -> None:
+    assert ck.tail_expression("u", "w", True) == "neg_lr * (u + wd * w)"
+    assert ck.tail_expression("u", "w", False) == "neg_lr * u"
+
+
+def _kernel_sources(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, str]]:
+    """Every kernel the routes build, as ``(name, in_params, out_params, operation)`` (recorded, not compiled)."""
+    seen: list[tuple[str, str, str, str]] = []
+    monkeypatch.setattr(ck, "elementwise", lambda *source: seen.append(source))
+    for module in ROUTES.values():
+        for attr, builder in vars(module).items():
+            if attr.startswith("_") and attr.endswith("_kernel") and callable(builder):
+                params = builder.__code__.co_varnames[: builder.__code__.co_argcount]
+                for flag in [False, True] if params else [None]:
+                    builder(*(() if flag is None else (flag,)))
+    return seen
+
+
+def test_kernel_sources_are_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _kernel_sources(monkeypatch)
+    assert len({name for name, *_ in seen}) >= 14
+    by_name: dict[str, tuple[str, str, str]] = {}
+    for name, in_params, out_params, operation in seen:
+        # one name, one source (the cache is keyed by name)
+        assert by_name.setdefault(name, (in_params, out_params, operation)) == (in_params, out_params, operation)
+        # every constant in the kernel's type T: a bare 0.5 is a C double, and would round differently
+        bare = re.findall(r"(?<![\w.)])\d+\.\d*|(?<![\w.])\.\d+", operation.replace("(T)", "(T) "))
+        assert not [x for x in bare if not re.search(r"\(T\)\s*" + re.escape(x), operation)], (name, operation)
+        # every parameter is typed T (one dtype), named as CuPy allows ('i' is the loop index)
+        names = [p.split()[-1] for p in (in_params + ", " + out_params).split(",")]
+        assert all(p.split()[0] == "T" for p in (in_params + ", " + out_params).split(",")), name
+        assert "i" not in names and len(names) == len(set(names)), name
+        # every output is written
+        for out in out_params.split(","):
+            assert re.search(rf"\b{out.split()[-1]}\s*=[^=]", operation), (name, out)
+
+
+def test_importing_the_library_and_stepping_on_numpy_never_imports_cupy() -> None:
+    code = """
+import sys
+
+class Refuse:
+    attempts = []
+    def find_spec(self, name, path=None, target=None):
+        if name == "cupy" or name.startswith("cupy."):
+            Refuse.attempts.append(name)
+            raise ImportError("cupy is refused here")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+import numpy as np
+import adadiag_ref as ar
+import adadiag_ref.optim.families.adam.cupy_route
+import adadiag_ref.optim.families.adafactor.cupy_route
+import adadiag_ref.optim.families.hfac.cupy_route
+import adadiag_ref._kernels.cupy_kernels
+w = np.ones((3, 4))
+for name in ar.OPTIMIZERS:
+    cfg = ar.make_config(name)
+    state = ar.init(w, cfg)
+    w2, state = ar.step(state, np.full((3, 4), 0.5), cfg, w)
+    ar.update_in_place(state, np.full((3, 4), 0.25), cfg, w2.copy())
+assert Refuse.attempts == [] and "cupy" not in sys.modules, Refuse.attempts
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ----------------------------------------------------------------------------- GPU: against the reference
+
+
+@pytest.fixture
+def cp() -> Any:
+    """CuPy with a CUDA device (skipped otherwise)."""
+    return _load_backend("cupy")
+
+
+SHAPES = [(6, 9), (9, 6), (7,), (2, 3, 4), (48, 80)]
+
+
+def _trajectory(
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], kernels: str, *, host_count: bool, in_place: bool = False,
+    **options: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy."""
+    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=0.05, update_freq=3, **options)
+    rng = np.random.default_rng(11)
+    w = cp.asarray(rng.standard_normal(shape).astype(dtype))
+    grads = rng.standard_normal((7, *shape)).astype(dtype)
+    grads[3] = 0.0
+    state = ar.init(w, cfg)
+    for k, g_host in enumerate(grads):
+        g = cp.asarray(g_host)
+        count = k if host_count else None
+        if in_place:
+            refreshed = ar.refresh_due(k, cfg)
+            if refreshed:
+                state = ar.refresh_basis(state, g, cfg)
+            state = ar.update_in_place(state, g, cfg, w, refreshed=refreshed, count=count)
+        else:
+            w, state = ar.step(state, g, cfg, w, count=count)
+    return w, state
+
+
+def _assert_close(got: Any, want: Any, dtype: str) -> None:
+    got, want = to_np(got), to_np(want)
+    assert got.dtype == want.dtype == np.dtype(dtype)
+    rtol = RTOL[dtype]
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(float(np.max(np.abs(want))), 1e-30))
+
+
+def _assert_states_close(got: Any, want: Any, dtype: str) -> None:
+    for field, a, b in zip(got._fields, got, want):
+        if field in ("count", "param_shape") or (a is None and b is None):
+            continue
+        _assert_close(a, b, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("host_count", [True, False])
+def test_cupy_kernels_equal_the_cupy_reference(
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # host_count: the coefficients are host numbers (kernel scalars); else 0-d device arrays (broadcast)
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count)
+    assert ck._KERNELS == {}  # the reference built no kernel
+    w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
+    assert ck._KERNELS, "the CuPy route did not run"
+    _assert_close(w_fast, w_ref, dtype)
+    _assert_states_close(s_fast, s_ref, dtype)
+    # "numba" names the NumPy kernels: on CuPy it is the reference
+    if not _kernels.AVAILABLE:
+        return  # kernels="numba" needs numba installed
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    w_numba, _ = _trajectory(cp, name, dtype, shape, "numba", host_count=host_count)
+    assert ck._KERNELS == {}
+    _assert_close(w_numba, w_ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cupy_kernels_equal_numpy(cp: Any, name: str, dtype: str) -> None:
+    # against the NumPy reference (its own LAPACK and summation order): the backends' tolerance
+    for shape in SHAPES[:-1]:  # small shapes: the two backends' bases differ by their LAPACK's rounding
+        w_fast, _ = _trajectory(cp, name, dtype, shape, "auto", host_count=True)
+        cfg = ar.make_config(name, kernels="reference", lr=2e-2, betas=(0.9, 0.99), weight_decay=0.05, update_freq=3)
+        rng = np.random.default_rng(11)
+        w = rng.standard_normal(shape).astype(dtype)
+        grads = rng.standard_normal((7, *shape)).astype(dtype)
+        grads[3] = 0.0
+        state = ar.init(w, cfg)
+        for g in grads:
+            w, state = ar.step(state, g, cfg, w)
+        _assert_close(w_fast, w, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adafactor", "adafacdiag", "adafacdiag_pp"])
+@pytest.mark.parametrize(
+    "options", [dict(momentum=False), dict(clip_threshold=None), dict(momentum=False, clip_threshold=None),
+                dict(beta2_schedule="adafactor"), dict(relative_step=True, scale_parameter=True)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cupy_kernels_adafactor_options(cp: Any, name: str, options: dict, dtype: str) -> None:
+    for shape in [(6, 9), (9, 6), (7,)]:
+        w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=True, **options)
+        w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=True, **options)
+        _assert_close(w_fast, w_ref, dtype)
+        _assert_states_close(s_fast, s_ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hfac", "hfacdiag"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cupy_kernels_hfac_without_clip(cp: Any, name: str, dtype: str) -> None:
+    w_ref, _ = _trajectory(cp, name, dtype, (6, 9), "reference", host_count=True, clip_threshold=None)
+    w_fast, _ = _trajectory(cp, name, dtype, (6, 9), "auto", host_count=True, clip_threshold=None)
+    _assert_close(w_fast, w_ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cupy_direction_route_equals_the_reference(cp: Any, name: str, dtype: str) -> None:
+    # the direction alone (preconditioned_direction: the optax scale_by's entry point and update's fallback)
+    rng = np.random.default_rng(5)
+    w = cp.asarray(rng.standard_normal((5, 8)).astype(dtype))
+    g = cp.asarray(rng.standard_normal((5, 8)).astype(dtype))
+    found = {}
+    for kernels in ("reference", "auto"):
+        cfg = ar.make_config(name, kernels=kernels)
+        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        u, new, _ = preconditioned_direction(state, g, cfg, w, refreshed=True, count=0)
+        found[kernels] = u, new
+    _assert_close(found["auto"][0], found["reference"][0], dtype)
+    _assert_states_close(found["auto"][1], found["reference"][1], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape", [(6, 9), (9, 6), (7,), (2, 3, 4)])
+@pytest.mark.parametrize("host_count", [True, False])
+def test_cupy_update_in_place_equals_the_functional_update(
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool
+) -> None:
+    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
+    w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, in_place=True)
+    # the same operations on the same operands (no contraction): expected bit for bit; checked to rounding
+    tight = {"float64": 1e-14, "float32": 1e-6}[dtype]
+    np.testing.assert_allclose(to_np(w_i), to_np(w_f), rtol=tight, atol=tight * float(np.max(np.abs(to_np(w_f)))))
+    _assert_states_close(s_i, s_f, dtype)
+    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count, in_place=True)
+    _assert_close(w_i, w_r, dtype)
+
+
+@pytest.mark.gpu
+def test_cupy_update_in_place_writes_the_callers_buffers(cp: Any) -> None:
+    rng = np.random.default_rng(3)
+    for name in ("adamw", "adadiag"):
+        cfg = ar.make_config(name, weight_decay=0.1)
+        w = cp.asarray(rng.standard_normal((9, 6)))  # tall: the work frame is a transposed view
+        g = cp.asarray(rng.standard_normal((9, 6)))
+        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        delta, expected = ar.update(state, g, cfg, w, refreshed=True)
+        w_expected = w + delta
+        M, V, w_before = state.M, state.V, w.copy()
+        new = ar.update_in_place(state, g, cfg, w, refreshed=True, count=0)
+        assert new.M is M and new.V is V and not np.array_equal(to_np(w), to_np(w_before))
+        _assert_close(w, w_expected, "float64")
+        _assert_close(M, expected.M, "float64")
+        _assert_close(V, expected.V, "float64")
+
+
+@pytest.mark.gpu
+def test_cupy_update_in_place_with_a_state_of_another_dtype_takes_the_ufunc_route(cp: Any) -> None:
+    # float32 parameter, float64 state: the work-frame W is a copy, so the fused in-place kernel declines
+    rng = np.random.default_rng(4)
+    cfg = ar.make_config("adamw", state_dtype="float64", weight_decay=0.1)
+    w = cp.asarray(rng.standard_normal((4, 6)).astype(np.float32))
+    g = cp.asarray(rng.standard_normal((4, 6)).astype(np.float32))
+    state = ar.init(w, cfg)
+    delta, _ = ar.update(state, g, cfg, w, count=0)
+    expected = w + delta
+    ar.update_in_place(state, g, cfg, w, count=0)
+    _assert_close(w, expected, "float32")
