@@ -282,7 +282,8 @@ def test_bench_gpu_quick_writes_its_tables(tmp_path: Path, capsys) -> None:
     for key in ("cupy_adamw", "cupy_adadiag", "cupy_adadiag_pp", "cupy_adafacdiag", "cupy_hfacdiag"):
         assert _positive(doc["step"][key]["ms"]), doc["step"][key]
     assert _positive(doc["step"]["cupy_adamw"]["ratio_to_bound"])
-    for key in ("cupy_refresh_svd", "cupy_refresh_gram", "cupy_refresh_auto", "cupy_eigh_float32",
+    for key in ("cupy_refresh_svd", "cupy_refresh_gram", "cupy_refresh_auto", "cupy_refresh_batched_svd",
+                "cupy_refresh_batched_gram", "cupy_refresh_batched_auto", "cupy_eigh_float32",
                 "cupy_eigh_float64"):  # fmt: skip
         assert _positive(doc["refresh"][key]["ms"]) and _positive(doc["refresh"][key]["share"]), doc["refresh"][key]
     for table in ("step", "refresh"):  # every other row: a number, or n/a with its reason

@@ -33,7 +33,9 @@ Bounds, measured in the same run:
 
 Refresh of the rotated matrices (gradients with ``sigma_i = 1/i``,
 :func:`~adadiag_ref.perf.params.gradient_with_spectrum`; a median over ``reps``): ``cupy_refresh_<method>``,
-``ar.refresh_basis`` with ``basis_method`` ``svd``/``gram``/``auto``; ``torch_adapter_refresh_step``, the
+``ar.refresh_basis`` one matrix at a time with ``basis_method`` ``svd``/``gram``/``auto``;
+``cupy_refresh_batched_<method>``, ``ar.refresh_bases`` over all of them (one stacked decomposition per work
+shape, as ``multi_step`` refreshes); ``torch_adapter_refresh_step``, the
 adapter's first ``opt.step()`` (a refresh and a step); ``torch_svd``, ``torch.linalg.svd`` one matrix at a
 time; ``cupy_eigh_float32``/``float64`` and ``torch_eigh_float32``/``float64``, the bare ``eigh`` of the stack
 of Gram matrices ``G G^T`` (one batched call per distinct ``m``).  Each row's ``share`` is its time amortised
@@ -362,14 +364,20 @@ def _refresh_rows(cp: Any, torch: Any, specs: list[ParamSpec], reps: int) -> dic
     sync = cp.cuda.Device().synchronize
     rows: dict[str, tuple[str, Callable[[], float]]] = {}
 
-    def cupy_refresh(method: str) -> float:
+    def cupy_refresh(method: str, batched: bool) -> float:
         cfg = ar.make_config("adadiag", basis_method=method)
-        items = [(ar.init(g, cfg), g) for g in (cp.asarray(h) for h in host)]
-        return _median_ms(lambda: [ar.refresh_basis(st, g, cfg, count=0) for st, g in items], sync, reps, warmup=1)
+        grads = [cp.asarray(h) for h in host]
+        states = [ar.init(g, cfg) for g in grads]
+        if batched:  # as multi_step refreshes: one stacked decomposition per work shape
+            return _median_ms(lambda: ar.refresh_bases(states, grads, cfg, count=0), sync, reps, warmup=1)
+        pairs = list(zip(states, grads, strict=True))
+        return _median_ms(lambda: [ar.refresh_basis(st, g, cfg, count=0) for st, g in pairs], sync, reps, warmup=1)
 
     for method in REFRESH_METHODS:
-        rows[f"cupy_refresh_{method}"] = (f"CuPy ar.refresh_basis, basis_method={method}",
-                                          lambda method=method: cupy_refresh(method))  # type: ignore[misc]  # fmt: skip
+        rows[f"cupy_refresh_{method}"] = (f"CuPy ar.refresh_basis one by one, basis_method={method}",
+                                          lambda method=method: cupy_refresh(method, False))  # type: ignore[misc]  # fmt: skip
+        rows[f"cupy_refresh_batched_{method}"] = (f"CuPy ar.refresh_bases (batched), basis_method={method}",
+                                                  lambda method=method: cupy_refresh(method, True))  # type: ignore[misc]  # fmt: skip
 
     def work_frames(xp_asarray: Callable[[np.ndarray], Any]) -> list[Any]:
         return [xp_asarray(np.ascontiguousarray(h if h.shape[0] <= h.shape[1] else h.T)) for h in host]
@@ -512,7 +520,9 @@ def run(
         "setup": {"model": "quick" if quick else model, "quick": quick, "rule": rule, "parameters": len(specs),
                   "elements": size, "rotated": len(rotated), "reps": reps, "inner": inner, "period": period},
     }  # fmt: skip
-    n_rows = 3 + len(CORE_OPTIMIZERS) + 2 + len(ADAPTER_OPTIMIZERS) + 3 + (9 if refresh else 0)
+    n_rows = (
+        3 + len(CORE_OPTIMIZERS) + 2 + len(ADAPTER_OPTIMIZERS) + 3 + (2 * len(REFRESH_METHODS) + 6 if refresh else 0)
+    )
     bar = tqdm(total=n_rows, desc="bench --gpu", file=sys.stderr, leave=False, disable=bar_disable(progress))
     with bar:
         bw = copy_bandwidth(cp, (1 << 24) if quick else (1 << 28), reps)  # 64 MiB / 1 GiB: beyond the L2 cache
