@@ -45,9 +45,10 @@ def test_every_folder_of_the_package_is_listed() -> None:
     assert folders | {"adadiag_ref.adapters"} == listed
 
 
-def test_cuda_extra_is_the_cuda12_cupy_wheel() -> None:
+def test_cuda_extras_are_the_cupy_wheels_of_cuda_12_and_13() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
     assert [re.split(r"[<>=!~ ]", r)[0] for r in extras["cuda"]] == ["cupy-cuda12x"]
+    assert [re.split(r"[<>=!~ ]", r)[0] for r in extras["cuda13"]] == ["cupy-cuda13x"]
     assert {"torch", "jax", "cuda", "numba", "plot", "test"} <= set(extras)
 
 
