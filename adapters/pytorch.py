@@ -324,6 +324,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             if new_bases:
                 state = state._replace(**new_bases)
             if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
+                _check_static(state, item.grad, item.p, layout_for(tuple(item.p.shape), item.cfg), item.cfg)
                 key = (item.group_index, item.p.device, item.p.dtype, state.M.dtype, count)
                 batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
                 continue
@@ -660,7 +661,6 @@ def _foreach_adam(batch: list[_Batched], cache: Mapping[int, _Frame], frames: di
     seconds: list[torch.Tensor] = []
     for entry, layout in zip(batch, layouts, strict=True):
         state, item = entry.state, entry.item
-        _check_static(state, item.grad, item.p, layout, cfg)
         g = item.grad if item.grad.dtype == dtype else item.grad.to(dtype)
         if state.P is None and state.Q is None:
             grads.append(g)

@@ -21,7 +21,7 @@ from adadiag_ref.adapters import pytorch as at
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ADAM_NAMES = ["adamw", "adadiag", "adadiag_pp"]
-SHAPES = [(5, 7), (7, 5), (7,), (1,), (6, 2, 2), (40, 30), (3, 1), (1, 4)]  # wide, tall, vector, 1-element, conv
+SHAPES = [(5, 7), (7, 5), (7,), (1,), (6, 2, 2), (40, 30), (3, 1), ()]  # wide, tall, vector, 1-element, conv, 0-d
 STEPS, FREQ = 6, 2  # refreshes at t = 1, 3, 5
 
 
@@ -191,6 +191,23 @@ def test_foreach_step_reads_one_device_value(name, monkeypatch):
     host counters are read from host memory (``numpy()`` of CPU tensors), never with ``item()``."""
     counter = _ops_of_one_step(name, 8)
     assert counter.ops["aten._local_scalar_dense.default"] == 1
+
+
+@pytest.mark.parametrize("name", ADAM_NAMES)
+def test_foreach_with_maximize_and_a_tensor_lr(name):
+    w0, grads = _streams(torch.float64, steps=3)
+    results = []
+    for foreach in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = at.OPTIMIZER_CLASSES[name](
+            params, lr=torch.tensor(0.02), maximize=True, weight_decay=0.1, update_freq=2, foreach=foreach
+        )
+        for gs in grads:
+            for p, g in zip(params, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    assert all(torch.equal(x, y) for x, y in zip(*results, strict=True))
 
 
 def test_non_finite_gradient_raises_and_leaves_everything_untouched():
