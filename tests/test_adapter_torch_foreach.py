@@ -186,7 +186,7 @@ def test_rotated_op_count_grows_only_by_the_rotations(name):
 
 
 @pytest.mark.parametrize("name", ADAM_NAMES)
-def test_foreach_step_reads_one_device_value(name, monkeypatch):
+def test_foreach_step_reads_one_device_value(name):
     """A step without refresh reads one value on the host: the finiteness verdict.  The coefficients and the
     host counters are read from host memory (``numpy()`` of CPU tensors), never with ``item()``."""
     counter = _ops_of_one_step(name, 8)
