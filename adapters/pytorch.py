@@ -46,8 +46,15 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import adadiag_ref as ar
+from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
+from adadiag_ref.optim.core import _check_static, rotation_noise_floor
 from adadiag_ref.optim.families import family_of
+from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
+from adadiag_ref.optim.layout import Layout, from_work, layout_for, to_work
+from adadiag_ref.optim.rotation import rotate, unrotate
+from adadiag_ref.optim.schedules import beta_hats, learning_rate
+from adadiag_ref.optim.tail import decays
 
 __all__ = [
     "OPTIMIZER_CLASSES",
@@ -106,8 +113,8 @@ def _finite_at_least(value: Any, low: float, high: float = math.inf, *, closed_h
 def validate_hyperparameters(group: Mapping[str, Any]) -> None:
     """torch.optim's checks and messages (``Invalid learning rate: nan``, ...), stricter only in refusing nan/inf.
 
-    Raises ``ValueError`` for ``lr``, ``betas``, ``eps`` and ``weight_decay``; the
-    remaining core fields are checked by the core config.
+    Raises ``ValueError`` for ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``foreach`` (``None`` or a
+    bool); the remaining core fields are checked by the core config.
     """
     lr = _number(group["lr"])
     if not _finite_at_least(lr, 0.0):
@@ -124,6 +131,9 @@ def validate_hyperparameters(group: Mapping[str, Any]) -> None:
     weight_decay = _number(group["weight_decay"])
     if not _finite_at_least(weight_decay, 0.0):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    foreach = group.get("foreach")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ValueError(f"Invalid foreach value: {foreach!r} (expected None, True or False)")
 
 
 _CONFIG_CACHE_SIZE = 64
@@ -151,6 +161,14 @@ class CoreOptimizer(torch.optim.Optimizer):
             refresh with ``j mod world_size == r`` and broadcasts their bases; the
             result is bit-identical to every rank decomposing every matrix.  Ignored
             when no process group is initialised.
+        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for the
+            Adam family (AdamW, AdaDiag, AdaDiag++): the moments, the direction and the tail of all parameters of
+            a group run as a fixed number of ``torch._foreach_*`` calls (one launch each per device and dtype on
+            CUDA) instead of a chain of kernels per parameter; only the rotations (GEMMs) stay per parameter.
+            ``None`` (default): on when every parameter of the group with a gradient is on a device with
+            foreach kernels (CUDA), off on the CPU.  ``True`` forces it on the CPU too, where it is bit-identical
+            to ``False``.  The other families ignore it (their per-parameter route).  A group may set it;
+            ``load_state_dict`` keeps this optimizer's choice (the state is the same either way).
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -166,7 +184,9 @@ class CoreOptimizer(torch.optim.Optimizer):
     changed.  A ``step()`` without a basis refresh synchronises with the device
     once (the finiteness of one sum per gradient, all tested together; only a
     non-finite sum leads to the exact per-entry test); a refresh step also
-    copies the gradients it decomposes to the host.
+    copies the gradients it decomposes to the host.  With ``foreach`` the sums
+    are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
+    device and dtype).
     """
 
     core_name: str = ""
@@ -182,6 +202,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         split_refresh: bool = False,
+        foreach: bool | None = None,
         name: str | None = None,
         **family_options: Any,
     ) -> None:
@@ -191,6 +212,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
+        self._frames: dict[int, _Frame] = {}
         if unknown := sorted(set(family_options) - self._config_fields):
             ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
@@ -200,6 +222,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             "weight_decay": weight_decay,
             "update_freq": update_freq,
             "maximize": bool(maximize),
+            "foreach": foreach,
             **family_options,
         }
         self._build_config(defaults)  # invalid hyperparameters raise here, before any state exists
@@ -218,6 +241,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.split_refresh = bool(state.get("split_refresh", False))
         self._configs = {}
+        self._frames = {}
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated."""
@@ -271,6 +297,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             cfg = self._build_config(group)
             lr = _number(group["lr"])
             names = group.get("param_names")
+            foreach = _foreach_on(group, cfg)
             for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -282,11 +309,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
                 where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
                 label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label))
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach, group_index))
         self._check_finite(work)
-        due = [ar.refresh_due(int(item.flat["step"]), item.cfg) for item in work]  # host counters: no device sync
+        counts = _host_counts(work)  # host counters: no device sync
+        due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
-        for item, is_due in zip(work, due, strict=True):
+        batches: dict[tuple[Any, ...], list[_Batched]] = {}
+        for item, is_due, count in zip(work, due, counts, strict=True):
             # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
             # moments in place, so only the counter and new bases need writing back, into the same tensor objects
             state = to_core_state(item.flat, item.cfg)
@@ -294,14 +323,30 @@ class CoreOptimizer(torch.optim.Optimizer):
             new_bases, refreshed = next(refreshes) if is_due else ({}, False)
             if new_bases:
                 state = state._replace(**new_bases)
+            if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
+                _check_static(state, item.grad, item.p, layout_for(tuple(item.p.shape), item.cfg), item.cfg)
+                key = (item.group_index, item.p.device, item.p.dtype, state.M.dtype, count)
+                batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
+                continue
             # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
             ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
-            if item.fresh:
-                self.state[item.p] = item.flat
-            for key, basis in new_bases.items():
-                item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
+            self._commit(item, new_bases)
             item.flat["step"] += 1
+        frames: dict[int, _Frame] = {}
+        for batch in batches.values():
+            _foreach_adam(batch, self._frames, frames)
+            for entry in batch:
+                self._commit(entry.item, entry.new_bases)
+            torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
+        self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         return loss
+
+    def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
+        """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
+        if item.fresh:
+            self.state[item.p] = item.flat
+        for key, basis in new_bases.items():
+            item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
 
     def _check_finite(self, work: list[_Work]) -> None:
         """Shapes and dtypes per parameter; finiteness of all gradients with one host synchronisation."""
@@ -321,11 +366,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly below
-        sums = torch.stack([_finiteness_sum(item.grad).to(device) for item in work])
+        order, reductions = _finiteness_sums(work)
+        sums = torch.stack([r.to(device) for r in reductions])
         finite = torch.isfinite(sums)
         if bool(finite.all()):  # the one synchronisation of a step without refresh
             return
-        suspects = [work[int(i)] for i in torch.nonzero(~finite).flatten()]
+        suspects = [work[order[int(i)]] for i in torch.nonzero(~finite).flatten()]
         bad = next((item for item in suspects if not bool(torch.isfinite(item.grad).all())), None)
         if bad is None:  # finite entries whose sum overflowed
             return
@@ -437,6 +483,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                     )
                 if param_id in saved_state:
                     loaded[p] = _checked_state(saved_state[param_id], p, cfg, index)
+        kept = [group.get("foreach") for group in self.param_groups]
         super().load_state_dict(
             {
                 **state_dict,
@@ -444,6 +491,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                 "param_groups": [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups],
             }
         )
+        for group, foreach in zip(self.param_groups, kept, strict=True):
+            group["foreach"] = foreach  # an execution choice of this optimizer, not of the checkpoint
         for group in self.param_groups:
             for p in group["params"]:
                 if p in loaded:
@@ -461,6 +510,8 @@ class _Work(NamedTuple):
     lr: Any
     where: str  # "parameter 'fc.weight'" or "parameter 2 of param_groups[0]", for error messages
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
+    foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
+    group_index: int
 
 
 def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
@@ -473,6 +524,190 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.sum(grad, dtype=torch.float32)
     return torch.sum(grad)
+
+
+def _foreach_devices() -> tuple[str, ...]:
+    """Device types with multi-tensor kernels (torch's own list: ``cuda``, ``xpu``, ...; ``cpu`` is not one)."""
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return tuple(_get_foreach_kernels_supported_devices())
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the helper
+        return ("cuda",)
+
+
+def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
+    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam`): the Adam family
+    only; ``foreach=None`` resolves to on when every parameter with a gradient is on a foreach device (CUDA)."""
+    if family_of(cfg) is not ADAM_FAMILY:
+        return False  # Adafactor and Hfac families: their per-parameter route (documented in docs/adapters.md)
+    foreach = group.get("foreach")
+    if foreach is None:
+        devices = _foreach_devices()
+        params = [p for p in group["params"] if p.grad is not None]
+        return bool(params) and all(p.device.type in devices for p in params)
+    return bool(foreach)
+
+
+def _host_counts(work: list[_Work]) -> list[int]:
+    """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim).
+
+    With a multi-tensor group they are read together (one stack, one host view) instead of one read each."""
+    counters = [item.flat["step"] for item in work]
+    if not any(item.foreach for item in work) or any(c.device.type != "cpu" for c in counters):
+        return [int(c) for c in counters]
+    return [int(c) for c in torch.stack(counters).numpy().tolist()]
+
+
+def _finiteness_sums(work: list[_Work]) -> tuple[list[int], list[torch.Tensor]]:
+    """``(order, sums)``: a 0-d reduction per gradient (:func:`_finiteness_sum`; for the parameters of the
+    multi-tensor route ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and dtype) and
+    the index in ``work`` of each.  Either is NaN or Inf whenever an entry of ``G`` is."""
+    order: list[int] = []
+    sums: list[torch.Tensor] = []
+    buckets: dict[tuple[Any, Any], list[int]] = {}
+    for i, item in enumerate(work):
+        if item.foreach:
+            buckets.setdefault((item.grad.device, item.grad.dtype), []).append(i)
+        else:
+            order.append(i)
+            sums.append(_finiteness_sum(item.grad))
+    for (_, dtype), members in buckets.items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
+        norms = torch._foreach_norm([work[i].grad for i in members], 1, torch.float32 if low else None)
+        order.extend(members)
+        sums.extend(norms)
+    return order, sums
+
+
+class _Batched(NamedTuple):
+    """One parameter of a multi-tensor batch: its work, its state (new bases in), the refresh flag."""
+
+    item: _Work
+    state: Any
+    refreshed: bool
+    new_bases: dict[str, torch.Tensor]
+
+
+class _Frame(NamedTuple):
+    """A moment's view in its parameter's shape, valid while ``tensor`` keeps this memory and these strides."""
+
+    tensor: torch.Tensor
+    data_ptr: int
+    stride: tuple[int, ...]
+    view: torch.Tensor
+
+
+def _param_frame(
+    x: torch.Tensor, layout: Layout, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
+) -> torch.Tensor:
+    """``from_work(x)``: an unrotated state matrix seen in its parameter's shape, where ``G`` and ``W`` are.
+
+    The view is made once and kept (``cache`` of the previous step, ``frames`` of this one) while the state
+    tensor keeps its memory, so a step makes no view per parameter; a tensor whose storage was replaced
+    (``Tensor.set_``, a loaded state) gets a new view.  A wide 2-D parameter's work frame is its own shape."""
+    if tuple(x.shape) == layout.shape:
+        return x
+    entry = cache.get(id(x))
+    if entry is None or entry.tensor is not x or entry.data_ptr != x.data_ptr() or entry.stride != x.stride():
+        entry = _Frame(x, x.data_ptr(), tuple(x.stride()), from_work(x, layout, torch_namespace()))
+    frames[id(x)] = entry
+    return entry.view
+
+
+def torch_namespace() -> Any:
+    """The array-API namespace of torch tensors (the core's ``xp``), found once."""
+    global _TORCH_XP
+    if _TORCH_XP is None:
+        _TORCH_XP = namespace(torch.zeros(()))
+    return _TORCH_XP
+
+
+_TORCH_XP: Any = None
+
+
+def _host_number(x: Any) -> float:
+    """A coefficient the core computed as a 0-d tensor on the host (the step counter's device), as a Python float
+    holding its value exactly (read from host memory, no device synchronisation)."""
+    if isinstance(x, torch.Tensor):
+        return float(x.detach().cpu().numpy())
+    return float(x)
+
+
+def _foreach_adam(batch: list[_Batched], cache: Mapping[int, _Frame], frames: dict[int, _Frame]) -> None:
+    r"""The Adam family's step of every parameter of ``batch`` (one group, device, dtype pair and step ``t``) as
+    ``torch._foreach_*`` calls: the arithmetic of ``update_in_place``, the same operations in the same order::
+
+        G~  = P^T G Q                                        (per parameter; G itself without a basis)
+        V_t = b2_t V + (1 - b2_t) G~^2,   M_t = b1_t M + (1 - b1_t) G~
+        U~  = M_t / (sqrt(V_t) + eps)
+        D   = P U~ Q^T                                       (per parameter; U~ itself without a basis)
+        W  <- W + (-eta) (D + lambda W)                      (lambda W only when lambda != 0)
+
+    with ``b_t = beta (1 - beta^(t-1)) / (1 - beta^t)`` (:func:`~adadiag_ref.optim.schedules.beta_hats`, computed
+    once by the core's torch code from the host counter and passed as exact Python floats).  Each entry is
+    computed by the same IEEE operations as the per-parameter route, so the result is the same bit for bit;
+    the moments of an unrotated parameter are updated in its own shape (a view made once, :func:`_param_frame`),
+    so for AdamW no call is made per parameter.  Parameters of another dtype than their state (bfloat16) are
+    cast per parameter, as ``update_in_place`` casts them.
+
+    All or nothing: the new ``M``, ``V`` and ``delta`` are computed into new tensors first (the GEMMs and
+    allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
+    own tensors (``state_dict()`` references stay live)."""
+    first = batch[0]
+    cfg = first.item.cfg
+    dtype = first.state.M.dtype
+    xp = torch_namespace()
+    t = xp.astype(first.state.count + 1, dtype)  # prepare_step's t, from the host counter
+    b1_t, b2_t = beta_hats(cfg, t, xp)
+    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
+    eta = learning_rate(cfg, first.item.lr)
+    params = [entry.item.p for entry in batch]
+    layouts = [layout_for(tuple(p.shape), cfg) for p in params]
+    grads: list[torch.Tensor] = []
+    moments: list[torch.Tensor] = []
+    seconds: list[torch.Tensor] = []
+    for entry, layout in zip(batch, layouts, strict=True):
+        state, item = entry.state, entry.item
+        g = item.grad if item.grad.dtype == dtype else item.grad.to(dtype)
+        if state.P is None and state.Q is None:
+            grads.append(g)
+            moments.append(_param_frame(state.M, layout, cache, frames))
+            seconds.append(_param_frame(state.V, layout, cache, frames))
+            continue
+        g_work = to_work(g, layout, xp)
+        g_rot = rotate(g_work, state.P, state.Q, xp, transposed=layout.transposed)
+        if entry.refreshed:  # the bases come from this very G: its rounding noise is zeroed, as in prepare_step
+            g_rot = rotation_noise_floor(g_rot, g_work, True, xp)
+        grads.append(g_rot)
+        moments.append(state.M)
+        seconds.append(state.V)
+    new_v = torch._foreach_mul(seconds, b2)
+    scratch = torch._foreach_mul(grads, grads)
+    torch._foreach_mul_(scratch, c2)
+    torch._foreach_add_(new_v, scratch)  # V_t = b2_t V + (1 - b2_t) G~^2
+    new_m = torch._foreach_mul(grads, c1)
+    scratch = torch._foreach_mul(moments, b1)
+    torch._foreach_add_(new_m, scratch)  # M_t = (1 - b1_t) G~ + b1_t M
+    scratch = torch._foreach_sqrt(new_v)
+    torch._foreach_add_(scratch, cfg.eps)
+    directions = list(torch._foreach_div(new_m, scratch))  # U~ = M_t / (sqrt(V_t) + eps)
+    del scratch
+    for k, (entry, layout) in enumerate(zip(batch, layouts, strict=True)):
+        state = entry.state
+        if state.P is not None or state.Q is not None:
+            d = unrotate(directions[k], state.P, state.Q, xp, transposed=layout.transposed)
+            directions[k] = from_work(d, layout, xp)
+    if decays(cfg):
+        weights = params if params[0].dtype == dtype else [p.to(dtype) for p in params]
+        torch._foreach_add_(directions, torch._foreach_mul(weights, cfg.weight_decay))  # D + lambda W
+    torch._foreach_mul_(directions, -eta)  # delta = -eta (D + lambda W)
+    if params[0].dtype != dtype:
+        directions = [d.to(params[0].dtype) for d in directions]
+    # commit: copies between tensors of equal shapes and dtypes, nothing allocated
+    torch._foreach_add_(params, directions)
+    torch._foreach_copy_(moments, new_m)
+    torch._foreach_copy_(seconds, new_v)
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:

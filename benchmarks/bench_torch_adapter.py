@@ -7,7 +7,11 @@ For each optimizer and a small model-like set of parameters, times (median of
 * ``core``:    ``ar.update`` (+ ``check_inputs``) per parameter, the same core calls with the state kept as NamedTuples;
 * ``torch``:   ``torch.optim.AdamW`` (foreach=False), for the AdamW row only.
 
-Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1]``.
+Then, for the Adam family, the adapter's multi-tensor route against its per-parameter route in the same run
+(``foreach=True`` / ``foreach=False``, ``foreach`` ms and the ratio), on these shapes and on a model of many
+small parameters (``MANY``), where the per-parameter route's calls dominate.
+
+Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1] [--foreach-only]``.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 import adadiag_ref as ar
 
 SHAPES = [(256, 512), (512,), (512, 256), (256,), (64, 32, 3, 3)]
+MANY = [(64, 64), (64,)] * 32  # 64 small parameters
+FOREACH_NAMES = ["adamw", "adadiag", "adadiag_pp"]
 
 
-def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+def _params(dtype: torch.dtype, shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
     return params
@@ -76,25 +82,50 @@ def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:
     return row
 
 
+def bench_foreach(name: str, repeats: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> dict[str, float]:
+    """``opt.step()`` with ``foreach=False`` and ``foreach=True`` (no refresh after the warm-up), alternating
+    blocks of steps so that both see the same machine state."""
+    opts = {}
+    for foreach in (False, True):
+        opts[foreach] = OPTIMIZER_CLASSES[name](_params(dtype, shapes), lr=1e-3, update_freq=None, foreach=foreach)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for opt in opts.values():
+        _median_ms(opt.step, 1)  # warm-up (t = 1 refresh)
+    for _ in range(5):
+        for foreach, opt in opts.items():
+            times[foreach].append(_median_ms(opt.step, max(1, repeats // 5), warmup=1))
+    return {"per_param_ms": statistics.median(times[False]), "foreach_ms": statistics.median(times[True])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--foreach-only", action="store_true", help="only the foreach=True / foreach=False tables")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"shapes {SHAPES}, dtype {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
-    print(f"{'optimizer':15s} {'adapter ms':>11s} {'core ms':>9s} {'ratio':>7s} {'torch.AdamW ms':>15s}")
+    if not args.foreach_only:
+        print(f"{'optimizer':15s} {'adapter ms':>11s} {'core ms':>9s} {'ratio':>7s} {'torch.AdamW ms':>15s}")
     ratios = []
-    for name in ar.OPTIMIZERS:
+    for name in [] if args.foreach_only else ar.OPTIMIZERS:
         row = bench(name, args.repeats, dtype)
         ratio = row["adapter_ms"] / row["core_ms"]
         ratios.append(ratio)
         extra = f"{row['torch_ms']:15.3f}" if "torch_ms" in row else ""
         print(f"{name:15s} {row['adapter_ms']:11.3f} {row['core_ms']:9.3f} {ratio:7.3f} {extra}")
-    print(f"median adapter/core ratio over the eight optimizers: {statistics.median(ratios):.3f}")
+    if ratios:
+        print(f"median adapter/core ratio over the eight optimizers: {statistics.median(ratios):.3f}")
+    for label, shapes in (("shapes above", SHAPES), (f"{len(MANY)} small parameters", MANY)):
+        print(f"\nforeach=True against foreach=False ({label}; same run, alternating blocks)")
+        print(f"{'optimizer':15s} {'per-param ms':>13s} {'foreach ms':>11s} {'foreach/per-param':>18s}")
+        for name in FOREACH_NAMES:
+            row = bench_foreach(name, args.repeats, dtype, shapes)
+            ratio = row["foreach_ms"] / row["per_param_ms"]
+            print(f"{name:15s} {row['per_param_ms']:13.3f} {row['foreach_ms']:11.3f} {ratio:18.3f}")
 
 
 if __name__ == "__main__":

@@ -353,17 +353,20 @@ def test_state_of_a_transposed_parameter_is_refused(name):
         CLASSES[name]([wrong], **HYPER).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("name", NAMES)
-def test_one_host_synchronisation_per_step(name, kernels, monkeypatch):
-    """A step without a refresh reads one device value on the host (the fused finiteness test).
+def test_one_host_synchronisation_per_step(name, kernels, foreach, monkeypatch):
+    """A step without a refresh reads one device value on the host (the fused finiteness test), also on the
+    multi-tensor route (``foreach=True``).
 
     Reads of the per-parameter ``"step"`` counters are not counted: they live on the host, as in torch.optim.
     Neither is ``numpy()`` of a CPU tensor, a view of the same host memory (the CPU kernel route views its
-    tensors that way); on any other device it would raise, not synchronise.
+    tensors that way, the multi-tensor route its coefficients and stacked counters); on any other device it
+    would raise, not synchronise.
     """
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in SHAPES]
-    opt = CLASSES[name](params, **{**HYPER, "update_freq": 100}, kernels=kernels)
+    opt = CLASSES[name](params, **{**HYPER, "update_freq": 100}, kernels=kernels, foreach=foreach)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
