@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import array_api_compat.numpy as compat_numpy
 import numpy as np
-from array_api_compat import is_numpy_namespace
 
 from .._xp import Array, Namespace, creation_device, is_float64
 
@@ -43,19 +43,23 @@ def host_step(count: int, dtype: Any, xp: Namespace) -> np.ndarray:
     return np.asarray(count + 1, dtype=np.float64 if is_float64(dtype, xp) else np.float32)
 
 
+def _is_numpy(xp: Namespace) -> bool:
+    """``array_api_compat.is_numpy_namespace`` as an identity test: it runs several times per step, and on NumPy
+    a step of a small parameter costs tens of microseconds."""
+    return xp is np or xp is compat_numpy
+
+
 def _host_scalars(t: Any, xp: Namespace, *numbers: Any) -> bool:
     """Whether a coefficient of host step ``t`` is computed on the host (module docstring): ``t`` is NumPy, the
     arrays are not, and every other input is a Python number (an array hyperparameter stays on its device)."""
-    return (
-        isinstance(t, np.ndarray | np.generic)
-        and not is_numpy_namespace(xp)
-        and all(isinstance(x, int | float) for x in numbers)
-    )
+    if _is_numpy(xp) or not isinstance(t, np.ndarray | np.generic):
+        return False
+    return all(isinstance(x, int | float) for x in numbers)
 
 
 def _on_device(t: Any, xp: Namespace, like: Any) -> Any:
     """A host step ``t`` moved beside the array hyperparameter ``like`` (for the arithmetic that mixes them)."""
-    if isinstance(t, np.ndarray | np.generic) and not is_numpy_namespace(xp):
+    if isinstance(t, np.ndarray | np.generic) and not _is_numpy(xp):
         return xp.asarray(float(t), dtype=like.dtype, device=creation_device(like))
     return t
 
