@@ -98,7 +98,7 @@ def missing_requirement() -> str | None:
 
     Needs CuPy importable and at least one CUDA device it can use; nothing else is touched (no array is
     allocated)."""
-    install = 'pip install "adadiag-ref[cuda]" (the CuPy wheel for your CUDA version)'
+    install = 'pip install "adadiag-ref[cuda]" (CUDA 12) or "adadiag-ref[cuda13]" (CUDA 13)'
     try:
         cupy = importlib.import_module("cupy")
     except ImportError:
