@@ -89,3 +89,27 @@ def _registry_restored() -> Any:
     for table, contents in zip((OPTIMIZERS, FAMILIES), saved, strict=True):
         table.clear()
         table.update(contents)  # type: ignore[attr-defined]
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``adadiag-ref argv`` in this process: ``(exit code, stdout, stderr)`` (argparse's exits included)."""
+    from adadiag_ref.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors exit through SystemExit
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> str:
+    """Exit code 2 and exactly one stderr line ``adadiag-ref: error: ...`` holding every fragment (no traceback);
+    returns the line."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adadiag-ref: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

@@ -18,27 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error, run_cli
 
-from adadiag_ref.cli import main
 from adadiag_ref.golden.format import default_data_dir
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse usage errors exit through SystemExit
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _assert_one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("adadiag-ref: error: "), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 def _good_input(path: Path) -> Path:
@@ -49,7 +31,7 @@ def _good_input(path: Path) -> Path:
 
 def test_replay_works_on_good_input(tmp_path: Path, capsys) -> None:
     src = _good_input(tmp_path / "in.npz")
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")], capsys
     )
     assert code == 0 and "wrote 5 steps" in out
@@ -59,8 +41,8 @@ def test_replay_works_on_good_input(tmp_path: Path, capsys) -> None:
 
 def test_replay_with_a_missing_input_file(tmp_path: Path, capsys) -> None:
     argv = ["replay", "--optimizer", "adadiag", "--input", str(tmp_path / "nope.npz"), "--output", str(tmp_path / "o")]
-    code, _, err = _run(argv, capsys)
-    _assert_one_line_error(code, err, "nope.npz")
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, "nope.npz")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
@@ -69,8 +51,8 @@ def test_replay_with_a_corrupt_input_file(tmp_path: Path, capsys, damage: str) -
     blob = src.read_bytes()
     src.write_bytes({"truncated": blob[: len(blob) // 2], "garbage": b"not a zip at all" * 10, "empty": b""}[damage])
     argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")]
-    code, _, err = _run(argv, capsys)
-    _assert_one_line_error(code, err, "in.npz")
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, "in.npz")
     assert not (tmp_path / "o.npz").exists()
 
 
@@ -88,8 +70,8 @@ def test_replay_with_bad_arrays(tmp_path: Path, capsys, arrays: dict, fragment: 
     src = tmp_path / "in.npz"
     np.savez(src, **arrays)
     argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "o.npz")]
-    code, _, err = _run(argv, capsys)
-    _assert_one_line_error(code, err, fragment)
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, fragment)
 
 
 @pytest.mark.parametrize(
@@ -109,15 +91,15 @@ def test_replay_with_a_bad_config(tmp_path: Path, capsys, config: str) -> None:
         "--output",
         str(tmp_path / "o"),
     ]
-    code, _, err = _run(argv, capsys)
-    _assert_one_line_error(code, err)
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err)
 
 
 def test_replay_to_an_unwritable_output(tmp_path: Path, capsys) -> None:
     src = _good_input(tmp_path / "in.npz")
     argv = ["replay", "--optimizer", "adadiag", "--input", str(src), "--output", str(tmp_path / "no" / "dir" / "o.npz")]
-    code, _, err = _run(argv, capsys)
-    _assert_one_line_error(code, err)
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err)
 
 
 @pytest.mark.parametrize(
@@ -146,14 +128,14 @@ def test_ode_refuses_bad_numbers_up_front(capsys, extra: list[str]) -> None:
     argv = ["ode", "--optimizer", "adam", "--problem", "least_squares", "--no-progress", *extra]
     if "--optimizer" in extra:
         argv = ["ode", "--problem", "least_squares", "--no-progress", *extra]
-    code, out, err = _run(argv, capsys)
-    _assert_one_line_error(code, err, extra[-2] if extra[-2].startswith("--") else extra[0])
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, extra[-2] if extra[-2].startswith("--") else extra[0])
     assert out == ""
 
 
 def test_max_steps_bounds_the_integration(capsys) -> None:
     argv = ["ode", "--optimizer", "adam", "--problem", "least_squares", "--t-end", "1e6", "--max-steps", "50"]
-    code, out, _ = _run([*argv, "--integrator", "dopri5", "--no-progress", "--json"], capsys)
+    code, out, _ = run_cli([*argv, "--integrator", "dopri5", "--no-progress", "--json"], capsys)
     result = json.loads(out)
     assert code == 1 and result["status"] == "max_steps" and result["n_steps"] <= 50
 
@@ -161,11 +143,11 @@ def test_max_steps_bounds_the_integration(capsys) -> None:
 def test_max_steps_bounds_the_order_measurement_too(capsys) -> None:
     # main run: 10 steps of 0.1; the order runs halve dt0 = 1/10 four times: 160 steps on the finest
     argv = ["ode", "--optimizer", "adam", "--integrator", "rk4", "--t-end", "1", "--dt", "0.1", "--order"]
-    code, out, _ = _run([*argv, "--max-steps", "100", "--no-progress", "--json"], capsys)
+    code, out, _ = run_cli([*argv, "--max-steps", "100", "--no-progress", "--json"], capsys)
     result = json.loads(out)
     assert code == 1 and result["status"] == "max_steps" and result["observed_order"] is None
     assert any("160 steps, more than max_steps = 100" in note for note in result["notes"])
-    code, out, _ = _run([*argv, "--max-steps", "200", "--no-progress", "--json"], capsys)
+    code, out, _ = run_cli([*argv, "--max-steps", "200", "--no-progress", "--json"], capsys)
     result = json.loads(out)
     assert code == 0 and result["status"] == "success" and abs(result["observed_order"] - 4.0) < 0.5
 
@@ -173,14 +155,14 @@ def test_max_steps_bounds_the_order_measurement_too(capsys) -> None:
 def test_golden_verify_fails_on_an_empty_fixture_set(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, _, err = _run(["golden", "verify", str(empty)], capsys)
-    _assert_one_line_error(code, err)
+    code, _, err = run_cli(["golden", "verify", str(empty)], capsys)
+    assert_one_line_error(code, err)
     manifest = json.loads((default_data_dir() / "manifest.json").read_text())
     (empty / "manifest.json").write_text(json.dumps({**manifest, "cases": []}))
-    code, _, err = _run(["golden", "verify", str(empty)], capsys)
-    _assert_one_line_error(code, err, "no cases")
-    code, _, err = _run(["golden", "verify", str(tmp_path / "missing")], capsys)
-    _assert_one_line_error(code, err, "missing")
+    code, _, err = run_cli(["golden", "verify", str(empty)], capsys)
+    assert_one_line_error(code, err, "no cases")
+    code, _, err = run_cli(["golden", "verify", str(tmp_path / "missing")], capsys)
+    assert_one_line_error(code, err, "missing")
 
 
 def _copy_of_shipped_set(tmp_path: Path) -> Path:
@@ -199,14 +181,14 @@ def test_golden_verify_fails_on_an_unreadable_fixture_set(tmp_path: Path, capsys
         victim.unlink()
     else:
         (target / "manifest.json").write_text("{ truncated")
-    code, _, err = _run(["golden", "verify", str(target)], capsys)
-    _assert_one_line_error(code, err)
+    code, _, err = run_cli(["golden", "verify", str(target)], capsys)
+    assert_one_line_error(code, err)
 
 
 def test_usage_errors_are_one_line_too(capsys) -> None:
     for argv in (["frobnicate"], ["replay"], ["golden"], ["ode", "--optimizer", "adam", "--t-end"]):
-        code, _, err = _run(argv, capsys)
-        _assert_one_line_error(code, err)
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err)
 
 
 # ------------------------------------------------------------------ every option checked up front (issue 26)
@@ -296,8 +278,8 @@ def test_every_bad_option_is_refused_up_front(
     places = {"missing": str(tmp_path / "no" / "such" / "out.png"), "folder": str(tmp_path), "text": str(text)}
     argv = [arg.format(**places) for arg in template]
     value = argv[len(argv) - 1 - argv[::-1].index(option) + 1]
-    code, out, err = _run(argv, capsys)
-    _assert_one_line_error(code, err, option, value)
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, option, value)
     assert out == ""
     named = set(re.findall(r"--[a-z][a-z-]*", err)) - {"--help"}
     assert option in named and named <= {option, *_ALSO_NAMED.get((argv[0], option), set())}, err
@@ -325,8 +307,8 @@ def test_a_truncated_golden_file_is_named(tmp_path: Path, capsys: pytest.Capture
     victim = sorted(target.glob("*.npz"))[1]
     blob = victim.read_bytes()
     victim.write_bytes(blob[: len(blob) - 100])  # the central directory at the end is cut off
-    code, _, err = _run(["golden", "verify", str(target)], capsys)
-    _assert_one_line_error(code, err, victim.name)
+    code, _, err = run_cli(["golden", "verify", str(target)], capsys)
+    assert_one_line_error(code, err, victim.name)
     (target / "manifest.json").write_text("{ truncated")
-    code, _, err = _run(["golden", "verify", str(target)], capsys)
-    _assert_one_line_error(code, err, "manifest.json")
+    code, _, err = run_cli(["golden", "verify", str(target)], capsys)
+    assert_one_line_error(code, err, "manifest.json")

@@ -17,26 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from adadiag_ref.cli import main
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse usage errors exit through SystemExit
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_line_error(code: int, err: str, *fragments: str) -> str:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("adadiag-ref: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
+from conftest import assert_one_line_error, run_cli
 
 
 @pytest.fixture
@@ -68,16 +49,16 @@ def _no_cuda_device_cupy() -> types.ModuleType:
 def test_bench_gpu_without_cupy(tmp_path: Path, capsys, monkeypatch, no_gpu_work) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     target = tmp_path / "gpu.json"
-    code, out, err = _run(["bench", "--gpu", "--quick", "--json", str(target)], capsys)
-    _one_line_error(code, err, "CuPy", 'pip install "adadiag-ref[cuda]"')
+    code, out, err = run_cli(["bench", "--gpu", "--quick", "--json", str(target)], capsys)
+    assert_one_line_error(code, err, "CuPy", 'pip install "adadiag-ref[cuda]"')
     assert out == "" and not target.exists()
 
 
 def test_bench_gpu_without_a_cuda_device(tmp_path: Path, capsys, monkeypatch, no_gpu_work) -> None:
     monkeypatch.setitem(sys.modules, "cupy", _no_cuda_device_cupy())
     target = tmp_path / "gpu.json"
-    code, out, err = _run(["bench", "--gpu", "--json", str(target)], capsys)
-    _one_line_error(code, err, "CUDA device", "no CUDA-capable device")
+    code, out, err = run_cli(["bench", "--gpu", "--json", str(target)], capsys)
+    assert_one_line_error(code, err, "CUDA device", "no CUDA-capable device")
     assert out == "" and not target.exists()
 
 
@@ -85,8 +66,8 @@ def test_bench_gpu_needs_neither_numba_nor_threadpoolctl(capsys, monkeypatch, no
     # the GPU path is decided before the CPU bench's check for its extras: the message is about CuPy
     for name in ("numba", "threadpoolctl", "cupy"):
         monkeypatch.setitem(sys.modules, name, None)
-    code, _, err = _run(["bench", "--gpu", "--quick"], capsys)
-    line = _one_line_error(code, err, "CuPy")
+    code, _, err = run_cli(["bench", "--gpu", "--quick"], capsys)
+    line = assert_one_line_error(code, err, "CuPy")
     assert "numba" not in line and "threadpoolctl" not in line
 
 
@@ -106,21 +87,21 @@ def test_bench_gpu_needs_neither_numba_nor_threadpoolctl(capsys, monkeypatch, no
 def test_bench_gpu_refuses_the_cpu_only_options(extra: list[str], tmp_path: Path, capsys, no_gpu_work) -> None:
     target = tmp_path / "gpu.json"
     argv = ["bench", "--gpu", "--json", str(target), *(a.format(folder=tmp_path) for a in extra)]
-    code, out, err = _run(argv, capsys)
-    _one_line_error(code, err, "--gpu", extra[0])
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, "--gpu", extra[0])
     assert out == "" and not target.exists()
 
 
 def test_bench_json_needs_gpu(tmp_path: Path, capsys, no_gpu_work) -> None:
     target = tmp_path / "cpu.json"
-    code, out, err = _run(["bench", "--quick", "--json", str(target)], capsys)
-    _one_line_error(code, err, "--json", "--gpu")
+    code, out, err = run_cli(["bench", "--quick", "--json", str(target)], capsys)
+    assert_one_line_error(code, err, "--json", "--gpu")
     assert out == "" and not target.exists()
 
 
 def test_bench_gpu_json_folder_checked_up_front(tmp_path: Path, capsys, no_gpu_work) -> None:
-    code, _, err = _run(["bench", "--gpu", "--json", str(tmp_path / "no" / "such" / "gpu.json")], capsys)
-    _one_line_error(code, err, "--json", "does not exist")
+    code, _, err = run_cli(["bench", "--gpu", "--json", str(tmp_path / "no" / "such" / "gpu.json")], capsys)
+    assert_one_line_error(code, err, "--json", "does not exist")
 
 
 # ------------------------------------------------------------------ reproduce --device refusals (CPU)
@@ -143,16 +124,16 @@ def test_reproduce_cuda_without_cuda(tmp_path: Path, capsys, monkeypatch, no_tra
     before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     json_path, plot_path = tmp_path / "r.json", tmp_path / "r.png"
     argv = ["reproduce", "--quick", "--device", "cuda", "--json", str(json_path), "--plot", str(plot_path)]
-    code, out, err = _run(argv, capsys)
-    _one_line_error(code, err, "--device cuda", "CUDA", "torch")
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, "--device cuda", "CUDA", "torch")
     assert out == "" and not json_path.exists() and not plot_path.exists()
     assert list(tmp_path.iterdir()) == []
     assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
 
 
 def test_reproduce_device_must_be_cpu_or_cuda(capsys, no_training) -> None:
-    code, _, err = _run(["reproduce", "--quick", "--device", "tpu"], capsys)
-    _one_line_error(code, err, "--device", "invalid choice", "tpu")
+    code, _, err = run_cli(["reproduce", "--quick", "--device", "tpu"], capsys)
+    assert_one_line_error(code, err, "--device", "invalid choice", "tpu")
 
 
 def test_reproduce_device_defaults_to_cpu() -> None:
@@ -273,7 +254,7 @@ def _positive(value: Any) -> bool:
 def test_bench_gpu_quick_writes_its_tables(tmp_path: Path, capsys) -> None:
     _cuda_or_skip()
     target = tmp_path / "gpu.json"
-    code, out, err = _run(["bench", "--gpu", "--quick", "--reps", "2", "--json", str(target)], capsys)
+    code, out, err = run_cli(["bench", "--gpu", "--quick", "--reps", "2", "--json", str(target)], capsys)
     assert code == 0, err
     doc = json.loads(target.read_text())
     assert set(doc) == {"device", "setup", "bandwidth_gbs", "bounds_ms", "step", "refresh"}
@@ -316,7 +297,7 @@ def test_reproduce_on_cuda_quick(tmp_path: Path, capsys) -> None:
     target = tmp_path / "r.json"
     argv = ["reproduce", "--quick", "--device", "cuda", "--optimizers", "adadiag", "--seeds", "0",
             "--lr-grid", "1e-2", "--steps", "6", "--no-progress", "--json", str(target)]  # fmt: skip
-    code, _, err = _run(argv, capsys)
+    code, _, err = run_cli(argv, capsys)
     assert code == 0, err
     doc = json.loads(target.read_text())
     assert doc["device"] == "cuda" and doc["machine"]["gpu"]
