@@ -45,8 +45,7 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
-from .engine import coefficients
-from .params import QUICK, gradient_with_spectrum, is_rotated
+from .params import QUICK, gradient_with_spectrum, is_rotated, torch_direct_adadiag
 
 
 def _setup_threads() -> int:
@@ -338,43 +337,9 @@ def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
 
 
 def torch_adadiag_step(specs: list[ParamSpec], rule: str = "paper") -> Callable[[], None]:
-    """AdaDiag (non-refresh step) written directly in torch ops, in place, on the work frames: the step function.
-
-    The yardstick of the torch adapter (``bench --steady``: adapter time / this time).  Persistent scratch
-    ``G~`` and ``D`` per rotated matrix; unrotated parameters take AdamW's in-place ops."""
-    import torch
-
-    gen = torch.Generator().manual_seed(4)
-    mats, vecs = [], []
-    for spec, (m, n) in _work_specs(specs):
-        W, G = torch.randn(m, n, generator=gen), torch.randn(m, n, generator=gen)
-        state = (W, G, torch.zeros(m, n), torch.zeros(m, n))
-        if not is_rotated(spec, rule):
-            vecs.append(state)
-            continue
-        P = torch.linalg.qr(torch.randn(m, m, generator=gen))[0].contiguous()
-        mats.append((*state, P, torch.empty(m, n), torch.empty(m, n)))
-    counter = [0]
-    lr, eps = 1e-3, 1e-8
-
-    @torch.no_grad()
-    def one() -> None:
-        counter[0] += 1
-        b1, c1, b2, c2 = (float(x) for x in coefficients(counter[0], (0.9, 0.999), np.float32))
-        for W, G, M, V, P, Gt, D in mats:
-            torch.mm(P.T, G, out=Gt)
-            M.mul_(b1).add_(Gt, alpha=c1)
-            V.mul_(b2).addcmul_(Gt, Gt, value=c2)
-            torch.sqrt(V, out=Gt).add_(eps)
-            torch.div(M, Gt, out=Gt)
-            torch.mm(P, Gt, out=D)
-            W.add_(D, alpha=-lr)
-        for W, G, M, V in vecs:
-            M.mul_(b1).add_(G, alpha=c1)
-            V.mul_(b2).addcmul_(G, G, value=c2)
-            W.addcdiv_(M, V.sqrt().add_(eps), value=-lr)
-
-    return one
+    """AdaDiag (non-refresh step) written directly in torch ops on the CPU: the yardstick of the torch adapter
+    (``bench --steady``: adapter time / this time); :func:`~adadiag_ref.perf.params.torch_direct_adadiag`."""
+    return torch_direct_adadiag(specs, rule, device="cpu")
 
 
 def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:

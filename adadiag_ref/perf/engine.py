@@ -44,19 +44,9 @@ from threadpoolctl import ThreadpoolController
 from .. import _kernels
 from ..memory import ParamSpec
 from ..optim.families.adam import numba_route as adam_kernels
-from ..optim.schedules import beta_hat
-from .params import is_rotated, work_shape
+from .params import coefficients, is_rotated, work_shape
 
 __all__ = ["AdaDiagEngine", "AdamWEngine", "balanced_groups", "coefficients", "is_rotated", "work_shape"]
-
-
-def coefficients(t: int, betas: tuple[float, float], dtype: Any) -> tuple[Any, Any, Any, Any]:
-    """``(b1_hat, 1 - b1_hat, b2_hat, 1 - b2_hat)`` at step ``t`` in ``dtype``, as the core computes them."""
-    tt = np.asarray(float(t), dtype=dtype)
-    b1 = beta_hat(betas[0], tt, np)
-    b2 = beta_hat(betas[1], tt, np)
-    one = np.asarray(1.0, dtype=dtype)
-    return b1[()], (one - b1)[()], b2[()], (one - b2)[()]
 
 
 class AdamWEngine:

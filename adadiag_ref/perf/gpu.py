@@ -74,8 +74,7 @@ from tqdm import tqdm
 
 from .._cli import bar_disable
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
-from ..optim.schedules import beta_hat
-from .params import QUICK, gradient_with_spectrum, is_rotated, work_shape
+from .params import BETAS, EPS, LR, QUICK, gradient_with_spectrum, is_rotated, torch_direct_adadiag, work_shape
 
 __all__ = [
     "CORE_OPTIMIZERS",
@@ -90,7 +89,6 @@ CORE_OPTIMIZERS = ("adamw", "adadiag", "adadiag_pp", "adafacdiag", "hfacdiag")
 """The optimizers whose CuPy step is measured."""
 ADAPTER_OPTIMIZERS = ("adamw", "adadiag", "adadiag_pp")
 REFRESH_METHODS = ("svd", "gram", "auto")
-LR, EPS, BETAS = 1e-3, 1e-8, (0.9, 0.999)
 
 
 def missing_requirement() -> str | None:
@@ -148,14 +146,6 @@ def copy_bandwidth(cp: Any, n: int, reps: int) -> float:
     memcpy = statistics.median(device_times(lambda: b.data.copy_from_device(a.data, a.nbytes), sync, reps, 5))
     kernel = statistics.median(device_times(lambda: cp.copyto(b, a), sync, reps, 5))
     return 2.0 * 4 * n / min(memcpy, kernel)
-
-
-def _coefficients(t: int) -> tuple[float, float, float, float]:
-    """``(b1_hat, 1 - b1_hat, b2_hat, 1 - b2_hat)`` at step ``t``, float32, as host numbers."""
-    tt = np.asarray(float(t), dtype=np.float32)
-    one = np.float32(1.0)
-    b1, b2 = beta_hat(BETAS[0], tt, np), beta_hat(BETAS[1], tt, np)
-    return float(b1), float(one - b1), float(b2), float(one - b2)
 
 
 # ----------------------------------------------------------------------------- CuPy core
@@ -226,48 +216,6 @@ def _torch_params(torch: Any, specs: list[ParamSpec], device: Any, seed: int = 3
         p.grad = torch.randn(s.shape, generator=gen, device=device)
         params.append(p)
     return params
-
-
-def torch_direct_adadiag(specs: list[ParamSpec], rule: str = "paper", device: Any = "cuda") -> Callable[[], None]:
-    """AdaDiag's non-refresh step written directly in torch ops on ``device``: the step function.
-
-    Per rotated matrix, in its work frame ``m x n`` with a fixed orthogonal ``P``: ``G~ = P^T G``,
-    ``M = b1 M + (1 - b1) G~``, ``V = b2 V + (1 - b2) G~^2`` (``b1, b2`` the bias-corrected beta-hats of the
-    core), ``U~ = M / (sqrt(V) + eps)``, ``W -= lr P U~``; the unrotated parameters take AdamW's ops on ``G``.
-    Persistent scratch, in place: the yardstick of the CuPy core and the torch adapter on the device."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(4)
-    mats, vecs = [], []
-    for spec in specs:
-        m, n = work_shape(spec.shape)
-        W, G = torch.randn(m, n, generator=gen, device=device), torch.randn(m, n, generator=gen, device=device)
-        state = (W, G, torch.zeros(m, n, device=device), torch.zeros(m, n, device=device))
-        if not is_rotated(spec, rule):
-            vecs.append(state)
-            continue
-        P = torch.linalg.qr(torch.randn(m, m, generator=gen, device=device))[0].contiguous()
-        mats.append((*state, P, torch.empty(m, n, device=device), torch.empty(m, n, device=device)))
-    counter = [0]
-
-    @torch.no_grad()
-    def one() -> None:
-        counter[0] += 1
-        b1, c1, b2, c2 = _coefficients(counter[0])
-        for W, G, M, V, P, Gt, D in mats:
-            torch.mm(P.T, G, out=Gt)
-            M.mul_(b1).add_(Gt, alpha=c1)
-            V.mul_(b2).addcmul_(Gt, Gt, value=c2)
-            torch.sqrt(V, out=Gt).add_(EPS)
-            torch.div(M, Gt, out=Gt)
-            torch.mm(P, Gt, out=D)
-            W.add_(D, alpha=-LR)
-        for W, G, M, V in vecs:
-            M.mul_(b1).add_(G, alpha=c1)
-            V.mul_(b2).addcmul_(G, G, value=c2)
-            W.addcdiv_(M, V.sqrt().add_(EPS), value=-LR)
-
-    return one
 
 
 def _torch_adapter_step(

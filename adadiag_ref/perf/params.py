@@ -2,19 +2,37 @@
 
 A LLaMA parameter set comes from :func:`adadiag_ref.memory.llama_parameters`; this module says which of its
 matrices AdaDiag rotates (:func:`is_rotated`), in which work frame (:func:`work_shape`), the tiny stand-in
-model of ``--quick`` (:data:`QUICK`), and the test gradients of the refresh rows
-(:func:`gradient_with_spectrum`).
+model of ``--quick`` (:data:`QUICK`), the test gradients of the refresh rows
+(:func:`gradient_with_spectrum`), the step's coefficients as the core computes them (:func:`coefficients`) and
+the peer every AdaDiag timing is compared with, AdaDiag written directly in torch ops
+(:func:`torch_direct_adadiag`, on the CPU for ``bench --steady`` and on CUDA for ``bench --gpu``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..memory import LlamaConfig, ParamSpec
+from ..optim.schedules import beta_hat
 
-__all__ = ["QUICK", "gradient_with_spectrum", "is_rotated", "work_shape"]
+__all__ = [
+    "BETAS",
+    "EPS",
+    "LR",
+    "QUICK",
+    "coefficients",
+    "gradient_with_spectrum",
+    "is_rotated",
+    "torch_direct_adadiag",
+    "work_shape",
+]
+
+LR, EPS, BETAS = 1e-3, 1e-8, (0.9, 0.999)
+"""The benchmarks' hyperparameters (the paper's Adam defaults, ``lr = 1e-3``)."""
 
 QUICK = LlamaConfig(hidden=64, intermediate=172, layers=2, heads=2, vocab=1000)
 """The tiny LLaMA-shaped model of ``bench --quick`` (a few seconds; a smoke test, not a measurement)."""
@@ -48,3 +66,54 @@ def gradient_with_spectrum(shape: tuple[int, ...], spectrum: str, rng: np.random
     U, _ = np.linalg.qr(rng.standard_normal((a, k)))
     V, _ = np.linalg.qr(rng.standard_normal((b, k)))
     return ((U / np.arange(1, k + 1)) @ V.T).astype(np.float32).reshape(shape)
+
+
+def coefficients(t: int, betas: tuple[float, float], dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """``(b1_hat, 1 - b1_hat, b2_hat, 1 - b2_hat)`` at step ``t`` in ``dtype``, as the core computes them."""
+    tt = np.asarray(float(t), dtype=dtype)
+    b1 = beta_hat(betas[0], tt, np)
+    b2 = beta_hat(betas[1], tt, np)
+    one = np.asarray(1.0, dtype=dtype)
+    return b1[()], (one - b1)[()], b2[()], (one - b2)[()]
+
+
+def torch_direct_adadiag(specs: list[ParamSpec], rule: str = "paper", device: Any = "cuda") -> Callable[[], None]:
+    """AdaDiag's non-refresh step written directly in torch ops on ``device``: the step function.
+
+    Per rotated matrix, in its work frame ``m x n`` with a fixed orthogonal ``P``: ``G~ = P^T G``,
+    ``M = b1 M + (1 - b1) G~``, ``V = b2 V + (1 - b2) G~^2`` (``b1, b2`` the bias-corrected beta-hats of the
+    core), ``U~ = M / (sqrt(V) + eps)``, ``W -= lr P U~``; the unrotated parameters take AdamW's ops on ``G``.
+    Persistent scratch, in place: the yardstick of the CuPy core and the torch adapter on the device."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(4)
+    mats, vecs = [], []
+    for spec in specs:
+        m, n = work_shape(spec.shape)
+        W, G = torch.randn(m, n, generator=gen, device=device), torch.randn(m, n, generator=gen, device=device)
+        state = (W, G, torch.zeros(m, n, device=device), torch.zeros(m, n, device=device))
+        if not is_rotated(spec, rule):
+            vecs.append(state)
+            continue
+        P = torch.linalg.qr(torch.randn(m, m, generator=gen, device=device))[0].contiguous()
+        mats.append((*state, P, torch.empty(m, n, device=device), torch.empty(m, n, device=device)))
+    counter = [0]
+
+    @torch.no_grad()
+    def one() -> None:
+        counter[0] += 1
+        b1, c1, b2, c2 = (float(x) for x in coefficients(counter[0], BETAS, np.float32))
+        for W, G, M, V, P, Gt, D in mats:
+            torch.mm(P.T, G, out=Gt)
+            M.mul_(b1).add_(Gt, alpha=c1)
+            V.mul_(b2).addcmul_(Gt, Gt, value=c2)
+            torch.sqrt(V, out=Gt).add_(EPS)
+            torch.div(M, Gt, out=Gt)
+            torch.mm(P, Gt, out=D)
+            W.add_(D, alpha=-LR)
+        for W, G, M, V in vecs:
+            M.mul_(b1).add_(G, alpha=c1)
+            V.mul_(b2).addcmul_(G, G, value=c2)
+            W.addcdiv_(M, V.sqrt().add_(EPS), value=-LR)
+
+    return one
