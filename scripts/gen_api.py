@@ -68,6 +68,11 @@ ENTRY_POINTS = [
     "updated in place | a driver that owns the state (`replay` is one) |",
     "| `refresh_basis`, `update` | the two pure halves of `step` (`update` never refreshes); `update` returns "
     "`(delta, state)` | `jax.jit`, custom schedules, your own refresh policy |",
+    "| `multi_step(states, grads, cfg, params, count=k)` | `step` of every parameter of a model in one call: one "
+    "finiteness read-back, the refreshes batched, the Adam family's arithmetic once per flat group | a whole model "
+    "on a device backend (CuPy, CUDA torch), with the step counter kept on the host |",
+    "| `refresh_bases(states, grads, cfg)` | `refresh_basis` of many parameters, one stacked decomposition per work "
+    "shape | your own multi-parameter driver's refresh steps |",
     "| `update_in_place(state, G, cfg, W)` | `update` followed by `W += delta`, bit for bit, into the caller's "
     "buffers | frameworks with mutable tensors (the torch adapter) |",
     "| `optim.core.preconditioned_direction` | `P U~ Q^T` without step size or decay | optax-style `scale_by` blocks |",
