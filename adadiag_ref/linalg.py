@@ -394,8 +394,7 @@ def canonical_svd(
     m, n = (int(d) for d in G.shape)
     if m == 0 or n == 0:
         raise ValueError(f"canonical_svd needs a non-empty matrix, got shape {(m, n)}")
-    if method not in REFRESH_METHODS:  # before any work: a typo must not silently select the reference
-        raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+    _check_method(method)  # before any work: a typo must not silently select the reference
     where = f"{label} (matrix shape {(m, n)})" if label else f"matrix of shape {(m, n)}"
     if count_nonfinite(G, xp):  # the guard: LAPACK never sees NaN or Inf (it may loop on them)
         raise NonFiniteInputError(f"canonical_svd: the {where} contains NaN or Inf")
@@ -560,6 +559,12 @@ REFRESH_METHODS = BASIS_METHODS
 """The routes of :func:`canonical_svd` (``method=``), chosen per optimizer by ``make_config(basis_method=...)``."""
 
 
+def _check_method(method: str) -> None:
+    """``ValueError`` unless ``method`` is one of :data:`REFRESH_METHODS`."""
+    if method not in REFRESH_METHODS:
+        raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+
+
 def gram_route_applies(G: Array, method: str, *, compute_q: bool, xp: Namespace | None = None) -> bool:
     """Whether :func:`canonical_svd` computes ``P`` by the Gram route for ``method`` (else the SVD).
 
@@ -571,8 +576,7 @@ def gram_route_applies(G: Array, method: str, *, compute_q: bool, xp: Namespace 
     eigenproblem for rank ``n``).  In the optimizer's work frame (``m <= n``) the
     Gram route is the faster one at every measured size (``docs/performance.md``).
     """
-    if method not in REFRESH_METHODS:
-        raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+    _check_method(method)
     xp = namespace(G, xp=xp)
     if method == "svd" or compute_q or G.dtype != xp.float32:
         return False
@@ -657,8 +661,7 @@ def canonical_svd_batch(
     (:func:`set_decomposition_budget`, which times single calls) get ``None`` everywhere: a stack saves nothing
     on the host.
     """
-    if method not in REFRESH_METHODS:
-        raise ValueError(f"method must be one of {REFRESH_METHODS}, got {method!r}")
+    _check_method(method)
     if not matrices:
         return []
     xp = namespace(*matrices, xp=xp)

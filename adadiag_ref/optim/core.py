@@ -170,6 +170,12 @@ def _where(name: str | None, state: State, shape: tuple[int, ...], count: int | 
     return f"{who} (shape {shape}) at step {t}"
 
 
+def _check_failure_policy(on_nonfinite: str, on_failure: str) -> None:
+    """``ValueError`` unless both policies of a refresh (:func:`refresh_basis`) are ``"keep"`` or ``"raise"``."""
+    if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
+        raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
+
+
 def refresh_basis(
     state: State,
     grad: Array,
@@ -205,8 +211,7 @@ def refresh_basis(
     A kept basis is returned as the very same objects (``new.P is state.P``).  ``count`` (the steps taken, a
     host int, as in :func:`step`) only names the step in messages, without reading the state's counter.
     """
-    if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
-        raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
+    _check_failure_policy(on_nonfinite, on_failure)
     xp = namespace(grad, xp=xp)
     check_orientation(state, tuple(grad.shape))
     layout = layout_for(tuple(grad.shape), cfg)

@@ -55,7 +55,7 @@ def layout_for(shape: tuple[int, ...], cfg: BaseConfig) -> Layout:
     if any(d == 0 for d in shape):
         raise ValueError(f"empty parameters are not supported, got shape {shape}")
     a, b = _matrix_shape(shape)
-    transposed = a > b  # transposed_frame(shape)
+    transposed = a > b  # transposed_frame's rule, on the (a, b) already at hand
     m, n = (b, a) if transposed else (a, b)
     matrix = len(shape) >= 2
     rotate_left = cfg.sides >= 1 and m <= cfg.max_basis_dim

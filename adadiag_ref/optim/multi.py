@@ -36,6 +36,7 @@ from .._xp import Array, Namespace, count_nonfinite, creation_device, namespace
 from ..config import BaseConfig
 from ..linalg import canonical_svd_batch
 from .core import (
+    _check_failure_policy,
     _check_form,
     _where,
     check_orientation,
@@ -216,8 +217,7 @@ def refresh_bases(
     :func:`~adadiag_ref.refresh_basis` to rounding.  ``names`` and ``count`` (host ints, one for all or one per
     parameter) only label messages.  Returns the new states, in order; moments untouched.
     """
-    if on_nonfinite not in ("keep", "raise") or on_failure not in ("keep", "raise"):
-        raise ValueError(f"on_nonfinite and on_failure must be 'keep' or 'raise', got {on_nonfinite!r}, {on_failure!r}")
+    _check_failure_policy(on_nonfinite, on_failure)
     states_l, grads_l = list(states), list(grads)
     if len(states_l) != len(grads_l):
         raise ValueError(f"refresh_bases needs one gradient per state, got {len(states_l)} states and {len(grads_l)}")
