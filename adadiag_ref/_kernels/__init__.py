@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ __all__ = [
     "ema_coefficients",
     "flat",
     "nonfinite_count",
+    "one_float_dtype",
     "pivoted_cholesky_columns",
     "pivoted_gram_schmidt",
     "rows_in_memory_order",
@@ -59,21 +61,29 @@ except ImportError:  # pragma: no cover - exercised only without numba
     prange = range  # type: ignore[misc]
 
 
-def usable(xp: Any, *arrays: Any) -> bool:
-    """True when the kernels apply: numba imported, and every array is a float32/float64 NumPy array of one dtype."""
-    if not AVAILABLE:
-        return False
+def one_float_dtype(arrays: tuple[Any, ...], is_backend_array: Callable[[Any], bool]) -> bool:
+    """True when the arrays (``None`` skipped, at least one left) are all ``is_backend_array`` and of one dtype,
+    float32 or float64: the condition every backend's kernels share (numba here, CuPy's in :mod:`.cupy_kernels`)."""
     dtype = None
     for a in arrays:
         if a is None:
             continue
-        if type(a) is not np.ndarray or a.dtype not in (np.float32, np.float64):
+        if not is_backend_array(a) or a.dtype not in (np.float32, np.float64):
             return False
         if dtype is None:
             dtype = a.dtype
         elif a.dtype != dtype:
             return False
     return dtype is not None
+
+
+def _is_numpy_array(a: Any) -> bool:
+    return type(a) is np.ndarray
+
+
+def usable(xp: Any, *arrays: Any) -> bool:
+    """True when the kernels apply: numba imported, and every array is a float32/float64 NumPy array of one dtype."""
+    return AVAILABLE and one_float_dtype(arrays, _is_numpy_array)
 
 
 def selected(cfg: Any, xp: Any, *arrays: Any) -> bool:

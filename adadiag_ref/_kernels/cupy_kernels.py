@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 from array_api_compat import is_cupy_array, is_cupy_namespace
 
+from . import one_float_dtype
+
 __all__ = [
     "OPTIONS",
     "coefficient",
@@ -46,8 +48,6 @@ __all__ = [
 OPTIONS = ("--fmad=false",)
 """NVRTC options of every kernel: no multiply-add contraction (module docstring)."""
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
 _KERNELS: dict[str, Any] = {}
 """The kernels built so far, by name (:func:`elementwise`)."""
 
@@ -55,19 +55,7 @@ _KERNELS: dict[str, Any] = {}
 def usable(xp: Any, *arrays: Any) -> bool:
     """True when ``xp`` is CuPy's namespace and every array (``None`` skipped) is a CuPy float32/float64 array,
     all of one dtype.  Never imports CuPy (:func:`array_api_compat.is_cupy_array` looks at the type's name)."""
-    if not is_cupy_namespace(xp):
-        return False
-    dtype = None
-    for a in arrays:
-        if a is None:
-            continue
-        if not is_cupy_array(a) or a.dtype not in _FLOATS:
-            return False
-        if dtype is None:
-            dtype = a.dtype
-        elif a.dtype != dtype:
-            return False
-    return dtype is not None
+    return is_cupy_namespace(xp) and one_float_dtype(arrays, is_cupy_array)
 
 
 def selected(cfg: Any, xp: Any, *arrays: Any) -> bool:
