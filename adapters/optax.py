@@ -283,10 +283,13 @@ def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> tu
 
 
 def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseConfig, Any, Any]:
-    """The leaf's config, its state with the bases refreshed when due, and the ``refreshed`` flag for the core."""
+    """The leaf's config, its stored state in the core's orientation (:func:`_parameter_oriented`, after the
+    orientation check it would otherwise defeat) with the bases refreshed when due, and the ``refreshed`` flag
+    for the core."""
+    check_orientation(state, tuple(grad.shape))
     cfg = _leaf_config(opts, state)
     due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
-    state, refreshed = _refresh(state, grad, cfg, due)
+    state, refreshed = _refresh(_parameter_oriented(state, tuple(grad.shape)), grad, cfg, due)
     return cfg, state, refreshed
 
 
@@ -449,9 +452,7 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
         weights = updates if params is None else params
 
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            check_orientation(s, tuple(g.shape))  # before the moments are re-oriented for this shape
-            cfg, s, refreshed = _refreshed_leaf(g, s, opts)
-            s = _parameter_oriented(s, tuple(g.shape))  # the core's orientation (transposes XLA cancels)
+            cfg, s, refreshed = _refreshed_leaf(g, s, opts)  # the core's orientation (transposes XLA cancels)
             u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
             return _in_param_frame(u, step_in, w), _parameter_oriented(new_state, tuple(g.shape))
 
@@ -480,9 +481,7 @@ def _fused_core(
         lr = learning_rate(first[0].count) if callable(learning_rate) and first else learning_rate
 
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            check_orientation(s, tuple(g.shape))
             cfg, s, refreshed = _refreshed_leaf(g, s, opts)
-            s = _parameter_oriented(s, tuple(g.shape))
             delta, new_state = ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)
             return delta, _parameter_oriented(new_state, tuple(g.shape))
 
