@@ -48,11 +48,11 @@ from typing import Any, NamedTuple
 import adadiag_ref as ar
 from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim.core import _check_static, rotation_noise_floor
+from adadiag_ref.optim.core import _check_static, prepare_step
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.layout import Layout, from_work, layout_for, to_work
-from adadiag_ref.optim.rotation import rotate, unrotate
+from adadiag_ref.optim.layout import Layout, from_work, layout_for
+from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
 
@@ -333,8 +333,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             self._commit(item, new_bases)
             item.flat["step"] += 1
         frames: dict[int, _Frame] = {}
-        for batch in batches.values():
-            _foreach_adam(batch, self._frames, frames)
+        for key, batch in batches.items():
+            _foreach_adam(batch, key[-1], self._frames, frames)
             for entry in batch:
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
@@ -634,8 +634,9 @@ def _host_number(x: Any) -> float:
     return float(x)
 
 
-def _foreach_adam(batch: list[_Batched], cache: Mapping[int, _Frame], frames: dict[int, _Frame]) -> None:
-    r"""The Adam family's step of every parameter of ``batch`` (one group, device, dtype pair and step ``t``) as
+def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame], frames: dict[int, _Frame]) -> None:
+    r"""The Adam family's step of every parameter of ``batch`` (one group, device, dtype pair and step ``t``,
+    ``count = t - 1`` their host counter) as
     ``torch._foreach_*`` calls: the arithmetic of ``update_in_place``, the same operations in the same order::
 
         G~  = P^T G Q                                        (per parameter; G itself without a basis)
@@ -669,17 +670,13 @@ def _foreach_adam(batch: list[_Batched], cache: Mapping[int, _Frame], frames: di
     seconds: list[torch.Tensor] = []
     for entry, layout in zip(batch, layouts, strict=True):
         state, item = entry.state, entry.item
-        g = item.grad if item.grad.dtype == dtype else item.grad.to(dtype)
         if state.P is None and state.Q is None:
-            grads.append(g)
+            grads.append(item.grad if item.grad.dtype == dtype else item.grad.to(dtype))
             moments.append(_param_frame(state.M, layout, cache, frames))
             seconds.append(_param_frame(state.V, layout, cache, frames))
             continue
-        g_work = to_work(g, layout, xp)
-        g_rot = rotate(g_work, state.P, state.Q, xp, transposed=layout.transposed)
-        if entry.refreshed:  # the bases come from this very G: its rounding noise is zeroed, as in prepare_step
-            g_rot = rotation_noise_floor(g_rot, g_work, True, xp)
-        grads.append(g_rot)
+        # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this very G)
+        grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, count).g_rot)
         moments.append(state.M)
         seconds.append(state.V)
     new_v = torch._foreach_mul(seconds, b2)
