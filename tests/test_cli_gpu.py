@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_one_line_error, run_cli
+from conftest import _load_backend, assert_one_line_error, run_cli
 
 
 @pytest.fixture
@@ -236,23 +236,13 @@ def test_gpu_tables_print_measured_and_missing_rows() -> None:
 # ------------------------------------------------------------------ on a CUDA machine
 
 
-def _cuda_or_skip() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        pytest.skip(f"no usable CUDA device: {exc}")
-    return cupy
-
-
 def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 @pytest.mark.gpu
 def test_bench_gpu_quick_writes_its_tables(tmp_path: Path, capsys) -> None:
-    _cuda_or_skip()
+    _load_backend("cupy")  # skips without CuPy or a CUDA device
     target = tmp_path / "gpu.json"
     code, out, err = run_cli(["bench", "--gpu", "--quick", "--reps", "2", "--json", str(target)], capsys)
     assert code == 0, err

@@ -60,6 +60,7 @@ rest (LLaMA-60M's rows need a few GB).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
@@ -405,6 +406,19 @@ def _na(label: str, reason: str) -> dict[str, Any]:
     return {"label": label, "ms": None, "na": reason}
 
 
+def _rows(labels: dict[str, str], measure: Callable[[str], float], missing: str | None, bar: Any) -> dict[str, Any]:
+    """``{key: row}`` for every ``key: label``: measured by ``measure(key)`` (:func:`_row`), or all ``n/a`` with
+    the reason ``missing`` when their library or its GPU is absent."""
+    rows = {}
+    for key, label in labels.items():
+        if missing is None:
+            rows[key] = _row(key, label, functools.partial(measure, key), bar)
+        else:
+            rows[key] = _na(label, missing)
+            bar.update()
+    return rows
+
+
 def _versions(cp: Any, torch: Any) -> dict[str, Any]:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -502,45 +516,35 @@ def run(
             "torch_direct_adadiag": "adadiag, direct torch ops",
             **{f"torch_adapter_{n}": f"{n}, torch adapter opt.step()" for n in ADAPTER_OPTIMIZERS},
         }
-        for key, label in torch_rows.items():
-            if torch is None:
-                step[key] = _na(label, torch_reason)
-                bar.update()
-                continue
 
-            def measure(key: str = key) -> float:
-                if key == "torch_fused_adamw":
-                    params = _torch_params(torch, specs, torch.device("cuda"))
-                    fn = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
-                    del params  # held by the optimizer: freed with it
-                elif key == "torch_direct_adadiag":
-                    fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
-                else:
-                    fn = _torch_adapter_step(torch, key.removeprefix("torch_adapter_"), specs, rule)
-                try:
-                    return _median_ms(fn, torch.cuda.synchronize, reps, inner)
-                finally:
-                    del fn
-                    torch.cuda.empty_cache()
+        def measure_torch(key: str) -> float:
+            if key == "torch_fused_adamw":
+                params = _torch_params(torch, specs, torch.device("cuda"))
+                fn = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
+                del params  # held by the optimizer: freed with it
+            elif key == "torch_direct_adadiag":
+                fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
+            else:
+                fn = _torch_adapter_step(torch, key.removeprefix("torch_adapter_"), specs, rule)
+            try:
+                return _median_ms(fn, torch.cuda.synchronize, reps, inner)
+            finally:
+                del fn
+                torch.cuda.empty_cache()
 
-            step[key] = _row(key, label, measure, bar)
+        step.update(_rows(torch_rows, measure_torch, None if torch is not None else torch_reason, bar))
 
         jax_rows = {
             "optax_adamw": "optax.adamw, jitted",
             "optax_adapter_adamw": "adamw, optax adapter, jitted",
             "optax_adapter_adadiag": "adadiag, optax adapter, jitted",
         }
-        for key, label in jax_rows.items():
-            if jax_device is None:
-                step[key] = _na(label, jax_reason)
-                bar.update()
-                continue
 
-            def measure_jax(key: str = key) -> float:
-                fn, jsync = _optax_step(jax, jax_device, key, specs, rule)
-                return _median_ms(fn, jsync, reps, inner)
+        def measure_jax(key: str) -> float:
+            fn, jsync = _optax_step(jax, jax_device, key, specs, rule)
+            return _median_ms(fn, jsync, reps, inner)
 
-            step[key] = _row(key, label, measure_jax, bar)
+        step.update(_rows(jax_rows, measure_jax, None if jax_device is not None else jax_reason, bar))
 
         peers = {"cupy_adamw": "torch_fused_adamw", "cupy_adadiag": "torch_direct_adadiag",
                  "cupy_adadiag_pp": "cupy_adadiag", "cupy_adafacdiag": "cupy_adadiag", "cupy_hfacdiag": "cupy_adadiag",
