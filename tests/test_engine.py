@@ -51,7 +51,10 @@ def _mixed_specs() -> list[ParamSpec]:
 
 def test_engine_gemms_run_single_threaded_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # OpenBLAS's workers spin ~0.1 s after a multi-threaded call and take a core from the numba pass that follows;
-    # the engine splits each GEMM phase over Python threads that call BLAS with one thread each
+    # the engine splits each GEMM phase over Python threads that call BLAS with one thread each.  The groups must be
+    # in flight together: the first GEMM of each group waits at a barrier for the other group's, so an engine that
+    # ran them in sequence (or on one thread) breaks the barrier, and the two threads are there whatever the load
+    # (without it a worker could finish its group before the pool started a second thread).
     import threading
 
     from threadpoolctl import threadpool_info
@@ -61,19 +64,29 @@ def test_engine_gemms_run_single_threaded_on_several_threads(monkeypatch: pytest
     def blas_threads() -> set[int]:
         return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
 
+    warm = AdaDiagEngine(_mixed_specs(), gemm_threads=1)
+    warm.step()  # compiles the numba passes, which loads scipy's BLAS: the engine below then limits it too
+    warm.close()  # (the GEMMs call numpy's BLAS only; without this the check depended on the tests run before)
+    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=2)
+    assert len(eng.gemm_groups) == 2
+    group_starts = {id(group[0][out]) for group in eng.gemm_groups for out in ("Gt", "D")}  # first GEMM, each phase
+    both_groups_running = threading.Barrier(2, timeout=30.0)  # only an engine that serialises the groups waits it out
     calls: list[tuple[int, set[int]]] = []
     real = np.matmul
 
-    def spy(*args: object, **kwargs: object) -> object:
+    def spy(*args: object, out: np.ndarray, **kwargs: object) -> object:
+        if id(out) in group_starts:
+            both_groups_running.wait()
         calls.append((threading.get_ident(), blas_threads()))
-        return real(*args, **kwargs)
+        return real(*args, out=out, **kwargs)
 
-    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=2)
     before = blas_threads()
     monkeypatch.setattr(np, "matmul", spy)
-    eng.step()
-    monkeypatch.setattr(np, "matmul", real)
-    eng.close()
+    try:
+        eng.step()
+    finally:
+        monkeypatch.setattr(np, "matmul", real)
+        eng.close()
     assert len(calls) == 2 * len(_mixed_specs())
     assert len({ident for ident, _ in calls}) == 2 and threading.get_ident() not in {i for i, _ in calls}
     assert all(threads == {1} for _, threads in calls)
