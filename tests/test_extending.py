@@ -240,8 +240,14 @@ def test_registration_is_checked_before_anything_is_written() -> None:
         register_family(FamilySpec("wrong", HeavyBallConfig, HeavyBallState, moment_shapes, direction), {})
     with pytest.raises(ValueError, match="must be a NamedTuple"):
         register_family(FamilySpec("other", Other, HeavyBallODEState, moment_shapes, direction), {})
+    other = FamilySpec("other", Other, HeavyBallState, moment_shapes, direction)
+    # pytorch.AdamW would otherwise build this family when it is registered before the adapter is imported
+    with pytest.raises(ValueError, match="class name 'AdamW' is already the class of optimizer 'adamw'"):
+        register_family(other, {"o": OptimizerSpec(Other, 0, "AdamW")})
+    with pytest.raises(ValueError, match="class name 'HeavyBall' is already the class of optimizer 'heavyball'"):
+        register_family(SPEC, {"heavy": OptimizerSpec(HeavyBallConfig, 0, "HeavyBall")}, replace=True)
+    with pytest.raises(ValueError, match="class name 'O' is already the class of optimizer 'o1'"):
+        register_family(other, {"o1": OptimizerSpec(Other, 0, "O"), "o2": OptimizerSpec(Other, 1, "O")})
     with pytest.raises(ValueError, match="sides must be 0, 1 or 2"):
-        register_family(
-            FamilySpec("other", Other, HeavyBallState, moment_shapes, direction), {"o": OptimizerSpec(Other, 3, "O")}
-        )
+        register_family(other, {"o": OptimizerSpec(Other, 3, "O")})
     assert (dict(FAMILIES), dict(ar.OPTIMIZERS)) == before

@@ -159,6 +159,19 @@ def _check_spec(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec]) -> No
             raise ValueError(f"optimizer {name!r} and its class name {entry.class_name!r} must be identifiers")
 
 
+def _check_class_names(optimizers: Mapping[str, OptimizerSpec]) -> None:
+    """Refuse a class name that two optimizers would share: the torch adapter's module attribute of that name
+    (``pytorch.AdamW``) would then build whichever was registered last before the adapter was imported."""
+    owners = {entry.class_name: name for name, entry in OPTIMIZERS.items() if name not in optimizers}
+    for name, entry in optimizers.items():
+        other = owners.setdefault(entry.class_name, name)
+        if other != name:
+            raise ValueError(
+                f"optimizer {name!r}: class name {entry.class_name!r} is already the class of optimizer {other!r} "
+                "(the torch adapter names one class per optimizer); choose another class_name"
+            )
+
+
 def register_family(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec], *, replace: bool = False) -> None:
     """Add a family and its optimizers to the registry, from inside the package or outside it.
 
@@ -167,10 +180,12 @@ def register_family(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec], *
     ``pytorch.optimizer_class(name)``), the optax adapter (``optax.alias(name)``, ``optax.scale_by(name)``) and,
     with a ``flow``, the ODE (``make_system(name)``) run it; a fast route it lacks is the reference.
     ``replace=True`` overwrites an entry of the same name (for a notebook that redefines a family); otherwise a
-    name already taken raises ``ValueError``.  Checked before anything is written: a refused call registers
-    nothing.
+    name already taken raises ``ValueError``, and so does a ``class_name`` that another optimizer has (also with
+    ``replace=True``: it replaces an entry, not another optimizer's torch class).  Checked before anything is
+    written: a refused call registers nothing.
     """
     _check_spec(spec, optimizers)
+    _check_class_names(optimizers)
     if not replace:
         taken = sorted({spec.name} & set(FAMILIES)) + sorted(set(optimizers) & set(OPTIMIZERS))
         if taken:
