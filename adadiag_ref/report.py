@@ -560,7 +560,8 @@ def ode_summary(
 
     ``max step increase`` is ``max_k H(t_{k+1}) - H(t_k)`` over the accepted steps (0: monotone);
     ``max dH/dt`` is the largest closed-form rate at step ends and midpoints (``<= 0``: the claim holds
-    on this trajectory).  Rotated systems refresh their basis every ``refresh_period``.
+    on this trajectory).  Rotated systems refresh their basis every ``refresh_period``.  An optimizer whose
+    family was registered without a continuous-time form gets a line saying so and no row.
     """
     from . import ode
 
@@ -579,6 +580,11 @@ def ode_summary(
     with tqdm(OPTIMIZERS, desc="ODE checks", unit="system", disable=_bar_disabled(progress)) as bar:
         for name in bar:
             bar.set_postfix_str(name)
+            skipped = ode.no_system_reason(name)
+            if skipped is not None:
+                with tqdm.external_write_mode():
+                    out(f"{name:14} skipped: {skipped}")
+                continue
             r = ode.check(ode.make_system(name), problem, "dopri5", t_end=t_end, refresh_period=refresh_period)
             rows.append(ODERow(name, r))
             with tqdm.external_write_mode():

@@ -12,6 +12,7 @@ here straight from the equations above.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -226,6 +227,23 @@ def test_the_ode_checker_confirms_its_hamiltonian() -> None:
     result = ode.check(system, problem, "dopri5", t_end=5.0, refresh_period=2.5)
     assert result.verdict == "monotone", result.message
     assert result.max_dhdt <= 0
+
+
+def test_a_family_without_a_continuous_time_form_is_named_by_the_ode_and_skipped_by_the_report() -> None:
+    from adadiag_ref import ode, report
+
+    register_family(dataclasses.replace(SPEC, flow=None), OPTIMIZERS, replace=True)  # undone after the test
+    with pytest.raises(ValueError, match=r"optimizer 'heavyballdiag' has no continuous-time form.*docs/extending.md"):
+        ode.make_system("heavyballdiag")
+    with pytest.raises(ValueError, match="unknown system 'nonesuch'"):
+        ode.make_system("nonesuch")
+    lines: list[str] = []
+    rows = report.ode_summary(out=lines.append, progress=False, t_end=0.5, refresh_period=0.25)
+    library = [name for name in ar.OPTIMIZERS if name not in OPTIMIZERS]
+    assert [row.optimizer for row in rows] == library  # the library's rows are all there
+    for name in OPTIMIZERS:
+        (line,) = [x for x in lines if x.startswith(name + " ")]
+        assert "skipped" in line and "no continuous-time form" in line, line
 
 
 def test_registration_is_checked_before_anything_is_written() -> None:

@@ -48,6 +48,7 @@ from .systems import (
     hamiltonian_rate,
     initial_state,
     make_system,
+    no_system_reason,
     vector_field,
 )
 from .tableaus import DOPRI5, EULER, RK4, TABLEAUS, ButcherTableau
@@ -107,6 +108,7 @@ __all__ = [
     "make_problem",
     "make_solver",
     "make_system",
+    "no_system_reason",
     "observed_order",
     "quadratic_problem",
     "random_state",

@@ -76,6 +76,7 @@ __all__ = [
     "identity_basis",
     "initial_state",
     "make_system",
+    "no_system_reason",
     "rotate",
     "state_fields",
     "state_type",
@@ -217,16 +218,30 @@ class System:
         return f"{self.name}({', '.join(parts)})"
 
 
+def no_system_reason(name: str) -> str | None:
+    """Why the registered optimizer ``name`` has no ODE system: its family was registered without a continuous-time
+    form (``FamilySpec.flow`` is ``None``).  ``None`` when it has a system, or is not a registered optimizer."""
+    entry = OPTIMIZERS.get(name)
+    if entry is None or ALIASES.get(name, name) in systems():
+        return None
+    return (
+        f"optimizer {name!r} has no continuous-time form: its family {entry.config_type.family!r} was registered "
+        "without a Flow (FamilySpec.flow is None); docs/extending.md, section 2, shows how to add one"
+    )
+
+
 def make_system(name: str, **options: Any) -> System:
     """The :class:`System` called ``name`` (aliases allowed) with ``options`` set.
 
     ``eps`` defaults to the paper's value of the family (1e-8 for the Adam family,
-    1e-30 for the factored ones).
+    1e-30 for the factored ones).  ``ValueError`` for an unknown name, and for a registered optimizer whose
+    family has no continuous-time form (:func:`no_system_reason` says which).
     """
     key = ALIASES.get(name, name)
     known = systems()
     if key not in known:
-        raise ValueError(f"unknown system {name!r}; choose one of {', '.join([*known, *ALIASES])}")
+        reason = no_system_reason(name)
+        raise ValueError(reason or f"unknown system {name!r}; choose one of {', '.join([*known, *ALIASES])}")
     family, sides = known[key]
     options.setdefault("eps", _flows()[family].default_eps)
     allowed = {f.name for f in fields(System)} - {"name", "family", "sides"}
