@@ -7,6 +7,7 @@ block, which ``--help`` prints); a verification that runs and fails exits 1.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -28,6 +29,8 @@ __all__ = [
     "int_at_least",
     "int_list",
     "output_file",
+    "plot_file",
+    "plot_problem",
     "positive_int",
     "run_parsed",
 ]
@@ -161,6 +164,32 @@ def _output_problem(path: str) -> str | None:
 def output_file(text: str) -> str:
     """argparse ``type=``: a file that can be written (its folder exists and is writable); checked at parse time."""
     problem = _output_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return text
+
+
+def plot_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why matplotlib cannot draw a figure to ``path``: it is not installed, or cannot write the file type the
+    suffix names (``.txt``); ``None`` when it can.  No suffix is matplotlib's default format (PNG)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return 'needs matplotlib: pip install "adadiag-ref[plot]"'
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if not suffix:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase  # what savefig consults; no backend is chosen
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        return f"matplotlib cannot write .{suffix} files (it writes {', '.join(sorted(formats))})"
+    return None
+
+
+def plot_file(text: str) -> str:
+    """argparse ``type=`` of every ``--plot``: a writable file (:func:`output_file`) that matplotlib can draw
+    (:func:`plot_problem`); checked at parse time, so a bad one costs no work and loses no result."""
+    output_file(text)
+    problem = plot_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(f"{text}: {problem}")
     return text

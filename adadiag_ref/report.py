@@ -36,6 +36,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import OPTIMIZERS, init, make_config, refresh_due, step
+from ._cli import plot_problem
 from ._xp import to_numpy
 from .optim.families import family_of
 
@@ -411,8 +412,8 @@ def check_options(steps: int, plot: str | None = None, ode: bool = True, backend
     """Check the report's options before any work; raises ``ValueError`` with the reason.
 
     ``steps`` must be a positive integer; ``plot`` (and the ODE figure next to it)
-    needs matplotlib and an existing, writable folder; of the requested ``backends``
-    at least one must be installed.
+    needs matplotlib, a file type it writes and an existing, writable folder; of the
+    requested ``backends`` at least one must be installed.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {steps!r}")
@@ -420,8 +421,9 @@ def check_options(steps: int, plot: str | None = None, ode: bool = True, backend
         raise ValueError(f"none of the requested backends is installed: {', '.join(backends)}")
     if plot is None:
         return
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
+    problem = plot_problem(plot)
+    if problem:
+        raise ValueError(f"--plot {plot}: {problem}")
     targets = [Path(plot), *([ode_plot_path(plot)] if ode else [])]
     for target in targets:
         folder = target.parent

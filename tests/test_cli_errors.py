@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,11 @@ _BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["replay", "--optimizer", "adadiag", "--input", "{text}", "--output", "{folder}"], "--output"),
     (["report", "--steps", "0"], "--steps"),
     (["report", "--plot", "{missing}"], "--plot"),
+    # a file type matplotlib cannot write: refused before the work, not after it (ode would lose its result)
+    (["reproduce", "--plot", "{folder}/curves.txt"], "--plot"),
+    (["ode", "--optimizer", "adam", "--plot", "{folder}/h.txt"], "--plot"),
+    (["bench", "--refresh-scaling", "--plot", "{folder}/scaling.txt"], "--plot"),
+    (["report", "--plot", "{folder}/report.txt"], "--plot"),
 ]
 _ALSO_NAMED = {
     ("bench", "--plot"): {"--refresh-scaling"},
@@ -283,6 +289,43 @@ def test_every_bad_option_is_refused_up_front(
     assert out == ""
     named = set(re.findall(r"--[a-z][a-z-]*", err)) - {"--help"}
     assert option in named and named <= {option, *_ALSO_NAMED.get((argv[0], option), set())}, err
+
+
+_PLOTTING = [  # every command with --plot
+    ["reproduce", "--quick", "--plot", "{png}"],
+    ["ode", "--optimizer", "adam", "--plot", "{png}"],
+    ["bench", "--refresh-scaling", "--plot", "{png}"],
+    ["report", "--plot", "{png}"],
+]
+
+
+@pytest.mark.parametrize("template", _PLOTTING, ids=lambda v: v[0])
+def test_every_plot_without_matplotlib_is_refused_up_front(
+    template: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    no_work: None,
+) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what find_spec sees when it is not installed
+    argv = [arg.format(png=tmp_path / "figure.png") for arg in template]
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, "--plot", 'pip install "adadiag-ref[plot]"')
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "blocked", "lacks"),
+    [
+        (["reproduce", "--quick"], "torch", "torch"),
+        (["reproduce", "--quick", "--task", "digits"], "sklearn", "scikit-learn"),
+    ],
+)
+def test_reproduce_without_its_libraries_is_one_line_before_any_work(
+    argv: list[str], blocked: str, lacks: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    no_work: None,
+) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, blocked, None)  # a core-only install, as import and find_spec see it
+    code, out, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, f"reproduce needs {lacks}", 'pip install "adadiag-ref[reproduce]"')
+    assert out == ""
 
 
 def test_no_option_is_a_bare_int() -> None:

@@ -11,7 +11,6 @@ The main ``adadiag-ref`` command registers this subcommand with :func:`add_parse
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
 import sys
@@ -25,8 +24,8 @@ from .._cli import (
     finite_nonnegative,
     finite_positive,
     int_at_least,
-    output_file,
     parse_and_run,
+    plot_file,
     positive_int,
 )
 from .checks import CheckResult, check
@@ -46,7 +45,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--t-end", type=finite_positive, default=10.0, help="final ODE time T (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument(
-        "--plot", metavar="PATH", type=output_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
+        "--plot", metavar="PATH", type=plot_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
     )
     group = parser.add_argument_group("integration")
     group.add_argument("--dt", type=finite_positive, help="fixed step (Euler types, rk4); default T/2000 or T/200")
@@ -148,8 +147,6 @@ def run(args: argparse.Namespace) -> int:
     stopped early, 2 for invalid options, 3 when the initial state is ill posed.
     """
     start = time.perf_counter()
-    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the integration, not after it
-        return fail('ode: --plot needs matplotlib: pip install "adadiag-ref[plot]"')
     try:
         system = make_system(args.optimizer, **_system_options(args))
         problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from .._cli import ErrorParser, fail, int_list, output_file, parse_and_run, positive_int
+from .._cli import ErrorParser, fail, int_list, output_file, parse_and_run, plot_file, positive_int
 from ..memory import LLAMA_CONFIGS, PAPER_GB, PAPER_MEMORY_TABLE, PAPER_ROWS, dtype_nbytes, state_nbytes
 
 __all__ = ["add_parser", "main", "run_bench", "run_gpu_bench", "run_memory"]
@@ -142,7 +142,7 @@ def add_parser(subparsers: Any) -> None:
         help="glibc keeps freed memory in the process (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1), so the "
         "functional rows reuse pages instead of faulting fresh ones (adadiag_ref.perf.allocator)",
     )
-    b.add_argument("--plot", default=None, type=output_file, help="save the --refresh-scaling log-log plot here (PNG)")
+    b.add_argument("--plot", default=None, type=plot_file, help="save the --refresh-scaling log-log plot here (PNG)")
     b.add_argument(
         "--gpu",
         action="store_true",

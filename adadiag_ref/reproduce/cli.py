@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-from .._cli import add_progress_flags, int_at_least, int_list, output_file, positive_int
+from .._cli import add_progress_flags, int_at_least, int_list, output_file, plot_file, positive_int
+from ..config import OPTIMIZERS
 
 DEFAULT_LR_GRID = {"charlm": (1e-2, 3e-3, 1e-3), "digits": (3e-2, 1e-2, 3e-3)}
 QUICK_LR_GRID = (1e-2, 3e-3)
@@ -21,13 +22,23 @@ QUICK_STEPS = 30
 
 
 def _names(text: str) -> list[str]:
-    from .train import OPTIMIZER_CLASSES
-
+    # the registry's names (those of the torch adapter's classes), read without importing torch: the parser runs
+    # this on the default too, so a core-only install reaches run()'s one-line requirement error
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZER_CLASSES]
+    unknown = [n for n in names if n not in OPTIMIZERS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZER_CLASSES)}")
+        raise argparse.ArgumentTypeError(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
     return names
+
+
+def missing_requirement(task: str) -> str | None:
+    """What ``reproduce --task task`` lacks on this install (torch; scikit-learn for ``digits``), as the one-line
+    error with the install command, or ``None``."""
+    needed = ["torch", *(["sklearn"] if task == "digits" else [])]
+    missing = [{"sklearn": "scikit-learn"}.get(m, m) for m in needed if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f'reproduce needs {" and ".join(missing)}: pip install "adadiag-ref[reproduce]"'
 
 
 _seeds = int_list(0)
@@ -79,7 +90,7 @@ def add_parser(sub: Any) -> None:
         "device, runs not bit-reproducible)",
     )
     p.add_argument("--json", metavar="PATH", type=output_file, help="write the results as JSON")
-    p.add_argument("--plot", metavar="PNG", type=output_file, help="draw the validation-loss curves (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", type=plot_file, help="draw the validation-loss curves (needs matplotlib)")
     add_progress_flags(p)
     p.set_defaults(func=run)  # fmt: skip
 
@@ -111,13 +122,15 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, write JSON and plot."""
+    # counts, output paths and the plot's matplotlib are checked by the parser (adadiag_ref._cli); the libraries
+    # here, before a run of minutes
+    missing = missing_requirement(args.task)
+    if missing:
+        raise ValueError(missing)
     import torch
 
     from .train import deterministic
 
-    # counts and output paths are checked by the parser (adadiag_ref._cli), before a run of minutes
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError('--plot needs matplotlib: pip install "adadiag-ref[plot]"')
     device = getattr(args, "device", "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
