@@ -3,8 +3,12 @@
     python scripts/gen_api.py           # rewrite docs/api.md
     python scripts/gen_api.py --check   # exit 1 if docs/api.md is stale (tests/test_api_docs.py does this)
 
-Covered: every name in ``__all__`` of the modules below, in that order; the framework adapters are documented
-in docs/adapters.md.  The page depends only on the source (signatures and docstrings), not on the machine.
+Covered: every name in ``__all__`` of the modules below, in that order; an object already documented under an
+earlier module (``adadiag_ref.config.make_config`` is ``adadiag_ref.make_config``) gets a one-line pointer to
+that entry instead of a second copy.  The framework adapters are described in docs/adapters.md; their entries
+here need torch and optax installed.  The page depends only on the source (signatures and docstrings), not on
+the machine, and is written from a fresh interpreter: an optimizer registered before the adapters are imported
+becomes their attribute (tests/test_api_docs.py runs this script in a subprocess).
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ MODULES = (
     "adadiag_ref.golden",
     "adadiag_ref.ode",
     "adadiag_ref.report",
+    "adadiag_ref.config",
+    "adadiag_ref.linalg",
+    "adadiag_ref.optim.families",
+    "adadiag_ref.adapters.pytorch",
+    "adadiag_ref.adapters.optax",
 )
 
 
@@ -34,7 +43,14 @@ def _signature(obj: Any) -> str:
         text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return ""
-    return re.sub(r"ForwardRef\('([^']*)'\)", r"'\1'", text)  # NamedTuple fields under postponed annotations
+    text = re.sub(r"ForwardRef\('([^']*)'\)", r"'\1'", text)  # NamedTuple fields under postponed annotations
+    return re.sub(r"<function (\S+) at 0x[0-9a-f]+>", r"\1", text)  # a function default: its name, not its address
+
+
+def _identity(obj: Any) -> int | None:
+    """What makes two exported names one object to document once; ``None`` for a plain value (two equal numbers
+    or strings are not the same thing)."""
+    return None if isinstance(obj, (str, bytes, int, float, bool, type(None))) else id(obj)
 
 
 def _entry(module_name: str, name: str, obj: Any) -> list[str]:
@@ -96,16 +112,27 @@ def render() -> str:
         "",
         *ENTRY_POINTS,
     ]
+    documented: dict[int, str] = {}  # object identity -> where its entry is
     for module_name in MODULES:
         module = importlib.import_module(module_name)
         out += [f"## `{module_name}`", ""]
         summary = (inspect.getdoc(module) or "").split("\n\n")[0]
         if summary:
             out += [summary, ""]
+        pointers = []
         for name in module.__all__:
             if name.startswith("__"):
                 continue
-            out += _entry(module_name, name, getattr(module, name))
+            obj, key = getattr(module, name), f"{module_name}.{name}"
+            identity = _identity(obj)
+            if identity in documented:
+                pointers.append(f"- `{key}`: the same object as `{documented[identity]}`")
+                continue
+            if identity is not None:
+                documented[identity] = key
+            out += _entry(module_name, name, obj)
+        if pointers:
+            out += ["Also exported here, documented above:", "", *pointers, ""]
     return "\n".join(out).rstrip() + "\n"
 
 
