@@ -13,6 +13,7 @@ nothing imports CuPy before a CuPy array arrives.
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -21,12 +22,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _cuda_c import ElementwiseKernel, ReductionKernel
+from array_api_compat import is_numpy_namespace
 from conftest import _load_backend, to_np
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
 from adadiag_ref._kernels import cupy_kernels as ck
 from adadiag_ref._xp import namespace
+from adadiag_ref.optim import multi
 from adadiag_ref.optim.core import preconditioned_direction, prepare_step
 from adadiag_ref.optim.families import FAMILIES
 from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
@@ -136,17 +140,23 @@ def test_tail_expression_adds_decay_only_when_it_is_nonzero() -> None:
     assert ck.tail_expression("u", "w", False) == "neg_lr * u"
 
 
-def _kernel_sources(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, str]]:
-    """Every kernel the routes build, as ``(name, in_params, out_params, operation)`` (recorded, not compiled)."""
-    seen: list[tuple[str, str, str, str]] = []
-    monkeypatch.setattr(ck, "elementwise", lambda *source: seen.append(source))
+def _every_kernel() -> list[Any]:
+    """What every kernel builder of the routes returns (``_*_kernel``, with each value of its flag: ``decay``,
+    ``clip``), through :func:`adadiag_ref._kernels.cupy_kernels.elementwise` as the routes call it."""
+    built = []
     for module in ROUTES.values():
         for attr, builder in vars(module).items():
             if attr.startswith("_") and attr.endswith("_kernel") and callable(builder):
                 params = builder.__code__.co_varnames[: builder.__code__.co_argcount]
                 for flag in [False, True] if params else [None]:
-                    builder(*(() if flag is None else (flag,)))
-    return seen
+                    built.append(builder(*(() if flag is None else (flag,))))
+    return built
+
+
+def _kernel_sources(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, str]]:
+    """Every kernel the routes build, as ``(name, in_params, out_params, operation)`` (recorded, not compiled)."""
+    monkeypatch.setattr(ck, "elementwise", lambda *source: source)
+    return _every_kernel()
 
 
 def test_kernel_sources_are_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,6 +210,188 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+# ------------------------------------------------------------------- CPU: the kernel bodies evaluated by NumPy
+#
+# tests/_cuda_c.py evaluates each kernel body's C over NumPy arrays of the kernel's dtype, one correctly rounded
+# operation per C operation (as CUDA does with --fmad=false); the fixture below puts it in CuPy's place, so that
+# the CuPy routes run on NumPy arrays.  Everything else a step computes is NumPy's in both runs (the same
+# operations on the same values as on CuPy), so a body that performs the reference's operations in its order
+# reproduces kernels="reference" bit for bit.  The one summation the routes do in a kernel of their own, RMS(U)
+# (cupy_kernels.sum_of_squares), is evaluated in NumPy's order here; in another order it agrees to rounding only
+# (test_a_reduction_in_another_order_agrees_to_rounding), which is why the GPU tests compare with RTOL.
+
+
+def _emulated_cases(family: str) -> list[dict[str, Any]]:
+    """The trajectories compared for one optimizer and dtype: wide, tall (the work frame a transposed view, so the
+    kernels see strided arguments) and vector parameters, with and without weight decay, with host coefficients
+    (``count=``) and device ones (the state's counter); a 3-d and a larger matrix once; in place; the options
+    that change which kernels run (Adafactor's momentum and clip, Hfac's clip).  Chosen to cover each of these
+    at least once in every combination that selects different kernels, in a few seconds."""
+    grid = itertools.product([(6, 9), (9, 6)], (0.05, 0.0), (True, False))
+    cases = [dict(shape=shape, weight_decay=wd, host_count=host) for shape, wd, host in grid]
+    cases += [dict(shape=(7,), weight_decay=0.05, host_count=True),
+              dict(shape=(7,), weight_decay=0.0, host_count=False),
+              dict(shape=(2, 3, 4), weight_decay=0.0, host_count=True),
+              dict(shape=(48, 80), weight_decay=0.05, host_count=False)]  # fmt: skip
+    in_place_shapes = [(6, 9), (9, 6)] if family == "adam" else [(9, 6)]  # only Adam has an in-place kernel route
+    cases += [dict(shape=shape, weight_decay=wd, host_count=wd == 0.0, in_place=True)
+              for shape, wd in itertools.product(in_place_shapes, (0.05, 0.0))]  # fmt: skip
+    cases += [dict(shape=(9, 6), weight_decay=0.0, host_count=k % 2 == 0, **options)
+              for k, options in enumerate(FAMILY_OPTIONS[family])]  # fmt: skip
+    return cases
+
+
+FAMILY_OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "adam": [],
+    "adafactor": [dict(momentum=False), dict(clip_threshold=None), dict(momentum=False, clip_threshold=None),
+                  dict(beta2_schedule="adafactor"), dict(relative_step=True, scale_parameter=True)],
+    "hfac": [dict(clip_threshold=None)],
+}  # fmt: skip
+"""The options beyond the defaults whose kernels differ (momentum and clip change which Adafactor and Hfac
+kernels run), as the GPU tests sweep them."""
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The CuPy routes on NumPy arrays, their kernels evaluated by :mod:`_cuda_c`; returns the record of the
+    kernel calls ``(name, dtype, argument kinds)``.
+
+    ``import cupy`` inside the routes finds a module with the stand-ins and NumPy's ``empty_like`` and
+    ``may_share_memory``; the selection takes NumPy for CuPy; the numba routes, which would be selected first on
+    NumPy, decline."""
+    fake = types.ModuleType("cupy")
+    fake.ElementwiseKernel = ElementwiseKernel  # type: ignore[attr-defined]
+    fake.ReductionKernel = ReductionKernel  # type: ignore[attr-defined]
+    fake.empty_like = np.empty_like  # type: ignore[attr-defined]
+    fake.may_share_memory = np.may_share_memory  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    monkeypatch.setattr(ck, "is_cupy_namespace", is_numpy_namespace)
+    monkeypatch.setattr(ck, "is_cupy_array", lambda a: type(a) is np.ndarray)
+    monkeypatch.setattr(_kernels, "selected", lambda *args: False)
+    monkeypatch.setattr(ElementwiseKernel, "calls", [])
+    monkeypatch.setattr(ReductionKernel, "order", "numpy")
+    return ElementwiseKernel.calls
+
+
+def _assert_identical(got: Any, want: Any) -> None:
+    """The same dtype, shape and bits (a signed zero or a NaN payload included)."""
+    got, want = to_np(got), to_np(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    bits = {4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(bits), np.ascontiguousarray(want).view(bits))
+
+
+def _assert_states_identical(got: Any, want: Any) -> None:
+    for field, a, b in zip(got._fields, got, want):
+        if field in ("count", "param_shape") or (a is None and b is None):
+            continue
+        _assert_identical(a, b)
+
+
+def _emulated_pair(calls: list[Any], name: str, dtype: str, shape: tuple[int, ...], **kw: Any) -> None:
+    """One trajectory with the CuPy routes (``kernels="auto"``) against the reference's, bit for bit."""
+    w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", **kw)
+    before = len(calls)
+    w_fast, s_fast = _trajectory(np, name, dtype, shape, "auto", **kw)
+    assert len(calls) > before, "no kernel ran"
+    _assert_identical(w_fast, w_ref)
+    _assert_states_identical(s_fast, s_ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_bodies_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str
+) -> None:
+    family = ar.make_config(name).family
+    for case in _emulated_cases(family):
+        _emulated_pair(emulated_cupy, name, dtype, **case)
+    ran = {call[0] for call in emulated_cupy}
+    if family == "adam":  # the tail kernels ran with and without the decay term
+        assert any(k.endswith("_decay") for k in ran) and any(k + "_decay" in ran for k in ran)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_direction_kernels_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str
+) -> None:
+    # the direction alone (preconditioned_direction: the optax scale_by's entry point)
+    rng = np.random.default_rng(5)
+    w, g = (rng.standard_normal((5, 8)).astype(dtype) for _ in range(2))
+    found = {}
+    for kernels in ("reference", "auto"):
+        cfg = ar.make_config(name, kernels=kernels)
+        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        found[kernels] = preconditioned_direction(state, g, cfg, w, refreshed=True, count=0)[:2]
+    assert emulated_cupy
+    _assert_identical(found["auto"][0], found["reference"][0])
+    _assert_states_identical(found["auto"][1], found["reference"][1])
+
+
+def _multi_step_on_the_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """multi_step's path for device arrays (one flat group per dtype and step for an entrywise family) on NumPy."""
+    monkeypatch.setattr(multi, "is_numpy_namespace", lambda xp: False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_multi_step_with_the_kernels_evaluated_on_the_cpu_equals_step_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _multi_step_on_the_device_path(monkeypatch)
+    shapes = [(6, 9), (9, 6), (7,)]
+    for weight_decay, host_count in [(0.05, True), (0.0, False)]:
+        before = len(emulated_cupy)
+        params, states = _multi_trajectory(np, name, dtype, shapes, "auto", host_count=host_count,
+                                           weight_decay=weight_decay)  # fmt: skip
+        assert len(emulated_cupy) > before, "no kernel ran"
+        for shape, w, state in zip(shapes, params, states, strict=True):
+            w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", host_count=host_count,
+                                       weight_decay=weight_decay)  # fmt: skip
+            _assert_identical(w, w_ref)
+            _assert_states_identical(state, s_ref)
+
+
+COEFFICIENTS = frozenset({"b1", "c1", "b2", "c2", "eps", "neg_lr", "wd", "b", "c"})
+"""The kernel parameters the routes pass as host scalars (kernel arguments) or 0-d device arrays: the two forms
+of every kernel that ``test_kernel_sources_compile_with_nvrtc`` compiles."""
+
+
+def test_the_cpu_evaluation_runs_every_kernel(emulated_cupy: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cases above, in float32 for one optimizer of each family (and a rotated Adam) and multi_step, run every
+    # kernel the routes build
+    for name in ("adamw", "adadiag", "adafactor", "hfac"):
+        for case in _emulated_cases(ar.make_config(name).family):
+            if case["shape"] in [(9, 6), (7,)]:
+                _trajectory(np, name, "float32", **case, kernels="auto")
+    _multi_step_on_the_device_path(monkeypatch)
+    _multi_trajectory(np, "adamw", "float32", [(7,)], "auto", host_count=True)
+    sources = {name for name, *_ in _kernel_sources(monkeypatch)}
+    assert {call[0] for call in emulated_cupy} == sources | {"adadiag_sum_of_squares"}
+    # the scalars are the coefficients, and only they (what the NVRTC variants take as CScalar); the clip's divisor
+    # d is a 0-d array on CuPy, a scalar here only because NumPy's maximum of 0-d arrays returns one
+    for name, _, kinds in emulated_cupy:
+        kernel = ck._KERNELS[name]
+        scalars = {p for p, kind in zip(kernel.in_names, kinds, strict=False) if kind == "scalar"} - {"d"}
+        assert scalars <= COEFFICIENTS, (name, scalars)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adafacdiag", "hfacdiag"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_reduction_in_another_order_agrees_to_rounding(emulated_cupy: list[Any], name: str, dtype: str) -> None:
+    # RMS(U) summed as a GPU might (pairwise halving, not NumPy's blocked pairwise sum): the clip's divisor may
+    # differ in its last bit, and the trajectories agree to the tolerance the GPU tests use
+    ReductionKernel.order = "tree"
+    for shape in [(6, 9), (48, 80)]:
+        w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", host_count=True, clip_threshold=0.1)
+        w_fast, s_fast = _trajectory(np, name, dtype, shape, "auto", host_count=True, clip_threshold=0.1)
+        assert "adadiag_sum_of_squares" in {call[0] for call in emulated_cupy}
+        _assert_close(w_fast, w_ref, dtype)
+        _assert_states_close(s_fast, s_ref, dtype)
+
+
 # ----------------------------------------------------------------------------- GPU: against the reference
 
 
@@ -214,14 +406,14 @@ SHAPES = [(6, 9), (9, 6), (7,), (2, 3, 4), (48, 80)]
 
 def _trajectory(
     cp: Any, name: str, dtype: str, shape: tuple[int, ...], kernels: str, *, host_count: bool, in_place: bool = False,
-    **options: Any,
+    weight_decay: float = 0.05, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy."""
-    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=0.05, update_freq=3, **options)
-    rng = np.random.default_rng(11)
-    w = cp.asarray(rng.standard_normal(shape).astype(dtype))
-    grads = rng.standard_normal((7, *shape)).astype(dtype)
-    grads[3] = 0.0
+    """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy (or on
+    NumPy, ``cp=np``, with the kernels evaluated on the CPU: the fixture ``emulated_cupy``).  ``weight_decay=0``
+    runs the kernels without the decay term (the default configuration's)."""
+    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=weight_decay, update_freq=3,
+                         **options)  # fmt: skip
+    w, grads = _inputs(cp, dtype, shape)
     state = ar.init(w, cfg)
     for k, g_host in enumerate(grads):
         g = cp.asarray(g_host)
@@ -234,6 +426,31 @@ def _trajectory(
         else:
             w, state = ar.step(state, g, cfg, w, count=count)
     return w, state
+
+
+def _inputs(cp: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The trajectories' parameter (on ``cp``) and seven gradients (host; the fourth zero)."""
+    rng = np.random.default_rng(11)
+    w = cp.asarray(rng.standard_normal(shape).astype(dtype))
+    grads = rng.standard_normal((7, *shape)).astype(dtype)
+    grads[3] = 0.0
+    return w, grads
+
+
+def _multi_trajectory(
+    cp: Any, name: str, dtype: str, shapes: list[tuple[int, ...]], kernels: str, *, host_count: bool,
+    weight_decay: float = 0.05,
+) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """:func:`_trajectory`'s seven steps for one parameter of each shape at once, by ``ar.multi_step`` (each
+    parameter sees the inputs :func:`_trajectory` gives it)."""
+    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=weight_decay, update_freq=3)
+    inputs = [_inputs(cp, dtype, shape) for shape in shapes]
+    params = [w for w, _ in inputs]
+    states = [ar.init(w, cfg) for w in params]
+    for k in range(7):
+        grads = [cp.asarray(g[k]) for _, g in inputs]
+        params, states = ar.multi_step(states, grads, cfg, params, count=k if host_count else None)
+    return params, states
 
 
 def _assert_close(got: Any, want: Any, dtype: str) -> None:
