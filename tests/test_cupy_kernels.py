@@ -210,6 +210,221 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+# ----------------------------------------------------------------------------- CPU: NVRTC compiles the sources
+#
+# No device is needed to compile: CuPy generates each kernel's CUDA source (its own code generation, as a launch
+# does) and NVRTC compiles it to PTX for compute_80 (A100) and compute_90 (H100/H200).  Each kernel is compiled in
+# the forms a launch may take: float32/float64; "flat" (1-d contiguous arguments with 32-bit indexing: what CuPy
+# reduces same-shape contiguous arrays to) and "strided" (2-d non-contiguous arguments with 64-bit indexing:
+# transposed work frames, broadcast vectors); "host" (the coefficients as kernel scalars) and "device" (the
+# coefficients as broadcast 0-d arrays).  The PTX then shows what the arithmetic is: no fused multiply-add, IEEE
+# division and square root, and no float64 in a float32 kernel.
+
+ARCHS = ("80", "90")
+_ARG_NDARRAY, _ARG_INDEXER, _ARG_SCALAR = 1, 2, 3  # CuPy's _ArgKind (cupy/_core/_kernel.pxd)
+
+
+@pytest.fixture(scope="module")
+def cupy_nvrtc() -> Any:
+    """CuPy and its NVRTC, no device needed (pip install "adadiag-ref[gpucheck]"; skipped when absent)."""
+    cupy = pytest.importorskip("cupy", reason='needs CuPy and NVRTC: pip install "adadiag-ref[gpucheck]"')
+    try:
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:  # the NVRTC library missing: CuPy raises its own error types
+        pytest.skip(f'NVRTC cannot be loaded ({exc}): pip install "adadiag-ref[gpucheck]"')
+    return cupy
+
+
+def _arg(cupy: Any, dtype: Any, ndim: int, contiguous: bool, index32: bool, scalar: bool) -> Any:
+    from cupy._core import _kernel, _scalar
+
+    if scalar:
+        return _kernel._ArgInfo(_ARG_SCALAR, _scalar.CScalar, np.dtype(dtype), 0, True, True)
+    return _kernel._ArgInfo(_ARG_NDARRAY, cupy.ndarray, np.dtype(dtype), ndim, contiguous, index32)
+
+
+def _indexer(ndim: int, index32: bool) -> Any:
+    from cupy._core import _carray, _kernel
+
+    return _kernel._ArgInfo(_ARG_INDEXER, _carray.Indexer, None, ndim, True, index32)
+
+
+LAYOUTS = {"flat": (1, True, True), "strided": (2, False, False)}
+"""``(ndim, contiguous, 32-bit indexing)`` of the array arguments."""
+
+
+def _elementwise_source(cupy: Any, kernel: Any, dtype: Any, layout: str, coefficients: str) -> str:
+    """CuPy's CUDA source of ``kernel`` (a ``cupy.ElementwiseKernel`` built by a route) for one launch form."""
+    from cupy._core import _kernel
+
+    assert kernel.kwargs == {"options": ck.OPTIONS}  # the routes' options reach NVRTC
+    ndim, contiguous, index32 = LAYOUTS[layout]
+    scalar = [coefficients == "host" and p.name in COEFFICIENTS for p in kernel.in_params]
+    broadcast = [coefficients == "device" and p.name in COEFFICIENTS for p in kernel.in_params]
+    in_types = tuple(None if s else np.dtype(dtype) for s in scalar)
+    _, _, type_map = kernel._decide_params_type(in_types, (np.dtype(dtype),) * kernel.nout)
+    args = [_arg(cupy, dtype, ndim, contiguous and not b, index32, s) for s, b in zip(scalar, broadcast, strict=True)]
+    args += [_arg(cupy, dtype, ndim, contiguous, index32, False) for _ in kernel.out_params]
+    code = _kernel._get_elementwise_kernel_code(
+        (*args, _indexer(ndim, index32)),
+        type_map,
+        kernel.params,
+        kernel.operation,
+        kernel.name,
+        kernel.preamble,
+        **kernel.kwargs,
+    )
+    for p, s in zip(kernel.in_params, scalar, strict=True):  # the argument kinds reached the source as meant
+        ctype = {"float32": "float", "float64": "double"}[str(np.dtype(dtype))]
+        assert bool(re.search(rf"\bconst {ctype} {p.name}\b", code)) == s, (kernel.name, p.name)
+    return code
+
+
+def _reduction_source(cupy: Any, dtype: Any) -> tuple[str, tuple[str, ...]]:
+    """CuPy's CUDA source of the routes' summation kernel (``cupy_kernels.sum_of_squares``) reducing a 1-d
+    contiguous array, and its options.  The kernel is taken from the route's cache: building it needs no device,
+    its launch does (and fails here, after the kernel is kept)."""
+    from cupy._core import _kernel, _reduction
+
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        ck.sum_of_squares(np.zeros(3, dtype))
+    kernel = ck._KERNELS["adadiag_sum_of_squares"]
+    params = (*kernel.in_params, *kernel.out_params, *_kernel._get_param_info("CIndexer _in_ind, CIndexer _out_ind",
+              False), *_kernel._get_param_info("int32 _block_stride", True))  # fmt: skip
+    args = (_arg(cupy, dtype, 1, True, True, False), _arg(cupy, dtype, 0, True, True, False), _indexer(1, True),
+            _indexer(0, True), _arg(cupy, np.int32, 0, True, True, True))  # fmt: skip
+    type_map = _kernel._TypeMap((("T", np.dtype(dtype)), ("IndexT", "int32")))
+    block_size = _reduction._get_block_specs(1 << 20, 1, 1 << 20, -1)[0]
+    code = _reduction._ReductionKernel_get_cached_function_code(
+        1,
+        1,
+        params,
+        args,
+        type_map,
+        kernel.name,
+        block_size,
+        kernel.reduce_type,
+        kernel.identity,
+        kernel.map_expr,
+        kernel.reduce_expr,
+        kernel.post_map_expr,
+        kernel.preamble,
+        kernel.options,
+    )
+    return code, tuple(kernel.options)
+
+
+class _Compiled(Exception):
+    """Raised once NVRTC has compiled: what follows (loading the module onto a device) needs a GPU."""
+
+
+def _nvrtc_ptx(source: str, options: tuple[str, ...], arch: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
+    """``(PTX, NVRTC options)`` of ``source`` compiled as CuPy compiles a kernel (``compile_with_cache``: its
+    headers, include paths, ``-ftz=true``, ``--std=c++17``), for ``compute_<arch>`` instead of the device's."""
+    from cupy._core import core
+    from cupy.cuda import compiler
+
+    got: dict[str, Any] = {}
+    nvrtc = compiler._compile_using_nvrtc_no_warning
+
+    def compile_only(src: str, opts: tuple = (), arch_: Any = None, *args: Any, **kwargs: Any) -> Any:
+        got["options"], got["arch"] = opts, arch_
+        got["ptx"] = nvrtc(src, opts, arch_, *args, **kwargs)[0]
+        raise _Compiled
+
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "_compile_using_nvrtc_no_warning", compile_only)
+        m.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=compute_{arch}", "ptx"))
+        m.setenv("CUPY_CACHE_IN_MEMORY", "1")  # no disk cache: a cached binary would be loaded onto a device
+        with pytest.raises(_Compiled):
+            core.compile_with_cache(source, options, arch=arch)
+    assert got["arch"] == arch
+    ptx = got["ptx"]
+    return ptx.decode() if isinstance(ptx, bytes) else ptx, got["options"]
+
+
+def _ptx_entries(ptx: str) -> dict[str, str]:
+    """Each kernel's PTX body, by name."""
+    parts = re.split(r"\.(?:visible\s+)?\.?entry\s+(\w+)\s*\(", ptx)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _ptx_problems(body: str, dtype: str) -> list[str]:
+    """What in one kernel's PTX would round differently from the reference's separate IEEE operations."""
+    problems = []
+    fused = re.findall(r"\b(?:fma|mad)(?:\.\w+)*\.f(?:16|32|64)\b", body)
+    if fused:
+        problems.append(f"fused multiply-add {sorted(set(fused))}")
+    inexact = [op for op in re.findall(r"\b(?:div|sqrt|rcp|rsqrt)(?:\.\w+)*\.f(?:32|64)\b", body) if ".rn" not in op]
+    if inexact:
+        problems.append(f"division or square root not IEEE round-to-nearest {sorted(set(inexact))}")
+    if dtype == "float32" and re.search(r"\.f64\b", body):
+        problems.append("float64 in a float32 kernel: " + ", ".join(sorted(set(re.findall(r"\S*\.f64\b", body)))))
+    own = {"float32": r"\.f32\b", "float64": r"\.f64\b"}[dtype]
+    if not re.search(r"\b(?:add|sub|mul|div|sqrt)(?:\.\w+)*" + own, body):
+        problems.append(f"no {dtype} arithmetic at all")
+    return problems
+
+
+FORMS = [(layout, coefficients) for layout in LAYOUTS for coefficients in ("host", "device")]
+
+
+def _compile_and_check(
+    cupy: Any, arch: str, dtype: str, forms_of: dict[str, list[tuple[str, str]]], monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """Compile every route kernel in the forms ``forms_of[name]`` and the summation kernel, for ``compute_<arch>``;
+    assert that NVRTC accepts each and that its PTX has none of :func:`_ptx_problems`; the number compiled."""
+    kernels = {k.name: k for k in _every_kernel()}  # the routes' own cupy.ElementwiseKernel objects
+    assert set(forms_of) == set(kernels)
+    # NVRTC programs of several kernels, no name twice in one (CuPy compiles one per kernel; here only the typedef
+    # of T repeats): the k-th form of every kernel in program k, so one program when each kernel has one form
+    programs: list[tuple[dict[str, str], tuple[str, ...], dict[str, tuple[str, str]]]] = []
+    for name, forms in forms_of.items():
+        for k, form in enumerate(forms):
+            if k == len(programs):
+                programs.append(({}, ck.OPTIONS, {}))
+            programs[k][0][name] = _elementwise_source(cupy, kernels[name], dtype, *form)
+            programs[k][2][name] = form
+    code, options = _reduction_source(cupy, dtype)
+    programs.append(({"adadiag_sum_of_squares": code}, options, {"adadiag_sum_of_squares": ("flat", "reduction")}))
+    compiled, problems = 0, {}
+    for sources, opts, form_of in programs:
+        ptx, used = _nvrtc_ptx("\n".join(sources.values()), opts, arch, monkeypatch)
+        entries = _ptx_entries(ptx)
+        assert set(entries) == set(sources)
+        for name, body in entries.items():
+            found = _ptx_problems(body, dtype) + ([] if "--fmad=false" in used else ["compiled without --fmad=false"])
+            if found:
+                problems[(name, *form_of[name])] = found
+        compiled += len(entries)
+    assert not problems, problems
+    return compiled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_sources_compile_with_nvrtc(
+    cupy_nvrtc: Any, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every kernel once, the forms taken in turn (each form several times); all forms: the slow test below
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    names = sorted(k.name for k in _every_kernel())
+    assert len(names) == len(set(names)) >= 19
+    forms_of = {name: [FORMS[i % len(FORMS)]] for i, name in enumerate(names)}
+    assert _compile_and_check(cupy_nvrtc, arch, dtype, forms_of, monkeypatch) == len(names) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_sources_compile_with_nvrtc_in_every_form(
+    cupy_nvrtc: Any, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    names = [k.name for k in _every_kernel()]
+    assert _compile_and_check(cupy_nvrtc, arch, dtype, dict.fromkeys(names, FORMS), monkeypatch) == 4 * len(names) + 1
+
+
 # ------------------------------------------------------------------- CPU: the kernel bodies evaluated by NumPy
 #
 # tests/_cuda_c.py evaluates each kernel body's C over NumPy arrays of the kernel's dtype, one correctly rounded
