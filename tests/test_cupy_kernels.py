@@ -687,22 +687,28 @@ def _assert_states_close(got: Any, want: Any, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
 def test_cupy_kernels_equal_the_cupy_reference(
-    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # host_count: the coefficients are host numbers (kernel scalars); else 0-d device arrays (broadcast)
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, weight_decay: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # host_count: the coefficients are host numbers (kernel scalars); else 0-d device arrays (broadcast).
+    # weight_decay=0: the kernels without the decay term, the default configuration's
     monkeypatch.setattr(ck, "_KERNELS", {})
-    w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count)
+    w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS == {}  # the reference built no kernel
-    w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
+    w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS, "the CuPy route did not run"
+    if ar.make_config(name).family == "adam":  # the tail kernels of this weight decay ran, and only they
+        decay_kernels = {k for k in ck._KERNELS if k.endswith("_decay")}
+        assert bool(decay_kernels) == (weight_decay != 0.0), sorted(ck._KERNELS)
     _assert_close(w_fast, w_ref, dtype)
     _assert_states_close(s_fast, s_ref, dtype)
     # "numba" names the NumPy kernels: on CuPy it is the reference
     if not _kernels.AVAILABLE:
         return  # kernels="numba" needs numba installed
     monkeypatch.setattr(ck, "_KERNELS", {})
-    w_numba, _ = _trajectory(cp, name, dtype, shape, "numba", host_count=host_count)
+    w_numba, _ = _trajectory(cp, name, dtype, shape, "numba", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS == {}
     _assert_close(w_numba, w_ref, dtype)
 
@@ -772,17 +778,43 @@ def test_cupy_direction_route_equals_the_reference(cp: Any, name: str, dtype: st
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("shape", [(6, 9), (9, 6), (7,), (2, 3, 4)])
 @pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
 def test_cupy_update_in_place_equals_the_functional_update(
-    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, weight_decay: float
 ) -> None:
-    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
-    w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, in_place=True)
+    kw = dict(host_count=host_count, weight_decay=weight_decay)
+    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", **kw)
+    w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", in_place=True, **kw)
     # the same operations on the same operands (no contraction): expected bit for bit; checked to rounding
     tight = {"float64": 1e-14, "float32": 1e-6}[dtype]
     np.testing.assert_allclose(to_np(w_i), to_np(w_f), rtol=tight, atol=tight * float(np.max(np.abs(to_np(w_f)))))
     _assert_states_close(s_i, s_f, dtype)
-    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count, in_place=True)
+    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", in_place=True, **kw)
     _assert_close(w_i, w_r, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
+def test_cupy_multi_step_equals_step(
+    cp: Any, name: str, dtype: str, host_count: bool, weight_decay: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # multi_step's device path (an entrywise family's moments and direction in one flat group per dtype and step,
+    # the refreshes due batched by refresh_bases) against ar.step per parameter.  A stacked decomposition gives
+    # refresh_basis's bases to rounding, so RTOL, on the small shapes, as between two backends
+    # (test_cupy_kernels_equal_numpy); bit for bit on the CPU (the test ..._evaluated_on_the_cpu_equals_step...)
+    shapes = SHAPES[:-1]
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    params, states = _multi_trajectory(cp, name, dtype, shapes, "auto", host_count=host_count,
+                                       weight_decay=weight_decay)  # fmt: skip
+    assert ck._KERNELS, "the CuPy route did not run"
+    for shape, w, state in zip(shapes, params, states, strict=True):
+        w_ref, s_ref = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, weight_decay=weight_decay)
+        assert tuple(w.shape) == shape and int(state.count) == int(s_ref.count) == 7
+        _assert_close(w, w_ref, dtype)
+        _assert_states_close(state, s_ref, dtype)
 
 
 @pytest.mark.gpu
