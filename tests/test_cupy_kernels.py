@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cuda_c import ElementwiseKernel, ReductionKernel
+from _cuda_c import ElementwiseKernel, ReductionKernel, Unsupported
 from array_api_compat import is_numpy_namespace
 from conftest import _load_backend, to_np
 
@@ -464,6 +464,36 @@ FAMILY_OPTIONS: dict[str, list[dict[str, Any]]] = {
 }  # fmt: skip
 """The options beyond the defaults whose kernels differ (momentum and clip change which Adafactor and Hfac
 kernels run), as the GPU tests sweep them."""
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["y = x * 0.5;", "y = x; y += x;", "float z = x; y = z;", "y = max(x, x);", "y = x[0];", "y = x && x;",
+     "z = x;", "x = y;", "y = x < x < x ? x : x;", "T y2 = x; T y2 = x; y = y2;", "y = f(x);"],
+)  # fmt: skip
+def test_the_c_evaluator_refuses_what_it_does_not_know(body: str) -> None:
+    with pytest.raises(Unsupported):
+        ElementwiseKernel("T x", "T y", body, "refused")(np.ones(3), np.empty(3))
+
+
+def test_the_c_evaluator_rounds_each_operation_in_the_kernel_type() -> None:
+    kernel = ElementwiseKernel(
+        "T a, T b, T s", "T y, T z", "T t = -a / (T)3 + b * s;\ny = t > (T)0 ? fmax(t, sqrt(b)) : T(0.1);\nz = y;", "ok"
+    )
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        a, b = rng.standard_normal((2, 4, 5)).astype(dtype)
+        b = np.abs(b)
+        s = dtype(0.3)
+        y, z = np.empty((4, 5), dtype), np.empty((4, 5), dtype)
+        kernel(a, b[:1], s, y, z)  # a broadcast row
+        t = -a / dtype(3) + b[:1] * s
+        want = np.where(t > 0, np.fmax(t, np.sqrt(b[:1])), dtype(0.1))
+        assert y.dtype == dtype and np.array_equal(y, want) and np.array_equal(z, y)
+    with pytest.raises(Unsupported):  # a Python float or another dtype is not a kernel argument of type T
+        kernel(a, b, 0.3, y, z)
+    with pytest.raises(Unsupported):
+        kernel(a.astype(np.float32), b, np.float64(0.3), y, z)
 
 
 @pytest.fixture
