@@ -230,8 +230,9 @@ def cupy_nvrtc() -> Any:
     cupy = pytest.importorskip("cupy", reason='needs CuPy and NVRTC: pip install "adadiag-ref[gpucheck]"')
     try:
         cupy.cuda.nvrtc.getVersion()
-    except Exception as exc:  # the NVRTC library missing: CuPy raises its own error types
-        pytest.skip(f'NVRTC cannot be loaded ({exc}): pip install "adadiag-ref[gpucheck]"')
+        cupy._core.core.assemble_cupy_compiler_options(())  # finds the CUDA headers
+    except Exception as exc:  # the NVRTC library or the headers missing: CuPy raises its own error types
+        pytest.skip(f'NVRTC or the CUDA headers cannot be found ({exc}): pip install "adadiag-ref[gpucheck]"')
     return cupy
 
 
@@ -282,13 +283,17 @@ def _elementwise_source(cupy: Any, kernel: Any, dtype: Any, layout: str, coeffic
 
 def _reduction_source(cupy: Any, dtype: Any) -> tuple[str, tuple[str, ...]]:
     """CuPy's CUDA source of the routes' summation kernel (``cupy_kernels.sum_of_squares``) reducing a 1-d
-    contiguous array, and its options.  The kernel is taken from the route's cache: building it needs no device,
-    its launch does (and fails here, after the kernel is kept)."""
+    contiguous array, and its options.  The kernel is the one the route builds (building needs no device); its
+    launch is not made."""
     from cupy._core import _kernel, _reduction
 
-    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
-        ck.sum_of_squares(np.zeros(3, dtype))
-    kernel = ck._KERNELS["adadiag_sum_of_squares"]
+    built = []
+    with pytest.MonkeyPatch.context() as m:
+        real = cupy.ReductionKernel
+        m.setattr(cupy, "ReductionKernel", lambda *a, **kw: built.append(real(*a, **kw)) or (lambda x: None))
+        m.setattr(ck, "_KERNELS", {})
+        ck.sum_of_squares(None)
+    (kernel,) = built
     params = (*kernel.in_params, *kernel.out_params, *_kernel._get_param_info("CIndexer _in_ind, CIndexer _out_ind",
               False), *_kernel._get_param_info("int32 _block_stride", True))  # fmt: skip
     args = (_arg(cupy, dtype, 1, True, True, False), _arg(cupy, dtype, 0, True, True, False), _indexer(1, True),
@@ -509,6 +514,7 @@ def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple
     fake.ReductionKernel = ReductionKernel  # type: ignore[attr-defined]
     fake.empty_like = np.empty_like  # type: ignore[attr-defined]
     fake.may_share_memory = np.may_share_memory  # type: ignore[attr-defined]
+    fake.ndarray = type("ndarray", (), {})  # type: ignore[attr-defined]  # no array is one (array_api_compat asks)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(ck, "_KERNELS", {})
     monkeypatch.setattr(ck, "is_cupy_namespace", is_numpy_namespace)
