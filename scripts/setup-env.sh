@@ -27,8 +27,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import adadiag_r
     python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     echo "setup-env: installing torch 2.13.0 (CPU build)" >&2
     quiet_pip "torch==2.13.0"
-    echo "setup-env: installing adadiag-ref (editable) with the extras test, torch, jax, numba, bench, plot, reproduce" >&2
-    quiet_pip -e ".[test,torch,jax,numba,bench,plot,reproduce]"
+    echo "setup-env: installing adadiag-ref (editable) with the extras test, torch, jax, numba, bench, plot, reproduce, gpucheck" >&2
+    quiet_pip -e ".[test,torch,jax,numba,bench,plot,reproduce,gpucheck]"
     echo "$want" >"$stamp"
 fi
 echo "setup-env: .venv ready ($(python -c 'import adadiag_ref; print("adadiag-ref", adadiag_ref.__version__)'))" >&2

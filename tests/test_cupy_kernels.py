@@ -13,6 +13,7 @@ nothing imports CuPy before a CuPy array arrives.
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -21,12 +22,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _cuda_c import ElementwiseKernel, ReductionKernel, Unsupported
+from array_api_compat import is_numpy_namespace
 from conftest import _load_backend, to_np
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
 from adadiag_ref._kernels import cupy_kernels as ck
 from adadiag_ref._xp import namespace
+from adadiag_ref.optim import multi
 from adadiag_ref.optim.core import preconditioned_direction, prepare_step
 from adadiag_ref.optim.families import FAMILIES
 from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
@@ -136,17 +140,23 @@ def test_tail_expression_adds_decay_only_when_it_is_nonzero() -> None:
     assert ck.tail_expression("u", "w", False) == "neg_lr * u"
 
 
-def _kernel_sources(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, str]]:
-    """Every kernel the routes build, as ``(name, in_params, out_params, operation)`` (recorded, not compiled)."""
-    seen: list[tuple[str, str, str, str]] = []
-    monkeypatch.setattr(ck, "elementwise", lambda *source: seen.append(source))
+def _every_kernel() -> list[Any]:
+    """What every kernel builder of the routes returns (``_*_kernel``, with each value of its flag: ``decay``,
+    ``clip``), through :func:`adadiag_ref._kernels.cupy_kernels.elementwise` as the routes call it."""
+    built = []
     for module in ROUTES.values():
         for attr, builder in vars(module).items():
             if attr.startswith("_") and attr.endswith("_kernel") and callable(builder):
                 params = builder.__code__.co_varnames[: builder.__code__.co_argcount]
                 for flag in [False, True] if params else [None]:
-                    builder(*(() if flag is None else (flag,)))
-    return seen
+                    built.append(builder(*(() if flag is None else (flag,))))
+    return built
+
+
+def _kernel_sources(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str, str]]:
+    """Every kernel the routes build, as ``(name, in_params, out_params, operation)`` (recorded, not compiled)."""
+    monkeypatch.setattr(ck, "elementwise", lambda *source: source)
+    return _every_kernel()
 
 
 def test_kernel_sources_are_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,6 +210,439 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+# ----------------------------------------------------------------------------- CPU: NVRTC compiles the sources
+#
+# No device is needed to compile: CuPy generates each kernel's CUDA source (its own code generation, as a launch
+# does) and NVRTC compiles it to PTX for compute_80 (A100) and compute_90 (H100/H200).  Each kernel is compiled in
+# the forms a launch may take: float32/float64; "flat" (1-d contiguous arguments with 32-bit indexing: what CuPy
+# reduces same-shape contiguous arrays to) and "strided" (2-d non-contiguous arguments with 64-bit indexing:
+# transposed work frames, broadcast vectors); "host" (the coefficients as kernel scalars) and "device" (the
+# coefficients as broadcast 0-d arrays).  The PTX then shows what the arithmetic is: no fused multiply-add, IEEE
+# division and square root, and no float64 in a float32 kernel.
+
+ARCHS = ("80", "90")
+_ARG_NDARRAY, _ARG_INDEXER, _ARG_SCALAR = 1, 2, 3  # CuPy's _ArgKind (cupy/_core/_kernel.pxd)
+
+
+@pytest.fixture(scope="module")
+def cupy_nvrtc() -> Any:
+    """CuPy and its NVRTC, no device needed (pip install "adadiag-ref[gpucheck]"; skipped when absent)."""
+    cupy = pytest.importorskip("cupy", reason='needs CuPy and NVRTC: pip install "adadiag-ref[gpucheck]"')
+    try:
+        cupy.cuda.nvrtc.getVersion()
+        cupy._core.core.assemble_cupy_compiler_options(())  # finds the CUDA headers
+    except Exception as exc:  # the NVRTC library or the headers missing: CuPy raises its own error types
+        pytest.skip(f'NVRTC or the CUDA headers cannot be found ({exc}): pip install "adadiag-ref[gpucheck]"')
+    return cupy
+
+
+def _arg(cupy: Any, dtype: Any, ndim: int, contiguous: bool, index32: bool, scalar: bool) -> Any:
+    from cupy._core import _kernel, _scalar
+
+    if scalar:
+        return _kernel._ArgInfo(_ARG_SCALAR, _scalar.CScalar, np.dtype(dtype), 0, True, True)
+    return _kernel._ArgInfo(_ARG_NDARRAY, cupy.ndarray, np.dtype(dtype), ndim, contiguous, index32)
+
+
+def _indexer(ndim: int, index32: bool) -> Any:
+    from cupy._core import _carray, _kernel
+
+    return _kernel._ArgInfo(_ARG_INDEXER, _carray.Indexer, None, ndim, True, index32)
+
+
+LAYOUTS = {"flat": (1, True, True), "strided": (2, False, False)}
+"""``(ndim, contiguous, 32-bit indexing)`` of the array arguments."""
+
+
+def _elementwise_source(cupy: Any, kernel: Any, dtype: Any, layout: str, coefficients: str) -> str:
+    """CuPy's CUDA source of ``kernel`` (a ``cupy.ElementwiseKernel`` built by a route) for one launch form."""
+    from cupy._core import _kernel
+
+    assert kernel.kwargs == {"options": ck.OPTIONS}  # the routes' options reach NVRTC
+    ndim, contiguous, index32 = LAYOUTS[layout]
+    scalar = [coefficients == "host" and p.name in COEFFICIENTS for p in kernel.in_params]
+    broadcast = [coefficients == "device" and p.name in COEFFICIENTS for p in kernel.in_params]
+    in_types = tuple(None if s else np.dtype(dtype) for s in scalar)
+    _, _, type_map = kernel._decide_params_type(in_types, (np.dtype(dtype),) * kernel.nout)
+    args = [_arg(cupy, dtype, ndim, contiguous and not b, index32, s) for s, b in zip(scalar, broadcast, strict=True)]
+    args += [_arg(cupy, dtype, ndim, contiguous, index32, False) for _ in kernel.out_params]
+    code = _kernel._get_elementwise_kernel_code(
+        (*args, _indexer(ndim, index32)),
+        type_map,
+        kernel.params,
+        kernel.operation,
+        kernel.name,
+        kernel.preamble,
+        **kernel.kwargs,
+    )
+    for p, s in zip(kernel.in_params, scalar, strict=True):  # the argument kinds reached the source as meant
+        ctype = {"float32": "float", "float64": "double"}[str(np.dtype(dtype))]
+        assert bool(re.search(rf"\bconst {ctype} {p.name}\b", code)) == s, (kernel.name, p.name)
+    return code
+
+
+def _reduction_source(cupy: Any, dtype: Any) -> tuple[str, tuple[str, ...]]:
+    """CuPy's CUDA source of the routes' summation kernel (``cupy_kernels.sum_of_squares``) reducing a 1-d
+    contiguous array, and its options.  The kernel is the one the route builds (building needs no device); its
+    launch is not made."""
+    from cupy._core import _kernel, _reduction
+
+    built = []
+    with pytest.MonkeyPatch.context() as m:
+        real = cupy.ReductionKernel
+        m.setattr(cupy, "ReductionKernel", lambda *a, **kw: built.append(real(*a, **kw)) or (lambda x: None))
+        m.setattr(ck, "_KERNELS", {})
+        ck.sum_of_squares(None)
+    (kernel,) = built
+    params = (*kernel.in_params, *kernel.out_params, *_kernel._get_param_info("CIndexer _in_ind, CIndexer _out_ind",
+              False), *_kernel._get_param_info("int32 _block_stride", True))  # fmt: skip
+    args = (_arg(cupy, dtype, 1, True, True, False), _arg(cupy, dtype, 0, True, True, False), _indexer(1, True),
+            _indexer(0, True), _arg(cupy, np.int32, 0, True, True, True))  # fmt: skip
+    type_map = _kernel._TypeMap((("T", np.dtype(dtype)), ("IndexT", "int32")))
+    block_size = _reduction._get_block_specs(1 << 20, 1, 1 << 20, -1)[0]
+    code = _reduction._ReductionKernel_get_cached_function_code(
+        1,
+        1,
+        params,
+        args,
+        type_map,
+        kernel.name,
+        block_size,
+        kernel.reduce_type,
+        kernel.identity,
+        kernel.map_expr,
+        kernel.reduce_expr,
+        kernel.post_map_expr,
+        kernel.preamble,
+        kernel.options,
+    )
+    return code, tuple(kernel.options)
+
+
+class _Compiled(Exception):
+    """Raised once NVRTC has compiled: what follows (loading the module onto a device) needs a GPU."""
+
+
+def _nvrtc_ptx(source: str, options: tuple[str, ...], arch: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
+    """``(PTX, NVRTC options)`` of ``source`` compiled as CuPy compiles a kernel (``compile_with_cache``: its
+    headers, include paths, ``-ftz=true``, ``--std=c++17``), for ``compute_<arch>`` instead of the device's."""
+    from cupy._core import core
+    from cupy.cuda import compiler
+
+    got: dict[str, Any] = {}
+    nvrtc = compiler._compile_using_nvrtc_no_warning
+
+    def compile_only(src: str, opts: tuple = (), arch_: Any = None, *args: Any, **kwargs: Any) -> Any:
+        got["options"], got["arch"] = opts, arch_
+        got["ptx"] = nvrtc(src, opts, arch_, *args, **kwargs)[0]
+        raise _Compiled
+
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "_compile_using_nvrtc_no_warning", compile_only)
+        m.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=compute_{arch}", "ptx"))
+        m.setenv("CUPY_CACHE_IN_MEMORY", "1")  # no disk cache: a cached binary would be loaded onto a device
+        with pytest.raises(_Compiled):
+            core.compile_with_cache(source, options, arch=arch)
+    assert got["arch"] == arch
+    ptx = got["ptx"]
+    return ptx.decode() if isinstance(ptx, bytes) else ptx, got["options"]
+
+
+def _ptx_entries(ptx: str) -> dict[str, str]:
+    """Each kernel's PTX body, by name."""
+    parts = re.split(r"\.(?:visible\s+)?\.?entry\s+(\w+)\s*\(", ptx)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _ptx_problems(body: str, dtype: str) -> list[str]:
+    """What in one kernel's PTX would round differently from the reference's separate IEEE operations."""
+    problems = []
+    fused = re.findall(r"\b(?:fma|mad)(?:\.\w+)*\.f(?:16|32|64)\b", body)
+    if fused:
+        problems.append(f"fused multiply-add {sorted(set(fused))}")
+    inexact = [op for op in re.findall(r"\b(?:div|sqrt|rcp|rsqrt)(?:\.\w+)*\.f(?:32|64)\b", body) if ".rn" not in op]
+    if inexact:
+        problems.append(f"division or square root not IEEE round-to-nearest {sorted(set(inexact))}")
+    if dtype == "float32" and re.search(r"\.f64\b", body):
+        problems.append("float64 in a float32 kernel: " + ", ".join(sorted(set(re.findall(r"\S*\.f64\b", body)))))
+    own = {"float32": r"\.f32\b", "float64": r"\.f64\b"}[dtype]
+    if not re.search(r"\b(?:add|sub|mul|div|sqrt)(?:\.\w+)*" + own, body):
+        problems.append(f"no {dtype} arithmetic at all")
+    return problems
+
+
+FORMS = [(layout, coefficients) for layout in LAYOUTS for coefficients in ("host", "device")]
+
+
+def _compile_and_check(
+    cupy: Any, arch: str, dtype: str, forms_of: dict[str, list[tuple[str, str]]], monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """Compile every route kernel in the forms ``forms_of[name]`` and the summation kernel, for ``compute_<arch>``;
+    assert that NVRTC accepts each and that its PTX has none of :func:`_ptx_problems`; the number compiled."""
+    kernels = {k.name: k for k in _every_kernel()}  # the routes' own cupy.ElementwiseKernel objects
+    assert set(forms_of) == set(kernels)
+    # NVRTC programs of several kernels, no name twice in one (CuPy compiles one per kernel; here only the typedef
+    # of T repeats): the k-th form of every kernel in program k, so one program when each kernel has one form
+    programs: list[tuple[dict[str, str], tuple[str, ...], dict[str, tuple[str, str]]]] = []
+    for name, forms in forms_of.items():
+        for k, form in enumerate(forms):
+            if k == len(programs):
+                programs.append(({}, ck.OPTIONS, {}))
+            programs[k][0][name] = _elementwise_source(cupy, kernels[name], dtype, *form)
+            programs[k][2][name] = form
+    code, options = _reduction_source(cupy, dtype)
+    programs.append(({"adadiag_sum_of_squares": code}, options, {"adadiag_sum_of_squares": ("flat", "reduction")}))
+    compiled, problems = 0, {}
+    for sources, opts, form_of in programs:
+        ptx, used = _nvrtc_ptx("\n".join(sources.values()), opts, arch, monkeypatch)
+        entries = _ptx_entries(ptx)
+        assert set(entries) == set(sources)
+        for name, body in entries.items():
+            found = _ptx_problems(body, dtype) + ([] if "--fmad=false" in used else ["compiled without --fmad=false"])
+            if found:
+                problems[(name, *form_of[name])] = found
+        compiled += len(entries)
+    assert not problems, problems
+    return compiled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_sources_compile_with_nvrtc(
+    cupy_nvrtc: Any, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every kernel once, the forms taken in turn (each form several times); all forms: the slow test below
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    names = sorted(k.name for k in _every_kernel())
+    assert len(names) == len(set(names)) >= 19
+    forms_of = {name: [FORMS[i % len(FORMS)]] for i, name in enumerate(names)}
+    assert _compile_and_check(cupy_nvrtc, arch, dtype, forms_of, monkeypatch) == len(names) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_sources_compile_with_nvrtc_in_every_form(
+    cupy_nvrtc: Any, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    names = [k.name for k in _every_kernel()]
+    assert _compile_and_check(cupy_nvrtc, arch, dtype, dict.fromkeys(names, FORMS), monkeypatch) == 4 * len(names) + 1
+
+
+# ------------------------------------------------------------------- CPU: the kernel bodies evaluated by NumPy
+#
+# tests/_cuda_c.py evaluates each kernel body's C over NumPy arrays of the kernel's dtype, one correctly rounded
+# operation per C operation (as CUDA does with --fmad=false); the fixture below puts it in CuPy's place, so that
+# the CuPy routes run on NumPy arrays.  Everything else a step computes is NumPy's in both runs (the same
+# operations on the same values as on CuPy), so a body that performs the reference's operations in its order
+# reproduces kernels="reference" bit for bit.  The one summation the routes do in a kernel of their own, RMS(U)
+# (cupy_kernels.sum_of_squares), is evaluated in NumPy's order here; in another order it agrees to rounding only
+# (test_a_reduction_in_another_order_agrees_to_rounding), which is why the GPU tests compare with RTOL.
+
+
+def _emulated_cases(family: str) -> list[dict[str, Any]]:
+    """The trajectories compared for one optimizer and dtype: wide, tall (the work frame a transposed view, so the
+    kernels see strided arguments) and vector parameters, with and without weight decay, with host coefficients
+    (``count=``) and device ones (the state's counter); a 3-d and a larger matrix once; in place; the options
+    that change which kernels run (Adafactor's momentum and clip, Hfac's clip).  Chosen to cover each of these
+    at least once in every combination that selects different kernels, in a few seconds."""
+    grid = itertools.product([(6, 9), (9, 6)], (0.05, 0.0), (True, False))
+    cases = [dict(shape=shape, weight_decay=wd, host_count=host) for shape, wd, host in grid]
+    cases += [dict(shape=(7,), weight_decay=0.05, host_count=True),
+              dict(shape=(7,), weight_decay=0.0, host_count=False),
+              dict(shape=(2, 3, 4), weight_decay=0.0, host_count=True),
+              dict(shape=(48, 80), weight_decay=0.05, host_count=False)]  # fmt: skip
+    in_place_shapes = [(6, 9), (9, 6)] if family == "adam" else [(9, 6)]  # only Adam has an in-place kernel route
+    cases += [dict(shape=shape, weight_decay=wd, host_count=wd == 0.0, in_place=True)
+              for shape, wd in itertools.product(in_place_shapes, (0.05, 0.0))]  # fmt: skip
+    cases += [dict(shape=(9, 6), weight_decay=0.0, host_count=k % 2 == 0, **options)
+              for k, options in enumerate(FAMILY_OPTIONS[family])]  # fmt: skip
+    return cases
+
+
+FAMILY_OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "adam": [],
+    "adafactor": [dict(momentum=False), dict(clip_threshold=None), dict(momentum=False, clip_threshold=None),
+                  dict(beta2_schedule="adafactor"), dict(relative_step=True, scale_parameter=True)],
+    "hfac": [dict(clip_threshold=None)],
+}  # fmt: skip
+"""The options beyond the defaults whose kernels differ (momentum and clip change which Adafactor and Hfac
+kernels run), as the GPU tests sweep them."""
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["y = x * 0.5;", "y = x; y += x;", "float z = x; y = z;", "y = max(x, x);", "y = x[0];", "y = x && x;",
+     "z = x;", "x = y;", "y = x < x < x ? x : x;", "T y2 = x; T y2 = x; y = y2;", "y = f(x);"],
+)  # fmt: skip
+def test_the_c_evaluator_refuses_what_it_does_not_know(body: str) -> None:
+    with pytest.raises(Unsupported):
+        ElementwiseKernel("T x", "T y", body, "refused")(np.ones(3), np.empty(3))
+
+
+def test_the_c_evaluator_rounds_each_operation_in_the_kernel_type() -> None:
+    kernel = ElementwiseKernel(
+        "T a, T b, T s", "T y, T z", "T t = -a / (T)3 + b * s;\ny = t > (T)0 ? fmax(t, sqrt(b)) : T(0.1);\nz = y;", "ok"
+    )
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        a, b = rng.standard_normal((2, 4, 5)).astype(dtype)
+        b = np.abs(b)
+        s = dtype(0.3)
+        y, z = np.empty((4, 5), dtype), np.empty((4, 5), dtype)
+        kernel(a, b[:1], s, y, z)  # a broadcast row
+        t = -a / dtype(3) + b[:1] * s
+        want = np.where(t > 0, np.fmax(t, np.sqrt(b[:1])), dtype(0.1))
+        assert y.dtype == dtype and np.array_equal(y, want) and np.array_equal(z, y)
+    with pytest.raises(Unsupported):  # a Python float or another dtype is not a kernel argument of type T
+        kernel(a, b, 0.3, y, z)
+    with pytest.raises(Unsupported):
+        kernel(a.astype(np.float32), b, np.float64(0.3), y, z)
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The CuPy routes on NumPy arrays, their kernels evaluated by :mod:`_cuda_c`; returns the record of the
+    kernel calls ``(name, dtype, argument kinds)``.
+
+    ``import cupy`` inside the routes finds a module with the stand-ins and NumPy's ``empty_like`` and
+    ``may_share_memory``; the selection takes NumPy for CuPy; the numba routes, which would be selected first on
+    NumPy, decline."""
+    fake = types.ModuleType("cupy")
+    fake.ElementwiseKernel = ElementwiseKernel  # type: ignore[attr-defined]
+    fake.ReductionKernel = ReductionKernel  # type: ignore[attr-defined]
+    fake.empty_like = np.empty_like  # type: ignore[attr-defined]
+    fake.may_share_memory = np.may_share_memory  # type: ignore[attr-defined]
+    fake.ndarray = type("ndarray", (), {})  # type: ignore[attr-defined]  # no array is one (array_api_compat asks)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    monkeypatch.setattr(ck, "is_cupy_namespace", is_numpy_namespace)
+    monkeypatch.setattr(ck, "is_cupy_array", lambda a: type(a) is np.ndarray)
+    monkeypatch.setattr(_kernels, "selected", lambda *args: False)
+    monkeypatch.setattr(ElementwiseKernel, "calls", [])
+    monkeypatch.setattr(ReductionKernel, "order", "numpy")
+    return ElementwiseKernel.calls
+
+
+def _assert_identical(got: Any, want: Any) -> None:
+    """The same dtype, shape and bits (a signed zero or a NaN payload included)."""
+    got, want = to_np(got), to_np(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    bits = {4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(bits), np.ascontiguousarray(want).view(bits))
+
+
+def _assert_states_identical(got: Any, want: Any) -> None:
+    for field, a, b in zip(got._fields, got, want):
+        if field in ("count", "param_shape") or (a is None and b is None):
+            continue
+        _assert_identical(a, b)
+
+
+def _emulated_pair(calls: list[Any], name: str, dtype: str, shape: tuple[int, ...], **kw: Any) -> None:
+    """One trajectory with the CuPy routes (``kernels="auto"``) against the reference's, bit for bit."""
+    w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", **kw)
+    before = len(calls)
+    w_fast, s_fast = _trajectory(np, name, dtype, shape, "auto", **kw)
+    assert len(calls) > before, "no kernel ran"
+    _assert_identical(w_fast, w_ref)
+    _assert_states_identical(s_fast, s_ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernel_bodies_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str
+) -> None:
+    family = ar.make_config(name).family
+    for case in _emulated_cases(family):
+        _emulated_pair(emulated_cupy, name, dtype, **case)
+    ran = {call[0] for call in emulated_cupy}
+    if family == "adam":  # the tail kernels ran with and without the decay term
+        assert any(k.endswith("_decay") for k in ran) and any(k + "_decay" in ran for k in ran)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_direction_kernels_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str
+) -> None:
+    # the direction alone (preconditioned_direction: the optax scale_by's entry point)
+    rng = np.random.default_rng(5)
+    w, g = (rng.standard_normal((5, 8)).astype(dtype) for _ in range(2))
+    found = {}
+    for kernels in ("reference", "auto"):
+        cfg = ar.make_config(name, kernels=kernels)
+        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+        found[kernels] = preconditioned_direction(state, g, cfg, w, refreshed=True, count=0)[:2]
+    assert emulated_cupy
+    _assert_identical(found["auto"][0], found["reference"][0])
+    _assert_states_identical(found["auto"][1], found["reference"][1])
+
+
+def _multi_step_on_the_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """multi_step's path for device arrays (one flat group per dtype and step for an entrywise family) on NumPy."""
+    monkeypatch.setattr(multi, "is_numpy_namespace", lambda xp: False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_multi_step_with_the_kernels_evaluated_on_the_cpu_equals_step_bit_for_bit(
+    emulated_cupy: list[Any], name: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _multi_step_on_the_device_path(monkeypatch)
+    shapes = [(6, 9), (9, 6), (7,)]
+    for weight_decay, host_count in [(0.05, True), (0.0, False)]:
+        before = len(emulated_cupy)
+        params, states = _multi_trajectory(np, name, dtype, shapes, "auto", host_count=host_count,
+                                           weight_decay=weight_decay)  # fmt: skip
+        assert len(emulated_cupy) > before, "no kernel ran"
+        for shape, w, state in zip(shapes, params, states, strict=True):
+            w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", host_count=host_count,
+                                       weight_decay=weight_decay)  # fmt: skip
+            _assert_identical(w, w_ref)
+            _assert_states_identical(state, s_ref)
+
+
+COEFFICIENTS = frozenset({"b1", "c1", "b2", "c2", "eps", "neg_lr", "wd", "b", "c"})
+"""The kernel parameters the routes pass as host scalars (kernel arguments) or 0-d device arrays: the two forms
+of every kernel that ``test_kernel_sources_compile_with_nvrtc`` compiles."""
+
+
+def test_the_cpu_evaluation_runs_every_kernel(emulated_cupy: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cases above, in float32 for one optimizer of each family (and a rotated Adam) and multi_step, run every
+    # kernel the routes build
+    for name in ("adamw", "adadiag", "adafactor", "hfac"):
+        for case in _emulated_cases(ar.make_config(name).family):
+            if case["shape"] in [(9, 6), (7,)]:
+                _trajectory(np, name, "float32", **case, kernels="auto")
+    _multi_step_on_the_device_path(monkeypatch)
+    _multi_trajectory(np, "adamw", "float32", [(7,)], "auto", host_count=True)
+    sources = {name for name, *_ in _kernel_sources(monkeypatch)}
+    assert {call[0] for call in emulated_cupy} == sources | {"adadiag_sum_of_squares"}
+    # the scalars are the coefficients, and only they (what the NVRTC variants take as CScalar); the clip's divisor
+    # d is a 0-d array on CuPy, a scalar here only because NumPy's maximum of 0-d arrays returns one
+    for name, _, kinds in emulated_cupy:
+        kernel = ck._KERNELS[name]
+        scalars = {p for p, kind in zip(kernel.in_names, kinds, strict=False) if kind == "scalar"} - {"d"}
+        assert scalars <= COEFFICIENTS, (name, scalars)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adafacdiag", "hfacdiag"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_reduction_in_another_order_agrees_to_rounding(emulated_cupy: list[Any], name: str, dtype: str) -> None:
+    # RMS(U) summed as a GPU might (pairwise halving, not NumPy's blocked pairwise sum): the clip's divisor may
+    # differ in its last bit, and the trajectories agree to the tolerance the GPU tests use
+    ReductionKernel.order = "tree"
+    for shape in [(6, 9), (48, 80)]:
+        w_ref, s_ref = _trajectory(np, name, dtype, shape, "reference", host_count=True, clip_threshold=0.1)
+        w_fast, s_fast = _trajectory(np, name, dtype, shape, "auto", host_count=True, clip_threshold=0.1)
+        assert "adadiag_sum_of_squares" in {call[0] for call in emulated_cupy}
+        _assert_close(w_fast, w_ref, dtype)
+        _assert_states_close(s_fast, s_ref, dtype)
+
+
 # ----------------------------------------------------------------------------- GPU: against the reference
 
 
@@ -214,14 +657,14 @@ SHAPES = [(6, 9), (9, 6), (7,), (2, 3, 4), (48, 80)]
 
 def _trajectory(
     cp: Any, name: str, dtype: str, shape: tuple[int, ...], kernels: str, *, host_count: bool, in_place: bool = False,
-    **options: Any,
+    weight_decay: float = 0.05, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy."""
-    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=0.05, update_freq=3, **options)
-    rng = np.random.default_rng(11)
-    w = cp.asarray(rng.standard_normal(shape).astype(dtype))
-    grads = rng.standard_normal((7, *shape)).astype(dtype)
-    grads[3] = 0.0
+    """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy (or on
+    NumPy, ``cp=np``, with the kernels evaluated on the CPU: the fixture ``emulated_cupy``).  ``weight_decay=0``
+    runs the kernels without the decay term (the default configuration's)."""
+    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=weight_decay, update_freq=3,
+                         **options)  # fmt: skip
+    w, grads = _inputs(cp, dtype, shape)
     state = ar.init(w, cfg)
     for k, g_host in enumerate(grads):
         g = cp.asarray(g_host)
@@ -234,6 +677,31 @@ def _trajectory(
         else:
             w, state = ar.step(state, g, cfg, w, count=count)
     return w, state
+
+
+def _inputs(cp: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The trajectories' parameter (on ``cp``) and seven gradients (host; the fourth zero)."""
+    rng = np.random.default_rng(11)
+    w = cp.asarray(rng.standard_normal(shape).astype(dtype))
+    grads = rng.standard_normal((7, *shape)).astype(dtype)
+    grads[3] = 0.0
+    return w, grads
+
+
+def _multi_trajectory(
+    cp: Any, name: str, dtype: str, shapes: list[tuple[int, ...]], kernels: str, *, host_count: bool,
+    weight_decay: float = 0.05,
+) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    """:func:`_trajectory`'s seven steps for one parameter of each shape at once, by ``ar.multi_step`` (each
+    parameter sees the inputs :func:`_trajectory` gives it)."""
+    cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=weight_decay, update_freq=3)
+    inputs = [_inputs(cp, dtype, shape) for shape in shapes]
+    params = [w for w, _ in inputs]
+    states = [ar.init(w, cfg) for w in params]
+    for k in range(7):
+        grads = [cp.asarray(g[k]) for _, g in inputs]
+        params, states = ar.multi_step(states, grads, cfg, params, count=k if host_count else None)
+    return params, states
 
 
 def _assert_close(got: Any, want: Any, dtype: str) -> None:
@@ -255,22 +723,28 @@ def _assert_states_close(got: Any, want: Any, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
 def test_cupy_kernels_equal_the_cupy_reference(
-    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # host_count: the coefficients are host numbers (kernel scalars); else 0-d device arrays (broadcast)
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, weight_decay: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # host_count: the coefficients are host numbers (kernel scalars); else 0-d device arrays (broadcast).
+    # weight_decay=0: the kernels without the decay term, the default configuration's
     monkeypatch.setattr(ck, "_KERNELS", {})
-    w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count)
+    w_ref, s_ref = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS == {}  # the reference built no kernel
-    w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
+    w_fast, s_fast = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS, "the CuPy route did not run"
+    if ar.make_config(name).family == "adam":  # the tail kernels of this weight decay ran, and only they
+        decay_kernels = {k for k in ck._KERNELS if k.endswith("_decay")}
+        assert bool(decay_kernels) == (weight_decay != 0.0), sorted(ck._KERNELS)
     _assert_close(w_fast, w_ref, dtype)
     _assert_states_close(s_fast, s_ref, dtype)
     # "numba" names the NumPy kernels: on CuPy it is the reference
     if not _kernels.AVAILABLE:
         return  # kernels="numba" needs numba installed
     monkeypatch.setattr(ck, "_KERNELS", {})
-    w_numba, _ = _trajectory(cp, name, dtype, shape, "numba", host_count=host_count)
+    w_numba, _ = _trajectory(cp, name, dtype, shape, "numba", host_count=host_count, weight_decay=weight_decay)
     assert ck._KERNELS == {}
     _assert_close(w_numba, w_ref, dtype)
 
@@ -340,17 +814,43 @@ def test_cupy_direction_route_equals_the_reference(cp: Any, name: str, dtype: st
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("shape", [(6, 9), (9, 6), (7,), (2, 3, 4)])
 @pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
 def test_cupy_update_in_place_equals_the_functional_update(
-    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool
+    cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, weight_decay: float
 ) -> None:
-    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count)
-    w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, in_place=True)
+    kw = dict(host_count=host_count, weight_decay=weight_decay)
+    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", **kw)
+    w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", in_place=True, **kw)
     # the same operations on the same operands (no contraction): expected bit for bit; checked to rounding
     tight = {"float64": 1e-14, "float32": 1e-6}[dtype]
     np.testing.assert_allclose(to_np(w_i), to_np(w_f), rtol=tight, atol=tight * float(np.max(np.abs(to_np(w_f)))))
     _assert_states_close(s_i, s_f, dtype)
-    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", host_count=host_count, in_place=True)
+    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", in_place=True, **kw)
     _assert_close(w_i, w_r, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("host_count", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])
+def test_cupy_multi_step_equals_step(
+    cp: Any, name: str, dtype: str, host_count: bool, weight_decay: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # multi_step's device path (an entrywise family's moments and direction in one flat group per dtype and step,
+    # the refreshes due batched by refresh_bases) against ar.step per parameter.  A stacked decomposition gives
+    # refresh_basis's bases to rounding, so RTOL, on the small shapes, as between two backends
+    # (test_cupy_kernels_equal_numpy); bit for bit on the CPU (the test ..._evaluated_on_the_cpu_equals_step...)
+    shapes = SHAPES[:-1]
+    monkeypatch.setattr(ck, "_KERNELS", {})
+    params, states = _multi_trajectory(cp, name, dtype, shapes, "auto", host_count=host_count,
+                                       weight_decay=weight_decay)  # fmt: skip
+    assert ck._KERNELS, "the CuPy route did not run"
+    for shape, w, state in zip(shapes, params, states, strict=True):
+        w_ref, s_ref = _trajectory(cp, name, dtype, shape, "auto", host_count=host_count, weight_decay=weight_decay)
+        assert tuple(w.shape) == shape and int(state.count) == int(s_ref.count) == 7
+        _assert_close(w, w_ref, dtype)
+        _assert_states_close(state, s_ref, dtype)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,11 @@ would be a C ``double``), each entry is the same sequence of operations as the r
 reductions are CuPy's (``cupy.sum``), or a summation kernel where the reference's ``mean(U * U)`` would form
 an ``m x n`` temporary; their summation order may differ, so results agree with the reference to rounding
 (``tests/test_cupy_kernels.py``, ``rtol = 1e-12`` in float64 and ``1e-5`` in float32).
+
+Checked without a GPU (``tests/test_cupy_kernels.py``): CuPy's generated source of every kernel compiles with
+NVRTC for ``compute_80`` and ``compute_90``, its PTX free of fused multiply-adds, with IEEE division and square
+root, and no float64 in a float32 kernel; the bodies, evaluated by NumPy in the kernel's dtype, reproduce
+``kernels="reference"`` bit for bit.
 """
 
 from __future__ import annotations
@@ -129,11 +134,14 @@ def elementwise(name: str, in_params: str, out_params: str, operation: str) -> A
 
 def sum_of_squares(x: Any) -> Any:
     """``sum(x * x)`` over every entry, a 0-d CuPy array of ``x``'s dtype (accumulated in it, as ``cupy.sum``
-    does), without the ``x * x`` temporary of ``mean(x * x)``."""
+    does), without the ``x * x`` temporary of ``mean(x * x)``.  Compiled with :data:`OPTIONS` as every kernel:
+    without them NVRTC contracts the accumulation ``s + x * x`` into a fused multiply-add."""
     kernel = _KERNELS.get("adadiag_sum_of_squares")
     if kernel is None:
         import cupy
 
-        kernel = cupy.ReductionKernel("T x", "T y", "x * x", "a + b", "y = a", "0", "adadiag_sum_of_squares")
+        kernel = cupy.ReductionKernel(
+            "T x", "T y", "x * x", "a + b", "y = a", "0", "adadiag_sum_of_squares", options=OPTIONS
+        )
         _KERNELS["adadiag_sum_of_squares"] = kernel
     return kernel(x)

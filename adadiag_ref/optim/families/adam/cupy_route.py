@@ -21,7 +21,8 @@ multiply-add contraction).  The routes:
 
 Applies when ``cfg.kernels == "auto"`` and the arrays are CuPy float32/float64 of one dtype
 (:func:`adadiag_ref._kernels.cupy_kernels.selected`); ``None`` / ``False`` otherwise, and the numba or
-reference code runs.  Equal to the reference to rounding (``tests/test_cupy_kernels.py``, on a CUDA machine).
+reference code runs.  Equal to the reference to rounding (``tests/test_cupy_kernels.py``: marked ``gpu``, not
+run on a GPU yet; on the CPU, the kernel bodies evaluated by NumPy give the reference's bits).
 """
 
 from __future__ import annotations
