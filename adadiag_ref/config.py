@@ -130,6 +130,8 @@ class BaseConfig:
             heads (``docs/embedding.md``).  The default 0 is the unbatched rule
             (an ``(E, d, f)`` tensor is one ``E x (d f)`` matrix, as a conv kernel).
             A parameter with fewer than ``batch_dims`` dimensions raises ``ValueError``.
+            The fused kernels (``kernels``) take single matrices: a stack takes
+            the reference code, whose statistics are per matrix.
     """
 
     name: str = "adamw"

@@ -526,8 +526,11 @@ def core_alias(
     numeric argument can be injected with ``optax.inject_hyperparams`` and is
     traced under ``jax.jit`` (``update_freq`` included: the refresh predicate
     takes a traced period); ``update_freq=None`` and the family options that
-    shape the state (``max_basis_dim``, ``momentum``, ``relative_step``, ...)
-    stay static.  ``init`` reads only static values, so it jits with injected
+    shape the state (``max_basis_dim``, ``momentum``, ``relative_step``,
+    ``batch_dims``, ...) stay static.  ``batch_dims=k`` makes every leaf
+    ``prod(shape[:k])`` independent matrices (stacked experts; give such leaves
+    their own alias with ``optax.multi_transform``); a leaf with fewer than ``k``
+    dimensions raises ``ValueError`` naming its path in ``init``.  ``init`` reads only static values, so it jits with injected
     hyperparameters too (``_init_fn``).  The Adafactor family also takes
     ``optax.adafactor``'s keywords of the same meaning (``_from_optax_names``).
     """

@@ -172,7 +172,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
-            ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``).
+            ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``, ``batch_dims``).
+            ``batch_dims=k`` in a param group (e.g. stacked expert weights ``(E, d, f)`` with ``k = 1``) makes
+            every parameter of that group ``prod(shape[:k])`` independent matrices, each with its own bases
+            (``docs/embedding.md``); a parameter of the group with fewer than ``k`` dimensions raises
+            ``ValueError`` naming it at the first ``step()``, before any state exists.
 
     Errors: invalid hyperparameters raise ``ValueError`` with torch.optim's
     messages (``Invalid learning rate: nan``), at construction, in

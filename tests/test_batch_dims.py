@@ -320,3 +320,19 @@ def test_warnings_do_not_leak():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ar.refresh_basis(ar.init(w0, cfg), grads[0], cfg)
+
+
+@pytest.mark.parametrize("name", ["adadiag_pp", "adafacdiag", "hfacdiag"])
+def test_every_backend_runs_a_stack(xp, name):
+    """On each array-API backend (the reference code's per-matrix statistics, the stacked refresh through
+    ``canonical_svd_batch``: one stacked decomposition on torch and JAX) each matrix of the stack equals its own
+    run on that backend (the backends' SVDs complete AdaDiag++'s null space differently, 1.5e-10 apart, so
+    each is compared with itself)."""
+    from conftest import to_np
+
+    w0, grads = _stream((2,), (5, 3), steps=5)
+    options = dict(OPTIONS, update_freq=2)
+    got = to_np(ar.replay(name, xp.asarray(w0), xp.asarray(grads), batch_dims=1, **options))
+    for e in range(2):
+        alone = ar.replay(name, xp.asarray(w0[e, ...]), xp.asarray(grads[:, e, ...]), **options)
+        assert_close(got[:, e], to_np(alone))
