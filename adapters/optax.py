@@ -530,8 +530,8 @@ def core_alias(
     ``batch_dims``, ...) stay static.  ``batch_dims=k`` makes every leaf
     ``prod(shape[:k])`` independent matrices (stacked experts; give such leaves
     their own alias with ``optax.multi_transform``); a leaf with fewer than ``k``
-    dimensions raises ``ValueError`` naming its path in ``init``.  ``init`` reads only static values, so it jits with injected
-    hyperparameters too (``_init_fn``).  The Adafactor family also takes
+    dimensions raises ``ValueError`` naming its path in ``init``.  ``init`` reads
+    only static values, so it jits with injected hyperparameters too (``_init_fn``).  The Adafactor family also takes
     ``optax.adafactor``'s keywords of the same meaning (``_from_optax_names``).
     """
     # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.
