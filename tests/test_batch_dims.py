@@ -25,6 +25,7 @@ from reference import reference
 import adadiag_ref as ar
 from adadiag_ref.memory import state_nbytes
 from adadiag_ref.optim.core import NonFiniteGradientWarning
+from adadiag_ref.optim.families import family_of
 
 NAMES = list(ar.OPTIMIZERS)
 RTOL = 1e-12
@@ -130,15 +131,17 @@ def test_multi_step_on_torch_stacks_and_refreshes_as_one():
         assert_close(params[0].numpy(), np.stack([p.numpy() for p in experts]))
 
 
-def test_update_in_place_on_numpy_stack():
-    cfg = ar.make_config("adafacdiag_pp", batch_dims=1, **OPTIONS)
+@pytest.mark.parametrize("name", ["adadiag", "adamw", "adafacdiag_pp"])
+def test_update_in_place_on_numpy_stack(name):
+    """``update_in_place`` (the Adam family's numba in-place route must decline the stack) equals ``update``."""
+    cfg = ar.make_config(name, batch_dims=1, **OPTIONS)
     w0, grads = _stream((3,), (4, 6))
     state = ar.refresh_basis(ar.init(w0, cfg), grads[0], cfg)
     delta, want = ar.update(state, grads[0], cfg, w0, refreshed=True)
     w = w0.copy()
     got = ar.update_in_place(state, grads[0], cfg, w, refreshed=True)
     assert_close(w, w0 + delta)
-    for field in ("M", "r", "s"):
+    for field in family_of(cfg).moment_fields:
         assert_close(getattr(got, field), getattr(want, field))
 
 
