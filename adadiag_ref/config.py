@@ -118,6 +118,20 @@ class BaseConfig:
             tensors and with torch's own ``sqrt``, bit for bit the torch
             reference.  JAX and CUDA torch always take the reference code.  An
             execution choice, not a hyperparameter: golden files do not record it.
+        batch_dims: how many leading dimensions of a parameter index independent
+            matrices.  A parameter of shape ``(*B, *S)`` with ``len(B) == batch_dims``
+            is ``prod(B)`` independent parameters of shape ``S``, each optimized
+            exactly as a parameter of shape ``S`` alone (its own bases, moments,
+            clipping and parameter scale); the state carries the leading ``B``
+            (``P`` of shape ``(*B, m, m)``, moments ``(*B, m, n)``) and a refresh
+            decomposes the whole stack at once
+            (:func:`~adadiag_ref.linalg.canonical_svd_batch`).  For stacked
+            expert weights ``(E, d, f)`` (``batch_dims=1``) and stacked attention
+            heads (``docs/embedding.md``).  The default 0 is the unbatched rule
+            (an ``(E, d, f)`` tensor is one ``E x (d f)`` matrix, as a conv kernel).
+            A parameter with fewer than ``batch_dims`` dimensions raises ``ValueError``.
+            The fused kernels (``kernels``) take single matrices: a stack takes
+            the reference code, whose statistics are per matrix.
     """
 
     name: str = "adamw"
@@ -132,6 +146,7 @@ class BaseConfig:
     state_dtype: str | None = None
     basis_method: str = "auto"
     kernels: Kernels = "auto"
+    batch_dims: int = 0
 
     family: str = field(default="adam", init=False)
 
@@ -166,6 +181,11 @@ class BaseConfig:
         _check(
             isinstance(self.basis_method, str) and self.basis_method in BASIS_METHODS,
             f"basis_method must be one of {', '.join(repr(m) for m in BASIS_METHODS)}, got {self.basis_method!r}",
+        )
+        _check(
+            isinstance(self.batch_dims, int) and not isinstance(self.batch_dims, bool) and self.batch_dims >= 0,
+            f"batch_dims must be an int >= 0 (leading dimensions that index independent matrices), "
+            f"got {self.batch_dims!r}",
         )
         _check(self.kernels in KERNELS, f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {self.kernels!r}")
         _check(

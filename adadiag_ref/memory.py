@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .config import BaseConfig, make_config
 from .optim import init
 from .optim.core import SlowRefreshWarning
@@ -129,6 +131,10 @@ class _Shape:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    def __add__(self, other: _Shape) -> _Shape:
+        """The broadcast sum's shape (``init`` stacks identity bases as ``I + zeros((*B, k, k))``)."""
+        return _Shape(tuple(int(d) for d in _broadcast_shape(self.shape, other.shape)), self.dtype)
+
 
 class _ShapeNamespace:
     """Just enough of the array API for :func:`adadiag_ref.init` to lay out a state."""
@@ -146,6 +152,11 @@ class _ShapeNamespace:
 
 
 _SHAPE_XP = _ShapeNamespace()
+
+
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy's broadcast of two shapes, without arrays."""
+    return tuple(np.broadcast_shapes(a, b))
 
 
 def _state_elements(shape: tuple[int, ...], cfg: BaseConfig) -> int:

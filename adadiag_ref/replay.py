@@ -44,7 +44,9 @@ def replay(
         eps: the smoothing term epsilon; ``None`` takes the family default
             (1e-8 for the Adam family, 1e-30 added to ``G~^2`` otherwise).
         **family_options: extra config fields, e.g. ``momentum=False``,
-            ``clip_threshold``, ``beta2_schedule``, ``max_basis_dim``.
+            ``clip_threshold``, ``beta2_schedule``, ``max_basis_dim``,
+            ``batch_dims`` (``w0`` of shape ``(*B, *S)``: ``prod(B)`` independent
+            parameters of shape ``S``, :attr:`~adadiag_ref.config.BaseConfig.batch_dims`).
 
     Returns:
         An array of shape ``(K, *w0.shape)`` on ``w0``'s backend and device:

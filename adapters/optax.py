@@ -59,7 +59,7 @@ import numpy as np
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig
 from adadiag_ref.optim.core import check_orientation, preconditioned_direction, work_dtype
-from adadiag_ref.optim.layout import from_work, transposed_frame
+from adadiag_ref.optim.layout import from_work, split_batch, transposed_frame
 
 __all__ = [
     "ALIASES",
@@ -289,7 +289,7 @@ def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseCo
     check_orientation(state, tuple(grad.shape))
     cfg = _leaf_config(opts, state)
     due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
-    state, refreshed = _refresh(_parameter_oriented(state, tuple(grad.shape)), grad, cfg, due)
+    state, refreshed = _refresh(_parameter_oriented(state, tuple(grad.shape), cfg.batch_dims), grad, cfg, due)
     return cfg, state, refreshed
 
 
@@ -304,7 +304,7 @@ def _split(tree: Any, outputs: Any) -> tuple[Any, Any]:
     return updates, states
 
 
-def _parameter_oriented(state: Any, shape: tuple[int, ...]) -> Any:
+def _parameter_oriented(state: Any, shape: tuple[int, ...], batch_dims: int = 0) -> Any:
     """A leaf's core state with its moment matrices transposed when the parameter is tall and not rotated (its
     own inverse).
 
@@ -316,24 +316,28 @@ def _parameter_oriented(state: Any, shape: tuple[int, ...]) -> Any:
     applies on the way in and out cancel in XLA, and the step runs in the parameter's order.  A rotated leaf
     (``P`` present) keeps the core's orientation: there ``G~ = P^T G`` and ``P U~`` are GEMMs, whose operands
     and results XLA lays out in either order at no cost, and re-oriented moments would only add transposes
-    (1.5x the time of an AdaDiag step on LLaMA-60M's shapes on a CPU).
+    (1.5x the time of an AdaDiag step on LLaMA-60M's shapes on a CPU).  With ``batch_dims > 0`` each matrix of
+    the stack is transposed (the moments ``(*B, m, n)``, not the factored vectors ``(*B, m)``).
     """
-    if state.P is not None or not transposed_frame(shape):
+    if state.P is not None or not transposed_frame(shape, batch_dims):
         return state  # a rotated leaf meets G only through GEMMs, which XLA lays out as needed
     moments = state._fields[3:-1]  # (count, P, Q, *moments, param_shape): the registry's field order
-    matrices = [f for f in moments if getattr(state, f) is not None and getattr(state, f).ndim == 2]
+    matrices = [f for f in moments if getattr(state, f) is not None and getattr(state, f).ndim == 2 + batch_dims]
     return state._replace(**{f: jnp.matrix_transpose(getattr(state, f)) for f in matrices})
 
 
-def core_states(state: CoreTransformState, params: Any) -> Any:
+def core_states(state: CoreTransformState, params: Any, *, batch_dims: int = 0) -> Any:
     """The core's states (``ar.init``'s shapes: moments in the work frame) of a :class:`CoreTransformState`.
 
     ``params`` gives each leaf's shape (the parameters, or anything shaped like them).  The moment matrices
     of a tall parameter without a basis are transposed back (:class:`CoreTransformState`); every other field
     is returned as is, so ``ar.update(core_states(state, params)[k], ...)`` continues the adapter's trajectory.
+    ``batch_dims``: the option the transformation was built with (which matrices a leaf's moments stack).
     """
     # params' structure is a prefix of the states': each parameter leaf meets its whole core state
-    return jax.tree.map(lambda param, leaf: _parameter_oriented(leaf, tuple(np.shape(param))), params, state.states)
+    return jax.tree.map(
+        lambda param, leaf: _parameter_oriented(leaf, tuple(np.shape(param)), batch_dims), params, state.states
+    )
 
 
 def _init_leaf(param: jax.Array, cfg: BaseConfig) -> Any:
@@ -346,8 +350,8 @@ def _init_leaf(param: jax.Array, cfg: BaseConfig) -> Any:
     shape = tuple(param.shape)
     sharding = getattr(param, "sharding", None)
     if sharding is not None and len(sharding.device_set) > 1:
-        return jax.jit(lambda p: _parameter_oriented(ar.init(p, cfg), shape))(param)
-    return _parameter_oriented(ar.init(param, cfg), shape)
+        return jax.jit(lambda p: _parameter_oriented(ar.init(p, cfg), shape, cfg.batch_dims))(param)
+    return _parameter_oriented(ar.init(param, cfg), shape, cfg.batch_dims)
 
 
 def _check_update_args(params: Any, needs_params: bool) -> None:
@@ -372,7 +376,12 @@ def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
     """
 
     def init_fn(params: Any) -> CoreTransformState:
-        return CoreTransformState(states=jax.tree.map(lambda p: _init_leaf(p, opts.cfg), params))
+        def leaf(path: Any, p: jax.Array) -> Any:
+            # a leaf with fewer dimensions than batch_dims: ValueError naming the leaf, before any state exists
+            split_batch(tuple(np.shape(p)), opts.cfg.batch_dims, name=jax.tree_util.keystr(path))
+            return _init_leaf(p, opts.cfg)
+
+        return CoreTransformState(states=jax.tree_util.tree_map_with_path(leaf, params))
 
     return init_fn
 
@@ -454,7 +463,7 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
             cfg, s, refreshed = _refreshed_leaf(g, s, opts)  # the core's orientation (transposes XLA cancels)
             u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
-            return _in_param_frame(u, step_in, w), _parameter_oriented(new_state, tuple(g.shape))
+            return _in_param_frame(u, step_in, w), _parameter_oriented(new_state, tuple(g.shape), cfg.batch_dims)
 
         outputs = jax.tree.map(leaf, updates, state.states, weights)
         directions, states = _split(updates, outputs)
@@ -483,7 +492,7 @@ def _fused_core(
         def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
             cfg, s, refreshed = _refreshed_leaf(g, s, opts)
             delta, new_state = ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)
-            return delta, _parameter_oriented(new_state, tuple(g.shape))
+            return delta, _parameter_oriented(new_state, tuple(g.shape), cfg.batch_dims)
 
         outputs = jax.tree.map(leaf, updates, state.states, params)
         deltas, states = _split(updates, outputs)
@@ -517,9 +526,12 @@ def core_alias(
     numeric argument can be injected with ``optax.inject_hyperparams`` and is
     traced under ``jax.jit`` (``update_freq`` included: the refresh predicate
     takes a traced period); ``update_freq=None`` and the family options that
-    shape the state (``max_basis_dim``, ``momentum``, ``relative_step``, ...)
-    stay static.  ``init`` reads only static values, so it jits with injected
-    hyperparameters too (``_init_fn``).  The Adafactor family also takes
+    shape the state (``max_basis_dim``, ``momentum``, ``relative_step``,
+    ``batch_dims``, ...) stay static.  ``batch_dims=k`` makes every leaf
+    ``prod(shape[:k])`` independent matrices (stacked experts; give such leaves
+    their own alias with ``optax.multi_transform``); a leaf with fewer than ``k``
+    dimensions raises ``ValueError`` naming its path in ``init``.  ``init`` reads
+    only static values, so it jits with injected hyperparameters too (``_init_fn``).  The Adafactor family also takes
     ``optax.adafactor``'s keywords of the same meaning (``_from_optax_names``).
     """
     # optax.inject_hyperparams binds the signature and passes ``**family_options`` back as one keyword.

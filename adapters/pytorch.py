@@ -51,7 +51,7 @@ from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.core import _check_static, prepare_step
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.layout import Layout, from_work, layout_for
+from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch
 from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
@@ -172,7 +172,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
-            ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``).
+            ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``, ``batch_dims``).
+            ``batch_dims=k`` in a param group (e.g. stacked expert weights ``(E, d, f)`` with ``k = 1``) makes
+            every parameter of that group ``prod(shape[:k])`` independent matrices, each with its own bases
+            (``docs/embedding.md``); a parameter of the group with fewer than ``k`` dimensions raises
+            ``ValueError`` naming it at the first ``step()``, before any state exists.
 
     Errors: invalid hyperparameters raise ``ValueError`` with torch.optim's
     messages (``Invalid learning rate: nan``), at construction, in
@@ -304,11 +308,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                 grad = self._checked_grad(p, group)
                 flat: dict[str, torch.Tensor] = self.state.get(p) or {}
                 fresh = not flat
+                where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+                # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
+                split_batch(tuple(p.shape), cfg.batch_dims, name=label)
                 if fresh:
                     flat = from_core_state(ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
-                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach, group_index))
         self._check_finite(work)
         counts = _host_counts(work)  # host counters: no device sync

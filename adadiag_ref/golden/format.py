@@ -91,10 +91,14 @@ def config_to_dict(cfg: BaseConfig) -> dict[str, Any]:
     ``basis_method`` is written only when it is not ``"svd"`` (:data:`GOLDEN_BASIS_METHOD`).
     ``kernels`` is left out: it chooses who computes (numba or the reference
     code, equal to rounding), not what, so a golden case does not depend on it.
+    ``batch_dims`` (added after format version 1) is written only when it is not 0, so the shipped manifests
+    regenerate byte for byte.
     """
     out: dict[str, Any] = {}
     for f in fields(cfg):
         if not f.init or f.name == "kernels" or (f.name == "basis_method" and cfg.basis_method == GOLDEN_BASIS_METHOD):
+            continue
+        if f.name == "batch_dims" and cfg.batch_dims == 0:
             continue
         value = getattr(cfg, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value

@@ -22,10 +22,10 @@ import numpy as np
 
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, state_dtype
 from ..config import BaseConfig
-from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd
+from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
 from .dispatch import direction as family_direction
 from .families import State, family_of
-from .layout import Layout, from_work, layout_for, to_work
+from .layout import Layout, from_work, layout_for, split_batch, to_work
 from .rotation import rotate, unrotate
 from .schedules import host_step, learning_rate
 from .tail import parameter_delta
@@ -48,15 +48,23 @@ __all__ = [
 ]
 
 
-def _in_parameter_order(x: Array | None, xp: Namespace) -> Array | None:
-    """A zero ``m x n`` state matrix of a tall parameter, stored as the transpose of an ``n x m`` array.
+def _in_parameter_order(x: Array | None, batch: tuple[int, ...], xp: Namespace) -> Array | None:
+    """A zero ``m x n`` state matrix of a tall parameter, stored as the transpose of an ``n x m`` array (each
+    matrix of a stack ``(*B, m, n)``; vectors unchanged).
 
     Shapes stay those of the work frame; only the memory order follows the
     parameter, so that ``G``, ``W`` and the moments are traversed in one order.
     """
-    if x is None or x.ndim != 2:
+    if x is None or x.ndim != 2 + len(batch):
         return x
-    return xp.matrix_transpose(xp.zeros((x.shape[1], x.shape[0]), dtype=x.dtype, device=creation_device(x)))
+    shape = (*batch, x.shape[-1], x.shape[-2])
+    return xp.matrix_transpose(xp.zeros(shape, dtype=x.dtype, device=creation_device(x)))
+
+
+def _identity(k: int, batch: tuple[int, ...], dtype: Any, device: Any, xp: Namespace) -> Array:
+    """``I_k``, or a stack ``(*B, k, k)`` of them (a new array, not a broadcast view: bases are replaced in place)."""
+    eye = xp.eye(k, dtype=dtype, device=device)
+    return eye + xp.zeros((*batch, k, k), dtype=dtype, device=device) if batch else eye
 
 
 SLOW_REFRESH_SIDE = 2048
@@ -97,7 +105,9 @@ def _warn_slow_refresh(layout: Layout, dtype: Any, xp: Namespace) -> None:
 def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State:
     """Initial state: zero moments, identity bases, ``count = 0``.
 
-    Shapes follow :func:`~adadiag_ref.optim.layout.layout_for`; the dtype is the
+    Shapes follow :func:`~adadiag_ref.optim.layout.layout_for` (with ``cfg.batch_dims > 0`` every field but
+    ``count`` and ``param_shape`` carries the leading batch shape ``B``: ``P`` is ``(*B, m, m)``, the moments
+    ``(*B, m, n)`` or ``(*B, m)``); the dtype is the
     state dtype of ``param`` (float64 for float64, float32 otherwise).
     ``param_shape`` records ``param.shape`` (a zero-size array, :data:`adadiag_ref.optim.families.State`)
     so that a state is refused for a parameter of another orientation.
@@ -110,16 +120,17 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     device = creation_device(param)
     m, n = layout.rows, layout.cols
     _warn_slow_refresh(layout, dtype, xp)
-    P = xp.eye(m, dtype=dtype, device=device) if layout.rotate_left else None
-    Q = xp.eye(n, dtype=dtype, device=device) if layout.rotate_right else None
+    batch = layout.batch
+    P = _identity(m, batch, dtype, device, xp) if layout.rotate_left else None
+    Q = _identity(n, batch, dtype, device, xp) if layout.rotate_right else None
     count = xp.zeros((), dtype=xp.int32, device=device)
     family = family_of(cfg)
     moments = {
-        name: None if shape is None else xp.zeros(shape, dtype=dtype, device=device)
+        name: None if shape is None else xp.zeros((*batch, *shape), dtype=dtype, device=device)
         for name, shape in family.moment_shapes(cfg, m, n).items()
     }
     if layout.transposed:
-        moments = {name: _in_parameter_order(value, xp) for name, value in moments.items()}
+        moments = {name: _in_parameter_order(value, batch, xp) for name, value in moments.items()}
     param_shape = xp.zeros((0, *layout.shape), dtype=dtype, device=device)
     return family.state_type(count=count, P=P, Q=Q, **moments, param_shape=param_shape)  # type: ignore[no-any-return]
 
@@ -210,6 +221,12 @@ def refresh_basis(
 
     A kept basis is returned as the very same objects (``new.P is state.P``).  ``count`` (the steps taken, a
     host int, as in :func:`step`) only names the step in messages, without reading the state's counter.
+
+    A stack (``cfg.batch_dims > 0``) is refreshed as one batched decomposition
+    (:func:`~adadiag_ref.linalg.canonical_svd_batch`: one stacked call on a device backend; on NumPy each
+    matrix's :func:`~adadiag_ref.linalg.canonical_svd`, so each basis is bit for bit its own run's), and as one
+    unit under the failure policy: when any of its matrices holds NaN or Inf or cannot be decomposed, every
+    matrix of the stack keeps its previous basis.
     """
     _check_failure_policy(on_nonfinite, on_failure)
     xp = namespace(grad, xp=xp)
@@ -220,9 +237,7 @@ def refresh_basis(
     g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
     label = f"gradient of {_where(name, state, layout.shape, count)}"
     try:
-        svd = canonical_svd(
-            g, compute_p=True, compute_q=layout.rotate_right, method=cfg.basis_method, label=label, xp=xp
-        )
+        P, Q = _decompose(g, layout, cfg.basis_method, label, xp)
     except NonFiniteInputError:
         message = f"the {label} contains NaN or Inf"
         if on_nonfinite == "raise":
@@ -234,7 +249,31 @@ def refresh_basis(
             raise
         warnings.warn(f"{exc}; kept the previous basis", DecompositionWarning, stacklevel=2)
         return state
-    return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
+    return state._replace(P=P, Q=Q)
+
+
+def _decompose(g: Array, layout: Layout, method: str, label: str, xp: Namespace) -> tuple[Array, Array | None]:
+    """``(P, Q)`` of the work-frame gradient ``g`` (``Q`` only where the layout rotates the right side): its
+    :func:`~adadiag_ref.linalg.canonical_svd`, or for a stack ``(*B, m, n)`` the canonical SVD of every matrix by
+    one :func:`~adadiag_ref.linalg.canonical_svd_batch` (a matrix it leaves undecided takes ``canonical_svd``,
+    which raises as for one matrix), restacked as ``(*B, m, m)`` and ``(*B, n, n)``."""
+    right = layout.rotate_right
+    if not layout.batch:
+        svd = canonical_svd(g, compute_p=True, compute_q=right, method=method, label=label, xp=xp)
+        return svd.P, svd.Q if right else None
+    m, n = layout.rows, layout.cols
+    flat = xp.reshape(g, (-1, m, n))
+    matrices = [flat[i, ...] for i in range(flat.shape[0])]
+    decided = canonical_svd_batch(matrices, compute_p=True, compute_q=right, method=method, xp=xp)
+    svds = [
+        svd
+        if svd is not None
+        else canonical_svd(G, compute_p=True, compute_q=right, method=method, label=f"{label}, matrix {i}", xp=xp)
+        for i, (G, svd) in enumerate(zip(matrices, decided, strict=True))
+    ]
+    P = xp.reshape(xp.stack([svd.P for svd in svds]), (*layout.batch, m, m))
+    Q = xp.reshape(xp.stack([svd.Q for svd in svds]), (*layout.batch, n, n)) if right else None
+    return P, Q
 
 
 def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) -> Array:
@@ -248,10 +287,11 @@ def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) 
     trajectory backend-dependent.  Entries with
     ``|G~_ij| <= max(m, n) eps(dtype) ||G||_F`` (the rank tolerance of
     :func:`~adadiag_ref.linalg.canonical_svd`, with ``||G||_F >= sigma_max``) are
-    set to 0 when ``refreshed`` is true.
+    set to 0 when ``refreshed`` is true.  For a stack ``(*B, m, n)`` the rule holds per matrix (its own norm).
     """
-    m, n = g.shape
-    tol = max(m, n) * float(xp.finfo(g.dtype).eps) * xp.sqrt(xp.sum(g * g))
+    m, n = g.shape[-2:]
+    squares = xp.sum(g * g) if g.ndim == 2 else xp.sum(g * g, axis=(-2, -1), keepdims=True)
+    tol = max(m, n) * float(xp.finfo(g.dtype).eps) * xp.sqrt(squares)
     noise = xp.abs(g_rot) <= tol
     if refreshed is not True:
         noise = noise & refreshed
@@ -340,7 +380,7 @@ def update_prepared(
     layout, t, w = step_in.layout, step_in.t, step_in.w
     family = family_of(cfg)
     eta = learning_rate(cfg, lr)
-    for route in family.routes.update:
+    for route in () if layout.batch else family.routes.update:  # the fused routes take single matrices
         fused = route(state, layout, t, step_in.g_rot, w, cfg, eta, unrotate, xp)
         if fused is not None:
             work_delta, moments = fused
@@ -398,11 +438,11 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
     family = family_of(cfg)
     if not isinstance(state, family.state_type):
         raise ValueError(f"state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}")
-    m, n = layout.rows, layout.cols
+    m, n, batch = layout.rows, layout.cols, layout.batch
     expected = {
-        "P": (m, m) if layout.rotate_left else None,
-        "Q": (n, n) if layout.rotate_right else None,
-        **family.moment_shapes(cfg, m, n),
+        "P": (*batch, m, m) if layout.rotate_left else None,
+        "Q": (*batch, n, n) if layout.rotate_right else None,
+        **{k: None if v is None else (*batch, *v) for k, v in family.moment_shapes(cfg, m, n).items()},
     }
     for name in state._fields:
         if name in ("count", "param_shape"):
@@ -444,6 +484,7 @@ def check_inputs(
     the counter on the host, else read from the state).  One host synchronisation: the finiteness verdict.
     """
     xp = namespace(grad, param, xp=xp)
+    split_batch(tuple(param.shape), cfg.batch_dims, name=name)  # first: its message names the parameter
     _check_form(state, grad, cfg, param, xp)
     bad = count_nonfinite(grad, xp)
     if bad:
@@ -528,7 +569,7 @@ def _step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: A
     _check_form(state, grad, cfg, param, xp)
     routes = family_of(cfg).routes.step_owned
     # a parameter dtype other than the state's fails the route's own dtype check
-    fused_route = bool(routes) and out.flags.c_contiguous and cfg.kernels != "reference"
+    fused_route = bool(routes) and out.flags.c_contiguous and cfg.kernels != "reference" and not cfg.batch_dims
     scanned = refresh_due(int(state.count), cfg) or not fused_route
     if scanned:
         check_inputs(state, grad, cfg, param, xp=xp)

@@ -99,7 +99,7 @@ def update_in_place(
     spec = family_of(cfg)
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
     eta = learning_rate(cfg, lr)
-    for route in spec.routes.in_place:
+    for route in () if step_in.layout.batch else spec.routes.in_place:  # the routes take single matrices
         if route(state, step_in, cfg, param, eta, xp):
             return state._replace(count=state.count + 1)
     delta, new = update_prepared(state, step_in, cfg, param, lr, xp)

@@ -8,7 +8,11 @@
 * when the matrix has more rows than columns the work frame is its transpose,
   so the one-sided rotation acts on the smaller side and ``P`` is
   ``min(m, n) x min(m, n)``;
-* a side longer than ``max_basis_dim`` is not rotated (its basis is I).
+* a side longer than ``max_basis_dim`` is not rotated (its basis is I);
+* with ``batch_dims = k`` (:attr:`~adadiag_ref.config.BaseConfig.batch_dims`) a parameter of shape
+  ``(*B, *S)``, ``len(B) == k``, is a stack of ``prod(B)`` parameters of shape ``S``: the rules above apply to
+  ``S``, and every work-frame array carries the leading ``B`` (``(*B, m, n)``), so that rotations are matrix
+  products over the stack and every statistic is taken per matrix (over the last two axes).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import NamedTuple
 from .._xp import Array, Namespace
 from ..config import BaseConfig
 
-__all__ = ["Layout", "from_work", "layout_for", "to_work", "transposed_frame"]
+__all__ = ["Layout", "from_work", "layout_for", "split_batch", "to_work", "transposed_frame"]
 
 
 class Layout(NamedTuple):
@@ -31,6 +35,7 @@ class Layout(NamedTuple):
     transposed: bool
     rotate_left: bool  # P exists (m x m)
     rotate_right: bool  # Q exists (n x n)
+    batch: tuple[int, ...] = ()  # B, the leading dimensions of independent matrices (cfg.batch_dims of them)
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -42,31 +47,47 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def transposed_frame(shape: tuple[int, ...]) -> bool:
-    """Whether a parameter of ``shape`` works in its transpose (a matrix with more rows than columns); the
-    same for every config."""
-    a, b = _matrix_shape(tuple(int(d) for d in shape))
+def transposed_frame(shape: tuple[int, ...], batch_dims: int = 0) -> bool:
+    """Whether a parameter of ``shape`` works in its transpose (a matrix with more rows than columns; for a
+    stack, ``batch_dims > 0``, each matrix of it); the same for every config of that ``batch_dims``."""
+    a, b = _matrix_shape(split_batch(tuple(int(d) for d in shape), batch_dims)[1])
     return a > b
 
 
+def split_batch(
+    shape: tuple[int, ...], batch_dims: int, *, name: str | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(B, S)``: the leading ``batch_dims`` dimensions of ``shape`` and the shape of each parameter of the stack
+    (``ValueError`` when ``shape`` has fewer dimensions; ``name`` labels the parameter in its message)."""
+    if len(shape) < batch_dims:
+        who = f"parameter {name!r}" if name else "a parameter"
+        raise ValueError(
+            f"batch_dims={batch_dims} needs {who} with at least {batch_dims} dimensions (the leading ones "
+            f"index independent matrices), got shape {shape}"
+        )
+    return shape[:batch_dims], shape[batch_dims:]
+
+
 def layout_for(shape: tuple[int, ...], cfg: BaseConfig) -> Layout:
-    """Apply the shape rules to a parameter of ``shape`` under ``cfg``."""
+    """Apply the shape rules to a parameter of ``shape`` under ``cfg`` (to each matrix of the stack when
+    ``cfg.batch_dims > 0``; ``ValueError`` for a parameter with fewer than ``cfg.batch_dims`` dimensions)."""
     shape = tuple(int(d) for d in shape)
     if any(d == 0 for d in shape):
         raise ValueError(f"empty parameters are not supported, got shape {shape}")
-    a, b = _matrix_shape(shape)
+    batch, inner = split_batch(shape, cfg.batch_dims)
+    a, b = _matrix_shape(inner)
     transposed = a > b  # transposed_frame's rule, on the (a, b) already at hand
     m, n = (b, a) if transposed else (a, b)
-    matrix = len(shape) >= 2
+    matrix = len(inner) >= 2
     rotate_left = cfg.sides >= 1 and m <= cfg.max_basis_dim
     rotate_right = cfg.sides == 2 and matrix and rotate_left and n <= cfg.max_basis_dim
-    return Layout(shape, m, n, transposed, rotate_left, rotate_right)
+    return Layout(shape, m, n, transposed, rotate_left, rotate_right, batch)
 
 
 def to_work(x: Array, layout: Layout, xp: Namespace) -> Array:
-    """The ``m x n`` work-frame view of a parameter-shaped array."""
+    """The ``m x n`` work-frame view of a parameter-shaped array (``(*B, m, n)`` for a stack)."""
     a, b = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-    mat = xp.reshape(x, (a, b))
+    mat = xp.reshape(x, (*layout.batch, a, b))
     return xp.matrix_transpose(mat) if layout.transposed else mat
 
 

@@ -27,6 +27,7 @@ bit where both take the reference arithmetic, to rounding where one of them take
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -214,8 +215,9 @@ def refresh_bases(
     Every parameter the batch does not decide (NumPy, a group of one, a non-finite gradient, a failed
     stacked decomposition) takes :func:`~adadiag_ref.refresh_basis`, so the failure policy (``on_nonfinite``,
     ``on_failure``, the warnings and the kept bases) and the messages are exactly its.  The bases are those of
-    :func:`~adadiag_ref.refresh_basis` to rounding.  ``names`` and ``count`` (host ints, one for all or one per
-    parameter) only label messages.  Returns the new states, in order; moments untouched.
+    :func:`~adadiag_ref.refresh_basis` to rounding.  A stack of matrices (``cfg.batch_dims > 0``) is one
+    batched decomposition of its own (:func:`~adadiag_ref.refresh_basis`).  ``names`` and ``count`` (host
+    ints, one for all or one per parameter) only label messages.  Returns the new states, in order; moments untouched.
     """
     _check_failure_policy(on_nonfinite, on_failure)
     states_l, grads_l = list(states), list(grads)
@@ -231,12 +233,18 @@ def refresh_bases(
     for state, grad in zip(states_l, grads_l, strict=True):
         check_orientation(state, tuple(grad.shape))
     groups: dict[tuple[Any, ...], list[tuple[int, Array]]] = {}
+    out_of_group: list[int] = []
     for i, (state, grad) in enumerate(zip(states_l, grads_l, strict=True)):
         layout = layout_for(tuple(grad.shape), cfg)
-        if layout.rotate_left:
+        if layout.rotate_left and layout.batch:  # a stack: its own matrices make the batch (refresh_basis)
+            out_of_group.append(i)
+        elif layout.rotate_left:
             g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
             groups.setdefault((tuple(g.shape), g.dtype, layout.rotate_right), []).append((i, g))
     out = list(states_l)
+    for i in out_of_group:
+        out[i] = refresh_basis(states_l[i], grads_l[i], cfg, name=names_l[i], on_nonfinite=on_nonfinite,
+                               on_failure=on_failure, count=counts[i], xp=xp)  # fmt: skip
     for (_, _, right), members in groups.items():
         batch = canonical_svd_batch([g for _, g in members], compute_p=True, compute_q=right, method=cfg.basis_method,
                                     xp=xp)  # fmt: skip
@@ -267,8 +275,8 @@ def _pieces(flat: Array, like: list[Array], layouts: list[Any], xp: Namespace) -
     memory order."""
     out, start = [], 0
     for a, lay in zip(like, layouts, strict=True):
-        size = a.shape[0] * a.shape[1]
-        shape = (a.shape[1], a.shape[0]) if lay.transposed else tuple(a.shape)
+        size = math.prod(a.shape)
+        shape = (*a.shape[:-2], a.shape[-1], a.shape[-2]) if lay.transposed else tuple(a.shape)
         out.append(_in_memory_order(xp.reshape(flat[start : start + size], shape), lay, xp))
         start += size
     return out

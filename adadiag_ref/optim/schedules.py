@@ -135,12 +135,16 @@ def relative_step(lr: Any, t: Array, xp: Namespace) -> Any:
 
 
 def rms(x: Array, xp: Namespace) -> Array:
-    """Root mean square ``RMS(X) = sqrt(mean(X^2))`` over all entries."""
+    """Root mean square ``RMS(X) = sqrt(mean(X^2))`` over all entries; of a stack of matrices (``x.ndim > 2``,
+    ``batch_dims > 0``) per matrix, shape ``(*B, 1, 1)``."""
+    if x.ndim > 2:
+        return xp.sqrt(xp.mean(x * x, axis=(-2, -1), keepdims=True))
     return xp.sqrt(xp.mean(x * x))
 
 
 def clip_by_rms(u: Array, threshold: float | None, xp: Namespace) -> Array:
-    """Adafactor's update clipping ``clip(U) = U / max(1, RMS(U) / d)``; identity when d is None."""
+    """Adafactor's update clipping ``clip(U) = U / max(1, RMS(U) / d)`` (per matrix of a stack, :func:`rms`);
+    identity when d is None."""
     if threshold is None:
         return u
     ratio = rms(u, xp) / threshold

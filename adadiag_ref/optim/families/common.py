@@ -141,9 +141,10 @@ def ema(beta_t: Array, old: Array, new: Array) -> Array:
 
 
 def factored_sums(g: Array, eps: float, xp: Namespace) -> tuple[Array, Array]:
-    """``rho = (G~^2 + eps) 1_n`` (m,) and ``sigma = (G~^2 + eps)^T 1_m`` (n,): the inputs of ``r`` and ``s``."""
+    """``rho = (G~^2 + eps) 1_n`` (m,) and ``sigma = (G~^2 + eps)^T 1_m`` (n,): the inputs of ``r`` and ``s``
+    (``(*B, m)`` and ``(*B, n)`` for a stack ``(*B, m, n)``)."""
     sq = g * g + eps
-    return xp.sum(sq, axis=1), xp.sum(sq, axis=0)
+    return xp.sum(sq, axis=-1), xp.sum(sq, axis=-2)  # per matrix of a stack (*B, m, n)
 
 
 def factored_second_moment(
@@ -164,8 +165,10 @@ def normalise(g: Array, r: Array, s: Array, xp: Namespace) -> Array:
     The factored form avoids the product ``r_i s_j``, which underflows in float32
     when both are of the order of eps = 1e-30 (a zero row and a zero column).
     """
-    # vectors broadcast against G~ (no m x n temporary of its own) keep G~'s memory order
-    return g * (xp.sqrt(xp.sum(r)) / xp.sqrt(s))[None, :] / xp.sqrt(r)[:, None]
+    # vectors broadcast against G~ (no m x n temporary of its own) keep G~'s memory order; a stack's r (*B, m)
+    # and s (*B, n) give each matrix its own 1^T r
+    total = xp.sum(r) if r.ndim == 1 else xp.sum(r, axis=-1, keepdims=True)
+    return g * (xp.sqrt(total) / xp.sqrt(s))[..., None, :] / xp.sqrt(r)[..., :, None]
 
 
 # ----------------------------------------------------------------------------- continuous pieces

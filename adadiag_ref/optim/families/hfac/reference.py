@@ -66,16 +66,17 @@ class HfacODEState(NamedTuple):
 def direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
     """Algorithm HfacDiag (module docstring)."""
     assert isinstance(cfg, HfacConfig)
-    m, n = g.shape
+    m, n = g.shape[-2:]  # a stack (*B, m, n): every statistic per matrix, over the last two axes
     b1_t, b2_t = beta_hats(cfg, t, xp)
-    row_mean = xp.mean(g, axis=1)
-    col_mean = xp.mean(g, axis=0)
+    row_mean = xp.mean(g, axis=-1)
+    col_mean = xp.mean(g, axis=-2)
     u = common.ema(b1_t, state.u, row_mean)
     v = common.ema(b1_t, state.v, col_mean)
     r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
     phi = b1_t * (u - row_mean) / xp.sqrt(r / n)
     psi = b1_t * (v - col_mean) / xp.sqrt(s / m)
-    U = 0.5 * (phi[:, None] + psi[None, :]) + clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
+    clipped = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
+    U = 0.5 * (phi[..., :, None] + psi[..., None, :]) + clipped
     return U, {"u": u, "v": v, "r": r, "s": s}
 
 
