@@ -56,6 +56,8 @@ from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
 
+from . import _sharded
+
 __all__ = [
     "OPTIMIZER_CLASSES",
     "CoreOptimizer",
@@ -160,7 +162,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             rank (DDP), rank ``r`` decomposes only the ``j``-th matrices due for a
             refresh with ``j mod world_size == r`` and broadcasts their bases; the
             result is bit-identical to every rank decomposing every matrix.  Ignored
-            when no process group is initialised.
+            when no process group is initialised.  FSDP2 (DTensor) parameters are always
+            refreshed this way, over their mesh's ranks.
         foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for the
             Adam family (AdamW, AdaDiag, AdaDiag++): the moments, the direction and the tail of all parameters of
             a group run as a fixed number of ``torch._foreach_*`` calls (one launch each per device and dtype on
@@ -191,6 +194,17 @@ class CoreOptimizer(torch.optim.Optimizer):
     copies the gradients it decomposes to the host.  With ``foreach`` the sums
     are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
     device and dtype).
+
+    FSDP2 (``torch.distributed.fsdp.fully_shard``: DTensor parameters, rows split over the ranks) is handled by
+    :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged: where the rows a rank holds form a block of
+    whole, unrotated work-frame columns (or rows) and the family's direction is entrywise (the Adam family:
+    AdamW; AdaDiag on tall, 1-D and tall conv parameters), the step runs on the local shard with the moments
+    sharded like the parameter and nothing sent but the step's finiteness all-reduce; otherwise the whole
+    gradient (and ``W`` where the update reads it) is all-gathered, the state is whole on every rank and each
+    rank keeps its rows of the update.  Each refresh decomposes every matrix once across the ranks (an owner per
+    matrix, round-robin; the bases are broadcast).  The shards equal the single-process run, and DCP
+    (``get_/set_optimizer_state_dict``) saves and restores the sharded state (docs/adapters.md, "Sharded
+    training").
     """
 
     core_name: str = ""
@@ -313,12 +327,14 @@ class CoreOptimizer(torch.optim.Optimizer):
                 # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
                 if fresh:
-                    flat = from_core_state(ar.init(p, cfg))
+                    flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach, group_index))
+                sharded = _sharded.is_sharded(p)  # FSDP2: its own route (adapters/_sharded.py), never foreach
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index))
         self._check_finite(work)
         counts = _host_counts(work)  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
+        self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
         batches: dict[tuple[Any, ...], list[_Batched]] = {}
         for item, is_due, count in zip(work, due, counts, strict=True):
@@ -334,6 +350,12 @@ class CoreOptimizer(torch.optim.Optimizer):
                 key = (item.group_index, item.p.device, item.p.dtype, state.M.dtype, count)
                 batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
                 continue
+            if _sharded.is_sharded(item.p):
+                whole = self._whole_grads.get(id(item.p))
+                _sharded.update(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed, whole_grad=whole)
+                self._commit(item, new_bases)
+                item.flat["step"] += 1
+                continue
             # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
             ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
             self._commit(item, new_bases)
@@ -345,6 +367,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
+        self._whole_grads = {}
         return loss
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
@@ -373,12 +396,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly below
         order, reductions = _finiteness_sums(work)
-        sums = torch.stack([r.to(device) for r in reductions])
+        sums = _sharded.agree(torch.stack([r.to(device) for r in reductions]), [item.grad for item in work])
         finite = torch.isfinite(sums)
         if bool(finite.all()):  # the one synchronisation of a step without refresh
             return
         suspects = [work[order[int(i)]] for i in torch.nonzero(~finite).flatten()]
-        bad = next((item for item in suspects if not bool(torch.isfinite(item.grad).all())), None)
+        bad = next((item for item in suspects if not _sharded.all_finite(item.grad)), None)
         if bad is None:  # finite entries whose sum overflowed
             return
         raise ValueError(
@@ -395,6 +418,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         """
         dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
+        sharded = [_sharded.is_sharded(item.p) for item in items]
+        if any(sharded):  # FSDP2: gathered gradients, an owner per matrix (adapters/_sharded.py)
+            plain = iter(self._refresh([item for item, s in zip(items, sharded, strict=True) if not s]))
+            mine = [j for j, s in enumerate(sharded) if s]
+            split = iter(_sharded.refresh([items[j] for j in mine], [states[j] for j in mine], self._whole_grads))
+            return [next(split) if s else next(plain) for s in sharded]
         if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             # batched per config (ar.refresh_bases): one stacked decomposition per work shape on a device
             by_config: dict[BaseConfig, list[int]] = {}
@@ -407,26 +436,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                 for j, new in zip(members, fresh, strict=True):
                     news[j] = new
             return [(_bases(new), new.P is not old.P) for old, new in zip(states, news, strict=True)]
-        world, rank = dist.get_world_size(), dist.get_rank()
-        out = []
-        refreshed = torch.zeros(len(items), dtype=torch.int32, device=items[0].p.device if items else "cpu")
-        for j, (state, item) in enumerate(zip(states, items, strict=True)):
-            owner = j % world
-            if owner == rank:
-                new = ar.refresh_basis(state, item.grad, item.cfg, name=item.name)
-                refreshed[j] = int(new.P is not state.P)
-                state = new
-            else:  # receive into fresh buffers: the old bases stay intact until every refresh succeeded
-                state = state._replace(
-                    **{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None}
-                )
-            for basis in (state.P, state.Q):
-                if basis is not None:
-                    dist.broadcast(basis, src=owner)
-            out.append(_bases(state))
-        if items:  # each owner's flags, the others' zeros: one collective gives every rank every flag
-            dist.all_reduce(refreshed)
-        return list(zip(out, (bool(f) for f in refreshed.tolist()), strict=True))
+        return _sharded.owned_refresh(
+            states,
+            [item.grad for item in items],
+            [item.cfg for item in items],
+            [item.name for item in items],
+            device=items[0].p.device if items else "cpu",
+        )
 
     @staticmethod
     def _checked_grad(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
@@ -526,7 +542,9 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     IEEE sums never leave NaN or Inf again (``inf - inf`` is NaN), so a finite sum proves every entry finite in
     one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
     can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
-    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
+    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice.
+    A DTensor's sum is its local shard's (summed over the ranks by :func:`_sharded.agree`)."""
+    grad = _sharded.local(grad)
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.sum(grad, dtype=torch.float32)
     return torch.sum(grad)
@@ -719,7 +737,7 @@ def _bases(state: Any) -> dict[str, torch.Tensor]:
 
 def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, index: int) -> dict[str, torch.Tensor]:
     """A saved per-parameter state converted to this parameter (dtype, device), or ``ValueError``."""
-    expected = from_core_state(ar.init(p.detach(), cfg))
+    expected = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p.detach(), cfg))
     if set(saved) != set(expected):
         raise ValueError(
             f"state keys {sorted(saved)} of parameter {index} do not belong to optimizer {cfg.name!r} for a "
@@ -741,7 +759,7 @@ def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, i
                 f"state field {key!r} of parameter {index} has shape {got}, expected {tuple(want.shape)} for a "
                 f"parameter of shape {tuple(p.shape)} under {cfg.name!r}"
             )
-        out[key] = value.detach().to(device=p.device, dtype=want.dtype, copy=True)
+        out[key] = _sharded.conform(value, want)  # a copy with want's dtype, device (and DTensor placement)
     return out
 
 

@@ -320,14 +320,29 @@ def host_count(count: Any) -> int | None:
 
 
 def prepare_step(
-    state: State, grad: Array, cfg: BaseConfig, param: Array, refreshed: Any, xp: Namespace, count: int | None = None
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    refreshed: Any,
+    xp: Namespace,
+    count: int | None = None,
+    *,
+    block: Layout | None = None,
+    whole_grad: Array | None = None,
 ) -> StepInput:
     """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms).
 
     ``t = count + 1`` from the host counter when given (:func:`~adadiag_ref.optim.schedules.host_step`: the
     coefficients are then host numbers), else from the state's counter.
+
+    ``block`` (a sharded caller, ``adapters/_sharded.py``): ``param`` and ``grad`` are a block of whole columns
+    (or rows) of a larger parameter's work frame whose rotated sides the block holds entirely; ``block`` is their
+    layout (``rows``/``cols`` the block's, ``transposed`` and the rotated sides the whole parameter's) and the state
+    holds the block's moments.  ``whole_grad`` (the whole parameter's gradient, parameter-shaped) then sets the
+    noise floor's tolerance of a refresh step, so each entry of ``G~`` is zeroed exactly as in the whole step.
     """
-    layout = layout_for(tuple(param.shape), cfg)
+    layout = layout_for(tuple(param.shape), cfg) if block is None else block
     _check_static(state, grad, param, layout, cfg)
     dtype = work_dtype(state)
     # copy=False: no copy of G and W when they already have the state dtype (nothing here mutates them)
@@ -335,7 +350,10 @@ def prepare_step(
     w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
     g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
-        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+        whole = g
+        if whole_grad is not None:
+            whole = to_work(xp.astype(whole_grad, dtype, copy=False), layout_for(tuple(whole_grad.shape), cfg), xp)
+        g_rot = rotation_noise_floor(g_rot, whole, refreshed, xp)
     t = host_step(count, dtype, xp) if count is not None else xp.astype(state.count + 1, dtype)
     return StepInput(layout, t, g, w, g_rot)
 

@@ -23,6 +23,7 @@ from .._xp import Array, Namespace, namespace, native_module
 from ..config import BaseConfig
 from .core import host_count, prepare_step, update_prepared
 from .families import State, family_of
+from .layout import Layout
 from .schedules import learning_rate
 from .tail import commit
 
@@ -68,6 +69,8 @@ def update_in_place(
     refreshed: Any = False,
     count: int | None = None,
     xp: Namespace | None = None,
+    block: Layout | None = None,
+    whole_grad: Array | None = None,
 ) -> State:
     """``W <- W + delta`` and the moments overwritten, as :func:`~adadiag_ref.optim.update` defines them.
 
@@ -90,14 +93,17 @@ def update_in_place(
     as with ``torch.optim.AdamW``).
 
     ``count`` (the steps taken, a host int) as in :func:`~adadiag_ref.step`: the step's coefficients are then
-    host numbers and nothing is read back from the device.
+    host numbers and nothing is read back from the device.  ``block`` and ``whole_grad``: a block of a sharded
+    parameter, as in :func:`~adadiag_ref.optim.core.prepare_step`.
     """
     xp = namespace(grad, param, xp=xp)
     native_module(xp)  # TypeError for immutable arrays (JAX), before anything else
     fields = {f"state field {k!r}": v for k, v in zip(state._fields[1:], state[1:])}
     _check_writable({"parameter": param, **fields})
     spec = family_of(cfg)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
+    step_in = prepare_step(
+        state, grad, cfg, param, refreshed, xp, host_count(count), block=block, whole_grad=whole_grad
+    )
     eta = learning_rate(cfg, lr)
     for route in () if step_in.layout.batch else spec.routes.in_place:  # the routes take single matrices
         if route(state, step_in, cfg, param, eta, xp):

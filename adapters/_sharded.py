@@ -1,0 +1,351 @@
+"""FSDP2 parameters (``torch.distributed.fsdp.fully_shard``, DTensor parameters) in the torch adapter.
+
+The core's math runs unchanged; this module only decides what each rank holds and which tensors travel.
+Under FSDP2 every parameter is a DTensor whose rows (dim 0) are split over the ranks of its mesh
+(``Shard(0)``, torch.chunk's sizes, so a rank may hold none).  In the parameter's work frame
+(:func:`~adadiag_ref.optim.layout.layout_for`: a tall matrix works transposed, ``m <= n``) the split dim is
+the work frame's **columns** for a tall matrix (a tall conv kernel too) and a 1-D parameter, its **rows**
+otherwise.  Two routes (:func:`plan_for`):
+
+* **block** (the shard is a block of whole work-frame columns or rows, the block's side is not rotated and the
+  family's direction is entrywise, the Adam family: AdamW everywhere; AdaDiag on tall, 1-D and tall-conv
+  parameters; AdaDiag++ where the split side exceeds ``max_basis_dim``).  Then ``G~ = P^T G Q``, the moments,
+  ``U~`` and ``P U~ Q^T`` of the block need nothing from the other ranks: the step is the core's
+  :func:`~adadiag_ref.update_in_place` on the local shard with the block's layout, the moments ``M, V`` stay
+  sharded like the parameter (DTensors of the whole state shape, ``Shard`` on the block's work-frame dim) and
+  a non-refresh step sends nothing but the one finiteness all-reduce of the step.  A refresh step gathers the
+  whole gradient (its owner decomposes it; on every rank it sets the noise floor's tolerance, as in the whole
+  step).
+* **gathered** (everything else: a sharded rotated side, the Adafactor and Hfac families, whose factored
+  second moments and update clipping reduce over the whole matrix, any other placement or mesh): the whole
+  ``G`` (and ``W`` when the update reads it: decay or a non-Adam family) is all-gathered, every rank keeps the
+  whole state (replicated plain tensors) and applies the core's ``update_in_place`` to the whole matrix, then
+  keeps its own rows.
+
+Refreshes (:func:`refresh`): the matrices due in one step are dealt round-robin over the ranks of their mesh;
+the owner of a matrix runs the core's ``refresh_basis`` on the gathered gradient and broadcasts the bases
+(:func:`owned_refresh`, which DDP's ``split_refresh`` uses too).  Every rank thus applies the same bits, and
+each decomposition runs once across the ranks.  A parameter without a rotated side (AdamW, Adafactor, Hfac)
+has nothing to refresh and sends nothing for it.
+
+:func:`traffic` counts the payload of every collective this module issues (``docs/adapters.md``, "Sharded
+training", has the table per case).  Known cost: :func:`init` makes the whole state with ``ar.init`` before
+keeping the block route's moment blocks (a transient whole-size allocation at a parameter's first step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import adadiag_ref as ar
+from adadiag_ref.config import BaseConfig
+from adadiag_ref.optim.families import State, family_of
+from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
+from adadiag_ref.optim.layout import Layout, layout_for
+from adadiag_ref.optim.tail import decays
+
+try:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - a torch built without torch.distributed: nothing is ever sharded
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "Plan",
+    "all_finite",
+    "conform",
+    "init",
+    "is_sharded",
+    "local",
+    "local_slices",
+    "owned_refresh",
+    "plan_for",
+    "refresh",
+    "traffic",
+    "update",
+]
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether ``x`` is a DTensor (an FSDP2 parameter, its gradient or a sharded state tensor)."""
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+def local(x: Any) -> Any:
+    """This rank's tensor of a DTensor (the same memory); ``x`` itself otherwise."""
+    return x.to_local() if is_sharded(x) else x
+
+
+# ---------------------------------------------------------------------------------------------- traffic
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Collectives issued while counting: ``bytes`` is the sum of their payloads (the gathered whole tensor of an
+    all-gather, the tensor of a broadcast or all-reduce), ``calls`` their number, ``by_kind`` the bytes per kind."""
+
+    bytes: int = 0
+    calls: int = 0
+    by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_COUNTERS: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Count the collectives this module issues inside the ``with`` block (this process only)."""
+    counter = Traffic()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _count(kind: str, x: torch.Tensor) -> None:
+    size = x.numel() * x.element_size()
+    for counter in _COUNTERS:
+        counter.bytes += size
+        counter.calls += 1
+        counter.by_kind[kind] = counter.by_kind.get(kind, 0) + size
+
+
+def gather(x: Any) -> Any:
+    """The whole tensor of a DTensor (an all-gather), a plain tensor itself."""
+    if not is_sharded(x):
+        return x
+    whole = x.full_tensor()
+    if isinstance(whole, AsyncCollectiveTensor):  # a plain tensor: the core reads NumPy views of it
+        whole = whole.wait()
+    _count("all_gather", whole)
+    return whole
+
+
+def _broadcast(x: torch.Tensor, src: int, group: Any) -> None:
+    _count("broadcast", x)
+    dist.broadcast(x, src=src, group=group)
+
+
+def all_reduce(x: torch.Tensor, op: Any = None, group: Any = None) -> None:
+    """``dist.all_reduce`` (sum by default), counted."""
+    _count("all_reduce", x)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+class Plan(NamedTuple):
+    """How a DTensor parameter steps: ``layout`` its whole work frame; ``block`` the local shard's layout on the
+    block route (``None``: gathered); ``side`` the work-frame dim its shards split (0 rows, 1 columns)."""
+
+    layout: Layout
+    block: Layout | None
+    side: int
+
+
+def _split_dim0(p: Any) -> bool:
+    """FSDP2's layout: dim 0 split over a one-dimensional mesh."""
+    return p.ndim >= 1 and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
+
+
+def plan_for(p: Any, cfg: BaseConfig) -> Plan:
+    """The route of DTensor ``p`` under ``cfg`` (module docstring): block when the shard holds whole work-frame
+    columns (rows) and the columns (rows) are not rotated, for the entrywise Adam family."""
+    layout = layout_for(tuple(p.shape), cfg)
+    side = 1 if layout.transposed or p.ndim == 1 else 0
+    rotated = layout.rotate_right if side else layout.rotate_left
+    # a stack (batch_dims > 0) takes the gathered route: its dim 0 indexes matrices, not work-frame columns
+    if layout.batch or not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
+        return Plan(layout, None, side)
+    shape = tuple(local(p).shape)
+    rows, cols = (layout.rows, shape[0]) if side else (shape[0], layout.cols)
+    return Plan(layout, layout._replace(shape=shape, rows=rows, cols=cols), side)
+
+
+def local_slices(x: Any) -> tuple[slice, ...]:
+    """This rank's region of DTensor ``x`` in the whole tensor."""
+    shape, offset = compute_local_shape_and_global_offset(tuple(x.shape), x.device_mesh, tuple(x.placements))
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+def _sharded_like(block: torch.Tensor, whole_shape: tuple[int, ...], p: Any, side: int) -> torch.Tensor:
+    """``block`` as this rank's shard of a DTensor of ``whole_shape`` split on ``side``, over ``p``'s mesh."""
+    shape = torch.Size(whole_shape)
+    stride = tuple(int(shape[k + 1 :].numel()) for k in range(len(shape)))
+    return DTensor.from_local(block, p.device_mesh, [Shard(side)], run_check=False, shape=shape, stride=stride)
+
+
+def init(p: Any, cfg: BaseConfig) -> State:
+    """``ar.init`` for DTensor ``p``: the whole state (bases, counter and ``param_shape`` as plain tensors); on the
+    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros)."""
+    device = local(p).device
+    state = ar.init(torch.empty((), dtype=p.dtype, device=device).expand(p.shape), cfg)
+    plan = plan_for(p, cfg)
+    if plan.block is None:
+        return state
+    whole = (plan.layout.rows, plan.layout.cols)
+    moments = {}
+    for name in family_of(cfg).moment_fields:
+        value = getattr(state, name)
+        if value is not None:
+            block = torch.zeros((plan.block.rows, plan.block.cols), dtype=value.dtype, device=device)
+            moments[name] = _sharded_like(block, whole, p, plan.side)
+    return state._replace(**moments)
+
+
+def conform(value: Any, like: Any) -> torch.Tensor:
+    """A loaded state tensor as a copy shaped like ``like`` (dtype, device, and for a DTensor its placement: a
+    whole tensor is cut to this rank's shard, a DTensor of another placement is redistributed)."""
+    if is_sharded(like):
+        if not is_sharded(value):
+            value = _sharded_like(value[local_slices(like)], tuple(like.shape), like, like.placements[0].dim)
+        elif tuple(value.placements) != tuple(like.placements):
+            value = value.redistribute(like.device_mesh, like.placements)
+        return value.detach().to(dtype=like.dtype, copy=True)
+    if is_sharded(value):
+        value = gather(value)
+    return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
+
+
+def all_finite(grad: Any) -> bool:
+    """``isfinite(G).all()``, for a DTensor over every rank of its mesh (all ranks get the same answer)."""
+    if not is_sharded(grad):
+        return bool(torch.isfinite(grad).all())
+    flag = torch.isfinite(grad.to_local()).all().to(torch.int32).reshape(1)
+    all_reduce(flag, dist.ReduceOp.MIN, group=_group_of(grad))
+    return bool(flag)
+
+
+def agree(sums: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The finiteness sums of a step's gradients (local sums for DTensors) summed over the ranks of the (first)
+    sharded gradient's mesh, so those ranks reach the same verdict (NaN and Inf survive the sum)."""
+    sharded = next((g for g in grads if is_sharded(g)), None)
+    if sharded is not None:
+        sums = sums.clone()
+        all_reduce(sums, group=_group_of(sharded))
+    return sums
+
+
+# ---------------------------------------------------------------------------------------------- refresh
+
+
+def _group_of(p: Any) -> Any:
+    """The process group whose ranks each hold the whole gradient after a gather: the mesh's for a 1-D mesh, the
+    default group otherwise (``None``)."""
+    mesh = p.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else None
+
+
+def owned_refresh(
+    states: Sequence[State],
+    grads: Sequence[torch.Tensor],
+    cfgs: Sequence[BaseConfig],
+    names: Sequence[str],
+    *,
+    group: Any = None,
+    device: Any = "cpu",
+) -> list[tuple[dict[str, torch.Tensor], bool]]:
+    """``({"P"[, "Q"]}, refreshed)`` per matrix; the ``j``-th is refreshed by rank ``j mod size`` of ``group``.
+
+    Every rank of ``group`` holds the same whole ``grads``.  The owner runs ``ar.refresh_basis`` and broadcasts
+    the bases; the others receive them into fresh buffers (their previous bases stay intact until every refresh
+    succeeded).  ``refreshed`` is the owner's flag (False when a failed refresh kept the previous basis), given
+    to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    out = []
+    flags = torch.zeros(len(states), dtype=torch.int32, device=device)
+    for j, (state, grad, cfg, name) in enumerate(zip(states, grads, cfgs, names, strict=True)):
+        owner = ranks[j % len(ranks)]
+        if owner == me:
+            new = ar.refresh_basis(state, grad, cfg, name=name)
+            flags[j] = int(new.P is not state.P)
+        else:
+            new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
+        for basis in (new.P, new.Q):
+            if basis is not None:
+                _broadcast(basis, owner, group)
+        out.append({f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None})
+    if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
+        all_reduce(flags, group=group)
+    return list(zip(out, (bool(f) for f in flags.tolist()), strict=True))
+
+
+def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torch.Tensor]) -> list[Any]:
+    """Refresh the DTensor parameters ``items`` (the adapter's ``_Work``: ``p``, ``grad``, ``cfg``, ``name``) due
+    this step: gather each whole gradient of a rotated parameter (kept in ``whole[id(p)]`` for the step's
+    update), then :func:`owned_refresh` per process group, round-robin over its ranks.  A parameter without a
+    rotated side has nothing to refresh (``({}, False)``, what ``refresh_basis`` gives it) and sends nothing."""
+    by_group: dict[Any, list[int]] = {}
+    out: list[Any] = [({}, False)] * len(items)  # no rotated side (AdamW, Adafactor): the refresh keeps no basis
+    for j, item in enumerate(items):
+        if layout_for(tuple(item.p.shape), item.cfg).rotate_left:
+            whole[id(item.p)] = gather(item.grad)
+            by_group.setdefault(_group_of(item.p), []).append(j)
+    for group, members in by_group.items():
+        results = owned_refresh(
+            [states[j] for j in members],
+            [whole[id(items[j].p)] for j in members],
+            [items[j].cfg for j in members],
+            [items[j].name for j in members],
+            group=group,
+            device=local(items[members[0]].p).device,
+        )
+        for j, result in zip(members, results, strict=True):
+            out[j] = result
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- update
+
+
+def _reads_weights(cfg: BaseConfig) -> bool:
+    """Whether the update reads ``W``: decoupled decay, or a family other than Adam (Adafactor's relative step
+    and parameter scale)."""
+    return decays(cfg) or family_of(cfg) is not ADAM_FAMILY
+
+
+def update(
+    state: State,
+    grad: torch.Tensor,
+    cfg: BaseConfig,
+    p: torch.Tensor,
+    *,
+    lr: Any,
+    refreshed: bool,
+    whole_grad: torch.Tensor | None = None,
+) -> None:
+    """``ar.update_in_place`` for DTensor ``p``: this rank's shard of ``W`` and of the moments updated in place.
+
+    ``whole_grad``: the gradient gathered by :func:`refresh` on a refresh step (else gathered here when the
+    route needs it)."""
+    plan = plan_for(p, cfg)
+    if plan.block is not None:
+        if 0 in plan.block.shape:
+            return  # an empty shard (more ranks than rows): nothing to compute
+        fields = family_of(cfg).moment_fields
+        moments = {f: local(getattr(state, f)) for f in fields if getattr(state, f) is not None}
+        shard = state._replace(param_shape=None, **moments)
+        ar.update_in_place(
+            shard, local(grad), cfg, local(p), lr=lr, refreshed=refreshed, block=plan.block, whole_grad=whole_grad
+        )
+        return
+    g = gather(grad) if whole_grad is None else whole_grad
+    reads = _reads_weights(cfg)
+    # without decay the Adam family's delta does not depend on W: delta is computed into zeros and added
+    w = gather(p) if reads else torch.zeros(tuple(p.shape), dtype=p.dtype, device=g.device)
+    ar.update_in_place(state, g, cfg, w, lr=lr, refreshed=refreshed)
+    mine = w[local_slices(p)]
+    if reads:
+        local(p).copy_(mine)
+    else:
+        local(p).add_(mine)
