@@ -47,6 +47,7 @@ __all__ = [
     "assert_trajectory_close",
     "compare",
     "completion_steps",
+    "error_report",
     "likely_cause",
     "run_step_fn",
 ]
@@ -195,13 +196,16 @@ class ComparisonReport:
             worst = float(np.max(ratio)) if ratio.size else 0.0
             return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{checked})"
         t = self.first_diverging_step
+        if self.first_mismatch is None and self.error is not None:
+            where = f"at step {self.error_step} of {self.steps}" if self.error_step else "before its first step"
+            return f"{self.case}: FAILED, the port failed {where}; likely cause: {self.likely_cause}"
         text = f"{self.case}: diverges at step {t} of {self.steps}"
-        if self.first_mismatch is not None and self.first_mismatch.step == t:
+        if self.first_mismatch is not None:
             text += f": {self.first_mismatch.describe()}"
-        elif self.error_step == t:
-            text += f": raised at step {t}"
-        if self.patterns:
+        if self.patterns and self.likely_cause not in self.patterns:
             text += f"; pattern: {'; '.join(self.patterns)}"
+        if self.patterns and self.likely_cause in self.patterns:
+            return f"{text}; pattern: {'; '.join(self.patterns)}"
         return f"{text}; likely cause: {self.likely_cause}"
 
     def table(self) -> str:
@@ -705,6 +709,29 @@ def compare(
         state_fields=compared,
         error=error,
         error_step=error_step,
+        state_rtol=case.tolerance.state_rtol,
+    )
+
+
+def error_report(case: GoldenCase, error: str, step: int | None = None) -> ComparisonReport:
+    """The report of a port that failed before producing a trajectory (its constructor raised, a command exited
+    with an error, an output file was malformed): failed at ``step`` (default 1), with ``error`` as its traceback."""
+    nan = np.full(case.steps, np.nan)
+    last = error.strip().splitlines()[-1:] or [""]
+    return ComparisonReport(
+        case=case.name,
+        steps=case.steps,
+        rtol=case.tolerance.rtol,
+        atol=case.tolerance.atol,
+        first_diverging_step=step or 1,
+        max_abs_error=nan,
+        max_rel_error=nan,
+        tolerance_ratio=nan,
+        refresh_steps=case.refresh_steps,
+        likely_cause=f"{CAUSE_RAISED}{f' at step {step}' if step else ' before its first step'}: {last[0]}",
+        candidate_dtype="",
+        error=error,
+        error_step=step,
         state_rtol=case.tolerance.state_rtol,
     )
 
