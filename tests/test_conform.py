@@ -93,8 +93,9 @@ def test_cmd_port_passes_with_json_and_junit(tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.slow
-def test_cmd_port_passes_every_case(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["conform", "--cmd", CMD_PORT]) == 0, capsys.readouterr().out
+def test_cmd_port_passes_every_float32_case(capsys: pytest.CaptureFixture[str]) -> None:
+    # one process per case, ~3-4 s each on 2 cores: the 16 float32 cases (every optimizer) keep it near a minute
+    assert main(["conform", "--cmd", CMD_PORT, "--dtype", "float32"]) == 0, capsys.readouterr().out
 
 
 def test_replay_is_a_cmd_port(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,7 +128,8 @@ def test_off_by_one_bias_correction_is_named() -> None:
     assert len(result.failed) == len(ADADIAG)
     for report in result.reports:
         mismatch = report.first_mismatch
-        assert mismatch is not None and (mismatch.step, mismatch.field) == (1, "M"), str(report)
+        # both moments carry the bug; V is checked first (Adafactor's M is computed from it)
+        assert mismatch is not None and (mismatch.step, mismatch.field) == (1, "V"), str(report)
         assert report.likely_cause is not None
         assert report.likely_cause.startswith("off by one step in the bias correction"), str(report)
 

@@ -56,9 +56,10 @@ StepFn = Callable[[np.ndarray, np.ndarray, int], Any]
 
 PARAMETER = "W"
 """The field name of the parameter ``W_{t+1}`` in a :class:`Mismatch` (beside the state fields)."""
-FIELD_ORDER = ("count", "P", "Q", "M", "V", "r", "s", "u", "v", PARAMETER)
-"""The order in which one step's fields are checked: the order the step computes them (counter, bases, moments,
-parameter), so the first wrong field of a step is the one the error starts in, not one it spread to."""
+FIELD_ORDER = ("count", "P", "Q", "V", "r", "s", "M", "u", "v", PARAMETER)
+"""The order in which one step's fields are checked: the order the step computes them (counter, bases, second
+moments, first moments: Adafactor's ``M`` averages ``G~ / sqrt(V)``, then the parameter), so the first wrong field
+of a step is the one the error starts in, not one it spread to."""
 
 CAUSE_STEP1 = (
     "differs from step 1: the update rule itself differs (eps placement, bias correction, weight decay, "

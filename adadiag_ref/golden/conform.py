@@ -129,7 +129,7 @@ def _library_defaults(optimizer: str, api: str) -> dict[str, Any]:
     cfg = make_config(optimizer)
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init}
     values["momentum"] = values.pop("momentum_enabled", None)
-    values["betas"] = list(values["betas"])
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}  # as JSON gives them
     return api_options(values, api)
 
 
