@@ -18,6 +18,7 @@ from ._cli import ErrorParser, add_progress_flags, parse_and_run
 _SUBCOMMAND_MODULES = (
     "adadiag_ref.ode.cli",
     "adadiag_ref.golden.cli",
+    "adadiag_ref.golden.conform",
     "adadiag_ref.perf.cli",
     "adadiag_ref.reproduce.cli",
 )

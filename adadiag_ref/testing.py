@@ -13,9 +13,15 @@ Typical use (``docs/golden.md``)::
 
         assert_trajectory_close(step_fn, case)
 
-:func:`compare` returns a :class:`ComparisonReport`: the first step at which
-any entry leaves the tolerance, the largest absolute and relative error at
-every step, and, where the pattern tells, the likely cause.
+:func:`compare` returns a :class:`ComparisonReport`: the first step, field
+(the parameter ``W`` or a state field the step function returns) and entry
+that leave the tolerance, the largest parameter error at every step, the
+recognised patterns of the first wrong field and a hint drawn from that
+evidence.  A step function may return ``(W_{t+1}, state)`` with ``state`` a
+mapping of ``count P Q M V r s u v`` (work frame) to have the state checked
+too; a port that raises fails with its traceback.  ``adadiag-ref conform``
+(:mod:`adadiag_ref.golden.conform`) runs a torch class, an optax factory or a
+command over every case.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from .golden.compare import (
     CAUSE_FLOAT32,
     CAUSE_NONFINITE,
     CAUSE_OTHER,
+    CAUSE_RAISED,
     CAUSE_REFRESH,
     CAUSE_SCHEDULE,
     CAUSE_STEP1,
+    CAUSE_STEP2,
+    PARAMETER,
     ComparisonReport,
+    Mismatch,
     assert_trajectory_close,
     compare,
     completion_steps,
@@ -40,10 +50,14 @@ __all__ = [
     "CAUSE_FLOAT32",
     "CAUSE_NONFINITE",
     "CAUSE_OTHER",
+    "CAUSE_RAISED",
     "CAUSE_REFRESH",
     "CAUSE_SCHEDULE",
     "CAUSE_STEP1",
+    "CAUSE_STEP2",
+    "PARAMETER",
     "ComparisonReport",
+    "Mismatch",
     "assert_trajectory_close",
     "compare",
     "completion_steps",

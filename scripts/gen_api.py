@@ -28,6 +28,7 @@ MODULES = (
     "adadiag_ref.buffers",
     "adadiag_ref.testing",
     "adadiag_ref.golden",
+    "adadiag_ref.golden.conform",
     "adadiag_ref.ode",
     "adadiag_ref.report",
     "adadiag_ref.config",

@@ -33,7 +33,7 @@ SIZE_BUDGET = 1_000_000  # bytes; the issue allows "well under 5 MB"
 def test_manifest_header() -> None:
     manifest = load_manifest()
     assert manifest["format"] == FORMAT_NAME
-    assert manifest["format_version"] == FORMAT_VERSION == 1
+    assert manifest["format_version"] == FORMAT_VERSION == 2
     assert manifest["library_version"] == ar.__version__
     names = [c["name"] for c in manifest["cases"]]
     assert len(names) == len(set(names)) == len(CASES)
@@ -64,8 +64,9 @@ def test_coverage() -> None:
         assert any(len(c.refresh_steps) >= 3 for c in mine), name
     shapes = {c.shape for c in CASES}
     assert {(3, 5), (5, 3), (4, 4), (6,), (4, 2, 3, 3)} <= shapes
-    for case in CASES:  # state stored at t = 1, after the second refresh (if any) and at the end
-        assert case.state_steps[0] == 1 and case.state_steps[-1] == case.steps
+    for case in CASES:  # format 2: every state field after every step
+        assert case.state_steps == tuple(range(1, case.steps + 1))
+        assert all(case.state(t) and set(case.state(t)) == set(case.state(1)) for t in case.state_steps)
         assert case.params.shape == (case.steps, *case.shape)
         assert case.params.dtype == np.dtype(case.dtype) == case.grads.dtype == case.w0.dtype
 
@@ -124,6 +125,63 @@ def test_verify_catches_edited_fixture(tmp_path: Path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "adadiag-square-f64: diverges at step 7" in out
     assert "SHA-256" in out
+
+
+def test_config_keys_are_the_api_names() -> None:
+    """The manifest's config is the API's keywords: it builds the core config and the torch class as is."""
+    torch_names = {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "update_freq",
+        "max_basis_dim",
+        "bias_correction",
+        "state_dtype",
+        "clip_threshold",
+        "beta2_schedule",
+        "decay_rate",
+        "relative_step",
+        "scale_parameter",
+        "eps2",
+        "momentum",
+    }  # CoreOptimizer's keywords (docs/adapters.md)
+    raw = load_manifest()["cases"]
+    for entry, case in zip(raw, CASES):
+        assert set(entry["config"]) <= torch_names, entry["name"]
+        assert ar.make_config(case.optimizer, **entry["config"]) == case.make_config().replace(basis_method="auto")
+
+
+def _as_format_1(directory: Path) -> None:
+    """Rewrite a format 2 set the way format 1 stored it: config with name, sides, momentum_enabled; states at
+    t = 1 and K as state_tNNN_FIELD."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    for entry in manifest["cases"]:
+        cfg = ar.make_config(entry["optimizer"], **entry["config"])
+        config = {"name": cfg.name, **entry["config"], "sides": cfg.sides}
+        if "momentum" in config:
+            config["momentum_enabled"] = config.pop("momentum")
+        entry["config"] = config
+        entry["state_steps"] = [1, entry["steps"]]
+        with np.load(directory / entry["file"]) as data:
+            arrays = {k: np.array(data[k]) for k in data.files}
+        for key in [k for k in arrays if k.startswith("state_")]:
+            stacked = arrays.pop(key)
+            for t in entry["state_steps"]:
+                arrays[f"state_t{t:03d}_{key[len('state_') :]}"] = stacked[t - 1]
+        np.savez(directory / entry["file"], **arrays)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_format_1_is_still_read_and_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copytree(DATA, tmp_path / "set")
+    _as_format_1(tmp_path / "set")
+    old = {c.name: c for c in load_cases(tmp_path / "set")}
+    for case in CASES:
+        assert old[case.name].config == case.config  # translated to the API's names on load
+        assert set(old[case.name].state(1)) == set(case.state(1)) and not old[case.name].state(2)
+    assert main(["golden", "verify", str(tmp_path / "set")]) == 0
 
 
 def test_format_version_is_checked(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from adadiag_ref.testing import (
     CAUSE_REFRESH,
     CAUSE_SCHEDULE,
     CAUSE_STEP1,
+    CAUSE_STEP2,
     assert_trajectory_close,
     compare,
     completion_steps,
@@ -119,15 +120,19 @@ def test_cause_rules() -> None:
     assert likely_cause(None, rel, refresh) is None
     assert likely_cause(1, rel, refresh) == CAUSE_STEP1
     assert likely_cause(5, rel, refresh).startswith(CAUSE_REFRESH)  # type: ignore[union-attr]
-    assert likely_cause(2, rel, refresh, completion_steps=(1,)).startswith(CAUSE_REFRESH)  # type: ignore[union-attr]
+    # step 2 after a completion at t = 1: the parameters cannot tell the completion from the moment update
+    assert likely_cause(2, rel, refresh, completion_steps=(1,)) == CAUSE_STEP2
+    assert likely_cause(6, rel, refresh, completion_steps=(5,)).startswith(CAUSE_REFRESH)  # type: ignore[union-attr]
     assert likely_cause(4, rel, refresh).startswith(CAUSE_SCHEDULE)  # type: ignore[union-attr]
     assert likely_cause(3, rel, refresh) == CAUSE_OTHER
     f32_like = 2 * np.finfo(np.float32).eps * np.arange(1, 13)
-    assert likely_cause(1, f32_like, refresh) == CAUSE_FLOAT32
-    assert likely_cause(1, f32_like, refresh, fixture_dtype="float32") == CAUSE_STEP1
+    assert likely_cause(1, f32_like, refresh, candidate_dtype="float32") == CAUSE_FLOAT32
+    # a float64 port is never told "float32 rounding": its small errors are a small bug's
+    assert likely_cause(1, f32_like, refresh) == CAUSE_STEP1
+    assert likely_cause(1, f32_like, refresh, fixture_dtype="float32", candidate_dtype="float32") == CAUSE_STEP1
     jump = f32_like.copy()
     jump[6] = 1e-2  # a jump is a bug, not rounding
-    assert likely_cause(1, jump, refresh) == CAUSE_STEP1
+    assert likely_cause(1, jump, refresh, candidate_dtype="float32") == CAUSE_STEP1
 
 
 def test_completion_steps() -> None:

@@ -44,6 +44,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     (
         "cli",
         "golden.cli",
+        "golden.conform",
+        "pytest_plugin",
         "ode.cli",
         "perf.cli",
         "perf.bench",

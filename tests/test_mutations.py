@@ -23,7 +23,7 @@ import pytest
 
 from adadiag_ref import canonical_svd
 from adadiag_ref.golden import GoldenCase, load_case, load_cases
-from adadiag_ref.testing import CAUSE_REFRESH, CAUSE_SCHEDULE, CAUSE_STEP1, compare
+from adadiag_ref.testing import CAUSE_REFRESH, CAUSE_SCHEDULE, CAUSE_STEP1, CAUSE_STEP2, compare
 
 SIDES = {"adamw": 0, "adadiag": 1, "adadiag_pp": 2}
 
@@ -192,9 +192,16 @@ def test_no_sign_canonicalisation_is_caught_two_sided() -> None:
     case = load_case("adadiag_pp-wide-f64")
     report = compare(ReferenceAdam(case, Bugs(no_sign_canonicalisation=True)), case)
     assert not report.passed
-    # Q's two null-space columns come from LAPACK: first felt at step 2, one step after the t = 1 refresh.
+    # Q's two null-space columns come from LAPACK: first felt at step 2, one step after the t = 1 refresh; the
+    # parameters alone cannot tell the completion from the moment update, and the hint says so
     assert report.first_diverging_step == 2, str(report)
-    assert report.likely_cause is not None and report.likely_cause.startswith(CAUSE_REFRESH)
+    assert report.likely_cause == CAUSE_STEP2
+    # with its state returned, the port is caught where the bug is: the basis of the t = 1 refresh
+    ref = ReferenceAdam(case, Bugs(no_sign_canonicalisation=True))
+    with_state = compare(lambda w, g, t: (ref(w, g, t), {"P": ref.P, "Q": ref.Q, "M": ref.M, "V": ref.V}), case)
+    mismatch = with_state.first_mismatch
+    assert mismatch is not None and mismatch.step == 1 and mismatch.field in ("P", "Q"), str(with_state)
+    assert "basis" in str(with_state.likely_cause) or "sign" in str(with_state.likely_cause), str(with_state)
 
 
 def test_raw_lapack_signs_differ_from_canonical_on_the_fixture() -> None:

@@ -4,7 +4,9 @@
   and :class:`GoldenCase`;
 * :mod:`~adadiag_ref.golden.generator`: the seeded gradient streams and :func:`generate`;
 * :mod:`~adadiag_ref.golden.verify`: :func:`verify`, the live core against a fixture set;
-* :mod:`~adadiag_ref.golden.cli`: ``adadiag-ref golden ...`` and ``adadiag-ref replay``.
+* :mod:`~adadiag_ref.golden.cli`: ``adadiag-ref golden ...`` and ``adadiag-ref replay``;
+* :mod:`~adadiag_ref.golden.conform`: ``adadiag-ref conform``, a torch class, an optax factory or a
+  command over every case (text, JSON and JUnit reports).
 
 The comparison harness for other implementations is :mod:`adadiag_ref.testing`.
 """
@@ -14,6 +16,8 @@ from .format import (
     FORMAT_VERSION,
     GoldenCase,
     Tolerance,
+    api_config,
+    api_options,
     config_from_dict,
     config_to_dict,
     default_data_dir,
@@ -33,6 +37,8 @@ __all__ = [
     "GoldenCase",
     "Stream",
     "Tolerance",
+    "api_config",
+    "api_options",
     "case_specs",
     "config_from_dict",
     "config_to_dict",

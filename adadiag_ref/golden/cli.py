@@ -7,9 +7,13 @@
 
 ``in.npz`` holds ``w0`` (shape ``S``) and ``grads`` (shape ``(K, *S)``, any
 float dtype; the run uses the dtype of ``w0``).  ``out.npz`` receives
-``params`` (``(K, *S)``, ``params[t-1] = W_{t+1}``), ``w0``, ``config`` (the
-full config as a JSON string) and ``library_version``.  Every golden ``.npz``
-is a valid ``in.npz``.
+``params`` (``(K, *S)``, ``params[t-1] = W_{t+1}``), ``state_FIELD`` (the
+state after every step, work frame), ``w0``, ``config`` (the full config as a
+JSON string) and ``library_version``.  Every golden ``.npz`` is a valid
+``in.npz``, and its manifest entry gives the optimizer and config (as do the
+``optimizer`` and ``config`` entries of an ``adadiag-ref conform`` input, so
+``replay`` is itself a ``--cmd`` port); ``--optimizer`` and ``--config``
+override them.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import numpy as np
 from .. import __version__
 from .._cli import INPUT_ERRORS, ErrorParser, fail, input_file, output_file, parse_and_run
 from ..config import OPTIMIZERS, make_config
-from .format import config_to_dict, default_data_dir
-from .generator import generate, run_core
+from .format import api_config, config_from_dict, config_to_dict, default_data_dir, load_manifest
+from .generator import generate, run_core, stack_states
 from .verify import verify
 
 __all__ = ["add_parser", "main", "run_generate", "run_replay", "run_verify"]
@@ -70,15 +74,27 @@ def _parse_config(text: str | None) -> dict[str, Any]:
     value = json.loads(text)
     if not isinstance(value, dict):
         raise ValueError("--config must be a JSON object")
-    return {k: v for k, v in value.items() if k not in ("name", "sides")}
+    return value
+
+
+def _stored_config(path: str, keys: list[str], data: Any) -> tuple[str | None, dict[str, Any]]:
+    """The optimizer and config an input carries: ``optimizer`` and ``config`` entries (``adadiag-ref conform``'s
+    input), or the manifest entry of a fixture file (the ``manifest.json`` beside it); ``(None, {})`` otherwise."""
+    if "optimizer" in keys and "config" in keys:
+        return str(data["optimizer"]), json.loads(str(data["config"]))
+    try:
+        manifest = load_manifest(Path(path).parent)
+    except (OSError, ValueError):  # no fixture set there: a plain w0 + grads input
+        return None, {}
+    entries = [e for e in manifest["cases"] if e.get("file") == Path(path).name]
+    return (entries[0]["optimizer"], entries[0]["config"]) if entries else (None, {})
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    """Exit 0 on success, 2 (one line on stderr) for a bad config, a missing or corrupt input or bad values."""
-    try:
-        cfg = make_config(args.optimizer, **_parse_config(args.config))
-    except (*INPUT_ERRORS,) as exc:
-        return fail(f"replay: bad config: {exc}")
+    """Exit 0 on success, 2 (one line on stderr) for a bad config, a missing or corrupt input or bad values.
+
+    The optimizer and config come from the input when it carries them (a fixture ``.npz``, or a conform input
+    with ``optimizer`` and ``config``); ``--optimizer`` and the keys of ``--config`` override them."""
     if not zipfile.is_zipfile(args.input):  # numpy would call a text file "pickled (object) data"
         return fail(f"replay: --input {args.input} is not an .npz file (a zip of arrays, as np.savez writes)")
     try:
@@ -88,24 +104,38 @@ def run_replay(args: argparse.Namespace) -> int:
                 return fail(f"replay: {args.input} lacks {', '.join(missing)} (it needs w0 and grads)")
             w0 = np.asarray(data["w0"])
             grads = np.asarray(data["grads"])
+            stored_optimizer, stored = _stored_config(args.input, list(data.files), data)
     except (*INPUT_ERRORS,) as exc:
         return fail(f"replay: cannot read {args.input}: {type(exc).__name__}: {exc}")
+    optimizer = args.optimizer or stored_optimizer
+    if optimizer is None:
+        return fail(f"replay: --optimizer is needed ({args.input} names no optimizer)")
+    if optimizer != stored_optimizer:
+        stored = {}  # another optimizer's hyperparameters do not carry over
+    try:
+        options = {**api_config(optimizer, stored), **api_config(optimizer, _parse_config(args.config))}
+        # a stored config is a golden case's: its refresh route is the reference's (format.GOLDEN_BASIS_METHOD)
+        cfg = config_from_dict(optimizer, options) if stored else make_config(optimizer, **options)
+    except (*INPUT_ERRORS,) as exc:
+        return fail(f"replay: bad config: {exc}")
     if w0.dtype not in (np.float32, np.float64) or w0.size == 0:
         return fail(f"replay: w0 must be a non-empty float32 or float64 array, got {w0.dtype} of shape {w0.shape}")
     if grads.ndim < 1 or grads.shape[1:] != w0.shape or grads.dtype.kind not in "fiu":
         return fail(f"replay: grads have shape {grads.shape} ({grads.dtype}), expected real (K, *{w0.shape})")
+    steps = range(1, grads.shape[0] + 1)
     try:
-        params, _ = run_core(cfg, w0, grads.astype(w0.dtype))
+        params, states = run_core(cfg, w0, grads.astype(w0.dtype), steps)
     except ValueError as exc:
         return fail(f"replay: {exc}")
-    np.savez(
-        args.output,
-        params=params,
-        w0=w0,
-        config=np.array(json.dumps({"optimizer": args.optimizer, **config_to_dict(cfg)})),
-        library_version=np.array(__version__),
-    )
-    print(f"wrote {params.shape[0]} steps of {args.optimizer} to {args.output}")
+    arrays = {
+        "params": params,
+        "w0": w0,
+        "config": np.array(json.dumps({"optimizer": optimizer, **config_to_dict(cfg)})),
+        "library_version": np.array(__version__),
+        **stack_states(states, steps),
+    }
+    np.savez(args.output, **arrays)  # type: ignore[arg-type]
+    print(f"wrote {params.shape[0]} steps of {optimizer} to {args.output}")
     return 0
 
 
@@ -122,8 +152,12 @@ def add_parser(subparsers: Any) -> None:
     ver.set_defaults(func=run_verify)
 
     replay = subparsers.add_parser("replay", help="run an optimizer on w0 and grads from a file")
-    replay.add_argument("--optimizer", required=True, choices=list(OPTIMIZERS))
-    replay.add_argument("--config", default=None, help="JSON object of config fields, or @file.json")
+    replay.add_argument(
+        "--optimizer", default=None, choices=list(OPTIMIZERS), help="default: the input's (a fixture or conform input)"
+    )
+    replay.add_argument(
+        "--config", default=None, help="JSON object of config fields, or @file.json (overrides the input's keys)"
+    )
     replay.add_argument("--input", required=True, type=input_file, help=".npz with w0 (S) and grads (K, *S)")
     replay.add_argument("--output", required=True, type=output_file, help=".npz to write params (K, *S) to")
     replay.set_defaults(func=run_replay)

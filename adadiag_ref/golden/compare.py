@@ -1,45 +1,65 @@
-"""Compare a trajectory with a golden case: the machinery behind :mod:`adadiag_ref.testing`.
+"""Compare a port with a golden case, parameters and states, step by step: the machinery behind
+:mod:`adadiag_ref.testing`.
 
 It lives in the ``golden`` package, beside the format it reads and the
 verification (:mod:`adadiag_ref.golden.verify`) that uses it, so that imports
 run one way: ``adadiag_ref.testing`` (the public face) imports ``golden``,
 never the reverse.
 
-:func:`compare` returns a :class:`ComparisonReport`: the first step at which
-any entry leaves the tolerance, the largest absolute and relative error at
-every step, and, where the pattern tells, the likely cause.
+:func:`compare` returns a :class:`ComparisonReport`: the first step, field
+(``W``, the parameter, or a state field ``count P Q M V r s u v``) and entry
+that leave the tolerance, the largest parameter error at every step, the
+patterns recognised in the first wrong field ("columns of P differ by sign",
+"P and Q swapped", "transposed", "off by one step in the bias correction"),
+and a hint drawn only from that evidence.  A port that raises is a failed
+comparison with its traceback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._xp import to_numpy
+from ..config import AdafactorConfig, BaseConfig
 from ..linalg import canonical_svd
 from ..optim.layout import layout_for, to_work
-from .format import GoldenCase, load_case
+from ..optim.schedules import beta_hat, first_moment_decay
+from .format import STATE_FIELDS, GoldenCase, load_case
 
 __all__ = [
     "CAUSE_FLOAT32",
     "CAUSE_NONFINITE",
     "CAUSE_OTHER",
+    "CAUSE_RAISED",
     "CAUSE_REFRESH",
     "CAUSE_SCHEDULE",
     "CAUSE_STEP1",
+    "CAUSE_STEP2",
+    "PARAMETER",
     "ComparisonReport",
+    "Mismatch",
     "assert_trajectory_close",
     "compare",
     "completion_steps",
+    "error_report",
     "likely_cause",
     "run_step_fn",
 ]
 
 StepFn = Callable[[np.ndarray, np.ndarray, int], Any]
+
+PARAMETER = "W"
+"""The field name of the parameter ``W_{t+1}`` in a :class:`Mismatch` (beside the state fields)."""
+FIELD_ORDER = ("count", "P", "Q", "V", "r", "s", "M", "u", "v", PARAMETER)
+"""The order in which one step's fields are checked: the order the step computes them (counter, bases, second
+moments, first moments: Adafactor's ``M`` averages ``G~ / sqrt(V)``, then the parameter), so the first wrong field
+of a step is the one the error starts in, not one it spread to."""
 
 CAUSE_STEP1 = (
     "differs from step 1: the update rule itself differs (eps placement, bias correction, weight decay, "
@@ -59,8 +79,69 @@ CAUSE_OTHER = (
     "diverges between refreshes: check the moment EMAs and the step-size schedule "
     "(beta-hat, beta2 schedule, clipping, relative step)"
 )
+CAUSE_RAISED = "the port raised"
+CAUSE_STEP2 = (
+    "diverges at step 2, one step after a refresh whose basis has null-space completion columns: either those "
+    "columns (they multiply exact zeros on the refresh step and are first felt one step later) or the moment "
+    "update (beta-hat is 0 at t = 1, which hides most moment bugs until step 2); return the state from the step "
+    "function to tell which"
+)
 
 _EPS32 = float(np.finfo(np.float32).eps)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first entry that leaves the tolerance.
+
+    Attributes:
+        step: ``t`` (1-based): the value after step ``t`` (``W_{t+1}``, or the state after step ``t``).
+        field: ``"W"`` (:data:`PARAMETER`) or a state field (``count P Q M V r s u v``, work frame).
+        index: the entry (the worst one of that field at that step), ``()`` for a shape mismatch.
+        got, want: the port's and the fixture's value there (``nan`` for a shape mismatch).
+        bound: ``atol + rtol |want|`` there; ``|got - want| > bound``.
+        violations: how many entries of the field leave the tolerance at that step.
+        note: what else is known (a shape mismatch: both shapes).
+    """
+
+    step: int
+    field: str
+    index: tuple[int, ...]
+    got: float
+    want: float
+    bound: float
+    violations: int
+    note: str = ""
+
+    def describe(self) -> str:
+        """``step 5, P[0, 1]: got -0.70710678, expected 0.70710678 (...)``."""
+        if self.note:
+            return f"step {self.step}, {self.field}: {self.note}"
+        where = f"{self.field}[{', '.join(map(str, self.index))}]" if self.index else self.field
+        error = abs(self.got - self.want)
+        ratio = error / self.bound if self.bound > 0 else float("inf")
+        return (
+            f"step {self.step}, {where}: got {self.got:.10g}, expected {self.want:.10g} "
+            f"(|error| {error:.3g} = {ratio:.3g} x tolerance; {self.violations} "
+            f"entr{'y' if self.violations == 1 else 'ies'} out)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "field": self.field,
+            "index": list(self.index),
+            "got": _json_float(self.got),
+            "want": _json_float(self.want),
+            "bound": _json_float(self.bound),
+            "violations": self.violations,
+            "note": self.note,
+        }
+
+
+def _json_float(x: float) -> float | str:
+    """A float JSON can hold (``nan``/``inf`` as strings)."""
+    return x if np.isfinite(x) else str(x)
 
 
 @dataclass(frozen=True)
@@ -69,15 +150,21 @@ class ComparisonReport:
 
     Attributes:
         case: fixture name.
-        first_diverging_step: first ``t`` (1-based) at which some entry of
-            ``W_{t+1}`` violates ``|x - y| <= atol + rtol |y|``; ``None`` if none.
-        max_abs_error: ``max_ij |x - y|`` per step (shape ``(K,)``).
+        first_diverging_step: first ``t`` (1-based) at which the parameter ``W_{t+1}`` or a state field
+            compared leaves the tolerance, or at which the port raised; ``None`` if none.
+        max_abs_error: ``max_ij |x - y|`` of the parameter per step (shape ``(K,)``; ``nan`` for steps the
+            port did not reach).
         max_rel_error: ``max_abs_error[t] / max_ij |y|`` per step, the error on
             the scale of the golden parameter (entrywise relative errors of
             entries near zero say nothing and are not reported).
         tolerance_ratio: ``max_ij |x - y| / (atol + rtol |y|)`` per step (> 1 fails).
         refresh_steps: the fixture's refresh steps.
-        likely_cause: a hint when the error pattern points to a known mistake.
+        likely_cause: a hint drawn from the evidence (the first wrong field, the patterns, the steps).
+        first_mismatch: the first step, field and entry out of tolerance (:class:`Mismatch`), or ``None``.
+        patterns: what the first wrong field is recognised as (columns differing by sign, P and Q swapped,
+            transposed, off by one step in the bias correction).
+        state_fields: the state fields the port returned and that were compared (``()``: parameters only).
+        error: the port's traceback when it raised (at step ``error_step``), else ``None``.
     """
 
     case: str
@@ -91,21 +178,39 @@ class ComparisonReport:
     refresh_steps: tuple[int, ...]
     likely_cause: str | None
     candidate_dtype: str
+    first_mismatch: Mismatch | None = None
+    patterns: tuple[str, ...] = ()
+    state_fields: tuple[str, ...] = ()
+    error: str | None = None
+    error_step: int | None = None
+    state_rtol: float = 0.0
 
     @property
     def passed(self) -> bool:
         return self.first_diverging_step is None
 
     def summary(self) -> str:
-        """One line: pass, or the first diverging step and the cause."""
+        """One line: pass, or the first diverging step, the first wrong entry and the hint."""
+        checked = f"; states {', '.join(self.state_fields)}" if self.state_fields else "; parameters only"
         if self.passed:
-            worst = float(np.max(self.tolerance_ratio)) if self.steps else 0.0
-            return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance)"
+            ratio = self.tolerance_ratio[np.isfinite(self.tolerance_ratio)]
+            worst = float(np.max(ratio)) if ratio.size else 0.0
+            return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{checked})"
         t = self.first_diverging_step
-        return f"{self.case}: diverges at step {t} of {self.steps}; likely cause: {self.likely_cause}"
+        if self.first_mismatch is None and self.error is not None:
+            where = f"at step {self.error_step} of {self.steps}" if self.error_step else "before its first step"
+            return f"{self.case}: FAILED, the port failed {where}; likely cause: {self.likely_cause}"
+        text = f"{self.case}: diverges at step {t} of {self.steps}"
+        if self.first_mismatch is not None:
+            text += f": {self.first_mismatch.describe()}"
+        if self.patterns and self.likely_cause not in self.patterns:
+            text += f"; pattern: {'; '.join(self.patterns)}"
+        if self.patterns and self.likely_cause in self.patterns:
+            return f"{text}; pattern: {'; '.join(self.patterns)}"
+        return f"{text}; likely cause: {self.likely_cause}"
 
     def table(self) -> str:
-        """Per-step errors, refresh steps marked with ``R``."""
+        """Per-step parameter errors, refresh steps marked with ``R``."""
         lines = ["   t  R    max abs err    max rel err   err/tol"]
         for k in range(self.steps):
             t = k + 1
@@ -118,7 +223,38 @@ class ComparisonReport:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return f"{self.summary()}\n(rtol={self.rtol:g}, atol={self.atol:.3g})\n{self.table()}"
+        text = f"{self.summary()}\n(rtol={self.rtol:g}, atol={self.atol:.3g}"
+        text += f", state_rtol={self.state_rtol:g})" if self.state_fields else ")"
+        text += f"\n{self.table()}"
+        if self.error:
+            text += f"\nthe port raised at step {self.error_step}:\n{self.error.rstrip()}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record (``adadiag-ref conform --json``)."""
+
+        def floats(a: np.ndarray) -> list[float | str]:
+            return [_json_float(float(x)) for x in a]
+
+        return {
+            "case": self.case,
+            "passed": self.passed,
+            "steps": self.steps,
+            "first_diverging_step": self.first_diverging_step,
+            "first_mismatch": None if self.first_mismatch is None else self.first_mismatch.to_dict(),
+            "patterns": list(self.patterns),
+            "likely_cause": self.likely_cause,
+            "state_fields": list(self.state_fields),
+            "error_step": self.error_step,
+            "error": self.error,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "state_rtol": self.state_rtol,
+            "refresh_steps": list(self.refresh_steps),
+            "candidate_dtype": self.candidate_dtype,
+            "max_abs_error": floats(self.max_abs_error),
+            "tolerance_ratio": floats(self.tolerance_ratio),
+        }
 
 
 def _resolve_case(fixture: GoldenCase | str | Path, directory: str | Path | None) -> GoldenCase:
@@ -127,17 +263,63 @@ def _resolve_case(fixture: GoldenCase | str | Path, directory: str | Path | None
     return load_case(fixture, directory)
 
 
+@dataclass
+class _Run:
+    """What driving a step function produced: parameters and states up to the step that raised (if any)."""
+
+    params: list[np.ndarray] = field(default_factory=list)
+    states: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    error: str | None = None
+    error_step: int | None = None
+
+
+def _state_arrays(state: Any) -> dict[str, np.ndarray]:
+    """A step function's state as ``{field: host array}``: a mapping or a NamedTuple; ``step`` means ``count``."""
+    items = state._asdict().items() if hasattr(state, "_asdict") else dict(state).items()
+    out = {}
+    for key, value in items:
+        name = "count" if key == "step" else key
+        if name in STATE_FIELDS and value is not None:
+            out[name] = np.array(to_numpy(value), copy=True)
+    return out
+
+
+def _drive(step_fn: StepFn, case: GoldenCase) -> _Run:
+    """Run ``step_fn`` over the case's gradients; an exception ends the run and is recorded with its traceback."""
+    run = _Run()
+    w = np.array(case.w0, copy=True)
+    for k in range(case.steps):
+        try:
+            out = step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1)
+            state = None
+            if isinstance(out, tuple) and len(out) == 2:
+                out, state = out
+            w = np.asarray(to_numpy(out)).reshape(case.shape)
+            fields_ = _state_arrays(state) if state is not None else {}
+        except Exception:  # the port's failure is the result: recorded, and the other cases still run
+            run.error, run.error_step = traceback.format_exc(), k + 1
+            break
+        run.params.append(w)
+        for name, value in fields_.items():
+            run.states.setdefault(name, []).append(value)
+    return run
+
+
 def run_step_fn(step_fn: StepFn, case: GoldenCase) -> np.ndarray:
     """Drive ``step_fn(W_t, G_t, t) -> W_{t+1}`` over the case's gradients (its own trajectory, t = 1..K).
 
     Inputs are NumPy arrays of the fixture's dtype and shape; the return value
-    may be any array convertible to NumPy (NumPy, torch, JAX, CuPy, ...).
+    may be any array convertible to NumPy (NumPy, torch, JAX, CuPy, ...), or a pair
+    ``(W_{t+1}, state)`` (the state is dropped here; :func:`compare` checks it).
+    An exception of ``step_fn`` propagates.
     """
     w = np.array(case.w0, copy=True)
     out = []
     for k in range(case.steps):
-        w_new = to_numpy(step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1))
-        w = np.asarray(w_new).reshape(case.shape)
+        result = step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1)
+        if isinstance(result, tuple) and len(result) == 2:
+            result = result[0]
+        w = np.asarray(to_numpy(result)).reshape(case.shape)
         out.append(w)
     return np.stack(out, axis=0) if out else np.zeros((0, *case.shape), dtype=case.w0.dtype)
 
@@ -172,41 +354,263 @@ def likely_cause(
     candidate_dtype: str = "float64",
     finite: bool = True,
 ) -> str | None:
-    """The heuristics behind :attr:`ComparisonReport.likely_cause`, in order.
+    """The hint from the parameters alone (no state returned), in order.
 
     1. non-finite output;
-    2. float32 rounding: a float64 fixture and errors on the parameter's scale
-       that never exceed ``64 eps32 t`` at step ``t`` (slow growth, no jump),
-       stay above ``eps32 / 64`` at every step from the first divergence on
-       (rounding never cancels exactly), and either come from a float32
-       candidate or reach ``eps32 / 16``;
+    2. float32 rounding: a float64 fixture, a float32 candidate, and errors on the parameter's scale
+       that never exceed ``64 eps32 t`` at step ``t`` (slow growth, no jump) and stay above
+       ``eps32 / 64`` at every step from the first divergence on (rounding never cancels exactly).
+       A float64 candidate never gets this hint: small errors of a float64 port are evidence of a
+       small bug, not of float32 rounding;
     3. first divergence at ``t = 1``;
-    4. first divergence at a refresh step ``t > 1``, or one step after a refresh
-       whose basis has null-space (completion) columns (``completion_steps``):
-       those columns multiply exact zeros on the refresh step itself and are
-       first felt one step later;
-    5. first divergence one step before a refresh;
-    6. otherwise: between refreshes.
+    4. first divergence at a refresh step ``t > 1``;
+    5. first divergence at ``t = 2`` after a refresh at ``t = 1`` with null-space completion columns: the
+       parameters cannot tell the completion from the moment update (:data:`CAUSE_STEP2`); one step after a
+       later such refresh: the refresh;
+    6. first divergence one step before a refresh;
+    7. otherwise: between refreshes.
     """
     if first is None:
         return None
     if not finite:
         return CAUSE_NONFINITE
     steps = np.arange(1, max_rel_error.size + 1)
-    if fixture_dtype == "float64" and max_rel_error.size:
-        bounded = bool(np.all(max_rel_error <= 64 * _EPS32 * steps))
-        persistent = bool(np.all(max_rel_error[first - 1 :] >= _EPS32 / 64))
-        if bounded and persistent and (candidate_dtype != "float64" or float(np.max(max_rel_error)) >= _EPS32 / 16):
+    if fixture_dtype == "float64" and candidate_dtype == "float32" and max_rel_error.size:
+        rel = max_rel_error[np.isfinite(max_rel_error)]
+        bounded = bool(np.all(rel <= 64 * _EPS32 * steps[: rel.size]))
+        persistent = bool(np.all(rel[first - 1 :] >= _EPS32 / 64))
+        if bounded and persistent:
             return CAUSE_FLOAT32
     if first == 1:
         return CAUSE_STEP1
     if first in refresh_steps:
         return f"{CAUSE_REFRESH} (refresh at step {first})"
+    if first == 2 and 1 in completion_steps:
+        return CAUSE_STEP2
     if first - 1 in completion_steps:
         return f"{CAUSE_REFRESH} (refresh at step {first - 1}, whose basis has null-space completion columns)"
     if first + 1 in refresh_steps:
         return f"{CAUSE_SCHEDULE} (spec refresh at step {first + 1})"
     return CAUSE_OTHER
+
+
+# ----------------------------------------------------------------------------- entrywise checks
+
+
+def _bounds(want: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    return atol + rtol * np.abs(want)
+
+
+def _within(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
+    """``|got - want| <= atol + rtol |want|`` everywhere (same shapes; non-finite ``got`` fails)."""
+    if got.shape != want.shape:
+        return False
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    return bool(np.all(np.isfinite(diff) & (diff <= _bounds(want.astype(np.float64), rtol, atol))))
+
+
+def _field_mismatch(t: int, name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Mismatch | None:
+    """The worst entry of one field at one step when some entry is out of tolerance (or the shapes differ)."""
+    if got.shape != want.shape:
+        if got.size == want.size and tuple(d for d in got.shape if d != 1) == tuple(d for d in want.shape if d != 1):
+            got = got.reshape(want.shape)  # (n,) for a stored 1 x n: the same numbers
+        else:
+            note = f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            return Mismatch(t, name, (), float("nan"), float("nan"), 0.0, want.size, note)
+    if name == "count":
+        if np.array_equal(got.astype(np.int64), want.astype(np.int64)):
+            return None
+        return Mismatch(t, name, (), float(np.ravel(got)[0]), float(np.ravel(want)[0]), 0.0, 1)
+    x, y = got.astype(np.float64), want.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.where(np.isfinite(x), np.abs(x - y), np.inf)
+        bound = _bounds(y, rtol, atol)
+        ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
+    out = ratio > 1.0
+    if not np.any(out):
+        return None
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), ratio.shape))
+    return Mismatch(t, name, index, float(x[index]), float(y[index]), float(bound[index]), int(np.sum(out)))
+
+
+def _state_atol(want: np.ndarray, rtol: float) -> float:
+    """A state array's ``atol``: ``state_rtol * max |array|`` (``V`` spans decades, ``P`` and ``Q`` are O(1))."""
+    return rtol * float(np.max(np.abs(want.astype(np.float64)))) if want.size else 0.0
+
+
+# ----------------------------------------------------------------------------- patterns of the first wrong field
+
+
+def _sign_pattern(name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> str | None:
+    """Columns of a basis equal to the reference's up to their signs."""
+    if name not in ("P", "Q") or got.shape != want.shape or got.ndim != 2:
+        return None
+    signs = np.where(np.sum(got * want, axis=0) < 0, -1.0, 1.0)
+    if np.all(signs > 0) or not _within(got * signs, want, rtol, atol):
+        return None
+    flipped = ", ".join(str(j) for j in np.flatnonzero(signs < 0))
+    return f"columns {flipped} of {name} differ by sign (the sign rule of docs/spec.md, canonical SVD)"
+
+
+def _swap_pattern(name: str, got: np.ndarray, golden: Mapping[str, np.ndarray], rtol: float) -> str | None:
+    """``P`` holding the reference's ``Q`` (or the reverse), up to column signs."""
+    other = {"P": "Q", "Q": "P"}.get(name)
+    if other is None or other not in golden:
+        return None
+    want = golden[other]
+    if got.shape != want.shape:
+        return None
+    signs = np.where(np.sum(got * want, axis=0) < 0, -1.0, 1.0)
+    if _within(got * signs, want, rtol, _state_atol(want, rtol)):
+        return "P and Q swapped"
+    return None
+
+
+def _transposed_pattern(name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> str | None:
+    if got.ndim != 2 or got.shape[::-1] != want.shape or _within(got, want, rtol, atol):
+        return None
+    if _within(got.T, want, rtol, atol):
+        return f"{name} is transposed (the work frame of docs/spec.md: m x n with m <= n, P is m x m)"
+    return None
+
+
+def _ema_decay(cfg: BaseConfig, name: str) -> Callable[[int], float] | None:
+    """The EMA coefficient ``beta_t`` of a moment field (``F_t = beta_t F_{t-1} + (1 - beta_t) X_t``)."""
+    if name in ("M", "u", "v"):
+        return lambda t: float(first_moment_decay(cfg, float(t), np))
+    if name in ("V", "r", "s"):
+        if isinstance(cfg, AdafactorConfig) and cfg.beta2_schedule == "adafactor":
+            return lambda t: float(-np.expm1(-cfg.decay_rate * np.log(t)))  # Adafactor's 1 - t^(-c)
+        return lambda t: float(beta_hat(cfg.betas[1], float(t), np, bias_correction=cfg.bias_correction))
+    return None
+
+
+def _off_by_one_pattern(
+    name: str, t: int, got: np.ndarray, case: GoldenCase, cfg: BaseConfig, rtol: float
+) -> str | None:
+    """A moment that is the reference's EMA with the coefficient of step ``t - 1`` or ``t + 1``.
+
+    The fixture's own ``F_{t-1}`` and ``F_t`` give the averaged input ``X_t = (F_t - b_t F_{t-1}) / (1 - b_t)``;
+    the port's ``F_t`` is then tested against ``b_s F_{t-1} + (1 - b_s) X_t`` for ``s = t -+ 1``.
+    """
+    decay = _ema_decay(cfg, name)
+    want = case.state(t).get(name)
+    if decay is None or want is None or got.shape != want.shape:
+        return None
+    before = case.state(t - 1).get(name) if t > 1 else np.zeros_like(want)
+    if before is None:
+        return None
+    y, y0 = want.astype(np.float64), before.astype(np.float64)
+    b_t = decay(t)
+    if b_t >= 1.0:
+        return None
+    x = (y - b_t * y0) / (1.0 - b_t)
+    for s in (t - 1, t + 1):
+        if s < 1:
+            continue
+        b_s = decay(s)
+        if b_s == b_t:
+            continue
+        alt = b_s * y0 + (1.0 - b_s) * x
+        # the recovered input carries the rounding of 1 / (1 - b_t): a tolerance 10x the state's
+        if _within(got, alt, 10 * rtol, 10 * _state_atol(alt, rtol)):
+            return f"off by one step in the bias correction: {name} uses the EMA coefficient of step {s} at step {t}"
+    return None
+
+
+def _patterns(mismatch: Mismatch, got: np.ndarray, case: GoldenCase, cfg: BaseConfig, rtol: float) -> list[str]:
+    """Every recognised pattern of the first wrong state field."""
+    golden = case.state(mismatch.step)
+    want = golden[mismatch.field]
+    atol = _state_atol(want, rtol)
+    found = [
+        _sign_pattern(mismatch.field, got, want, rtol, atol),
+        _swap_pattern(mismatch.field, got, golden, rtol),
+        _transposed_pattern(mismatch.field, got, want, rtol, atol),
+        _off_by_one_pattern(mismatch.field, mismatch.step, got, case, cfg, rtol),
+    ]
+    return [p for p in found if p]
+
+
+def _state_hint(mismatch: Mismatch, patterns: list[str], case: GoldenCase, compared: tuple[str, ...]) -> str:
+    """The hint when the first wrong value is a state field, or a parameter whose state agrees."""
+    t, name = mismatch.step, mismatch.field
+    if patterns:
+        return patterns[0]
+    if name == "count":
+        return f"the step counter differs after step {t} (count must be t after step t)"
+    if name in ("P", "Q"):
+        if t in case.refresh_steps:
+            return (
+                f"{name} differs from the canonical basis of the refresh at step {t}: the canonical SVD of "
+                "docs/spec.md (descending order, numerical rank, clusters, sign rule, null-space completion)"
+            )
+        return (
+            f"{name} changed at step {t}, which is no refresh step of the spec (refreshes at "
+            f"{', '.join(map(str, case.refresh_steps))}): the refresh schedule (t = 1 and (t - 1) mod T == 0)"
+        )
+    bases = [f for f in ("P", "Q") if f in compared]
+    agree = f" while {' and '.join(bases)} agree" if bases else ""
+    if name == PARAMETER:
+        return (
+            f"the state after step {t} agrees ({', '.join(compared)}) but W_{{t+1}} does not: the parameter update "
+            "from the state (eps placement, weight decay, step size eta_t, the rotation back P U~ Q^T)"
+        )
+    text = (
+        f"{name} is the first field to differ, at step {t}{agree}: its update (EMA coefficients, bias correction, "
+        "what is averaged, eps placement, clipping)"
+    )
+    if t in case.refresh_steps and t > 1:
+        text += "; a refresh step: moments are carried over unrotated, and G~'s refresh-step noise floor applies"
+    return text
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def _first_mismatch(
+    case: GoldenCase, params: np.ndarray, states: Mapping[str, np.ndarray], rtol: float, atol: float
+) -> tuple[Mismatch | None, np.ndarray | None]:
+    """The first (step, field) out of tolerance, fields in :data:`FIELD_ORDER`, with the port's value there."""
+    state_rtol = case.tolerance.state_rtol
+    for k in range(params.shape[0]):
+        t = k + 1
+        golden = case.state(t)
+        for name in FIELD_ORDER:
+            if name == PARAMETER:
+                got, want, r, a = params[k], case.params[k], rtol, atol
+            elif name in states and name in golden and k < len(states[name]):
+                got, want = np.asarray(states[name][k]), golden[name]
+                r, a = state_rtol, _state_atol(want, state_rtol)
+            else:
+                continue
+            found = _field_mismatch(t, name, got, want, r, a)
+            if found is not None:
+                return found, got
+    return None, None
+
+
+def _parameter_errors(traj: np.ndarray, case: GoldenCase, rtol: float, atol: float) -> tuple[np.ndarray, ...]:
+    """Per step: max abs error, max error relative to the step's scale, max error / bound (``nan`` past the run)."""
+    full = np.full(case.steps, np.nan)
+    max_abs, max_rel, max_ratio = full.copy(), full.copy(), full.copy()
+    n = traj.shape[0]
+    if n == 0:
+        return max_abs, max_rel, max_ratio
+    x = traj.astype(np.float64).reshape(n, -1)
+    y = np.asarray(case.params[:n]).astype(np.float64).reshape(n, -1)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        diff = np.where(np.isfinite(x), np.abs(x - y), np.inf)
+        bound = atol + rtol * np.abs(y)
+        ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
+        max_abs[:n] = diff.max(axis=1) if x.shape[1] else 0.0
+        scale = np.abs(y).max(axis=1) if y.shape[1] else np.zeros(n)
+        max_rel[:n] = np.where(
+            scale > 0, max_abs[:n] / np.where(scale > 0, scale, 1.0), np.where(max_abs[:n] > 0, np.inf, 0.0)
+        )
+        max_ratio[:n] = ratio.max(axis=1) if x.shape[1] else 0.0
+    return max_abs, max_rel, max_ratio
 
 
 def compare(
@@ -216,59 +620,79 @@ def compare(
     rtol: float | None = None,
     atol: float | None = None,
     directory: str | Path | None = None,
+    states: Mapping[str, Any] | None = None,
 ) -> ComparisonReport:
-    """Compare an implementation with one golden case.
+    """Compare an implementation with one golden case, parameters and (when given) states, step by step.
 
     Args:
-        step_fn_or_trajectory: either a callable ``step_fn(W_t, G_t, t) -> W_{t+1}``
-            (stateful: a fresh optimizer built from ``case.config``; called for
-            t = 1..K on its own outputs), or a trajectory array of shape
-            ``(K, *shape)`` with row ``t - 1`` = ``W_{t+1}`` (a ``(K + 1, ...)``
-            array is taken to start with ``W_1`` and its first row is dropped).
+        step_fn_or_trajectory: either a callable ``step_fn(W_t, G_t, t)`` returning ``W_{t+1}`` or a pair
+            ``(W_{t+1}, state)`` (stateful: a fresh optimizer built from ``case.config``; called for
+            t = 1..K on its own outputs); ``state`` is a mapping or NamedTuple whose keys among
+            ``count P Q M V r s u v`` (``step`` is read as ``count``) are compared with the fixture's
+            state after step ``t``, in the work frame; an exception ends the run and fails the comparison
+            with its traceback.  Or a trajectory array of shape ``(K, *shape)`` with row ``t - 1`` =
+            ``W_{t+1}`` (a ``(K + 1, ...)`` array is taken to start with ``W_1`` and its first row is dropped).
         fixture: a :class:`~adadiag_ref.golden.GoldenCase`, a case name of the
             shipped set (or of ``directory``), or the path of a case's ``.npz``.
-        rtol, atol: override the tolerances stored in the manifest.
+        rtol, atol: override the parameter tolerances stored in the manifest.
+        states: with a trajectory, the port's states as ``{field: (K, *field_shape)}`` (the fixture's
+            ``state_FIELD`` layout); ignored with a step function.
 
     Returns:
-        A :class:`ComparisonReport` (it never raises on a mismatch; see
-        :func:`assert_trajectory_close`).
+        A :class:`ComparisonReport` (it never raises on a mismatch or a failing port; see
+        :func:`assert_trajectory_close`).  Each step's fields are checked in the order the step computes
+        them (``count``, ``P``, ``Q``, moments, ``W``): the first wrong one is where the error starts.
     """
     case = _resolve_case(fixture, directory)
     if callable(step_fn_or_trajectory):
-        traj = run_step_fn(step_fn_or_trajectory, case)
+        run = _drive(step_fn_or_trajectory, case)
+        traj = np.stack(run.params, axis=0) if run.params else np.zeros((0, *case.shape), dtype=case.w0.dtype)
+        port_states: dict[str, Any] = {k: np.stack(v, axis=0) for k, v in run.states.items()}
+        error, error_step = run.error, run.error_step
     else:
         traj = np.asarray(to_numpy(step_fn_or_trajectory))
         if traj.shape[0] == case.steps + 1:
             traj = traj[1:]
-    expected = np.asarray(case.params)
-    if traj.shape != expected.shape:
-        raise ValueError(f"trajectory has shape {traj.shape}, the case {case.name!r} expects {expected.shape}")
+        expected_shape = (case.steps, *case.shape)
+        if traj.shape != expected_shape:
+            raise ValueError(f"trajectory has shape {traj.shape}, the case {case.name!r} expects {expected_shape}")
+        port_states = {("count" if k == "step" else k): np.asarray(to_numpy(v)) for k, v in (states or {}).items()}
+        error, error_step = None, None
     candidate_dtype = str(traj.dtype)
     rtol = case.tolerance.rtol if rtol is None else rtol
     atol = case.tolerance.atol if atol is None else atol
-    x = traj.astype(np.float64).reshape(case.steps, -1)
-    y = expected.astype(np.float64).reshape(case.steps, -1)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        diff = np.abs(x - y)
-        diff = np.where(np.isfinite(x), diff, np.inf)
-        bound = atol + rtol * np.abs(y)
-        ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
-        max_abs = diff.max(axis=1) if x.size else np.zeros(case.steps)
-        scale = np.abs(y).max(axis=1) if y.size else np.zeros(case.steps)
-        max_rel = np.where(scale > 0, max_abs / np.where(scale > 0, scale, 1.0), np.where(max_abs > 0, np.inf, 0.0))
-        max_ratio = ratio.max(axis=1) if x.size else np.zeros(case.steps)
-    bad = np.flatnonzero(max_ratio > 1.0)
-    first = int(bad[0]) + 1 if bad.size else None
-    finite = bool(np.all(np.isfinite(x[: first or case.steps])))
-    cause = likely_cause(
-        first,
-        max_rel,
-        case.refresh_steps,
-        completion_steps=completion_steps(case) if first is not None else (),
-        fixture_dtype=case.dtype,
-        candidate_dtype=candidate_dtype,
-        finite=finite,
-    )
+    golden_fields = set(case.state(1)) if case.steps else set()
+    compared = tuple(f for f in FIELD_ORDER if f in port_states and f in golden_fields)
+    max_abs, max_rel, max_ratio = _parameter_errors(traj, case, rtol, atol)
+    mismatch, got = _first_mismatch(case, traj, {f: port_states[f] for f in compared}, rtol, atol)
+    first = mismatch.step if mismatch is not None else None
+    if error_step is not None and (first is None or error_step <= first):
+        first, mismatch = error_step, None
+    patterns: list[str] = []
+    if first is None:
+        cause = None
+    elif mismatch is None:
+        last = (error or "").strip().splitlines()[-1:] or [""]
+        cause = f"{CAUSE_RAISED} at step {first}: {last[0]}"
+    elif mismatch.field != PARAMETER:
+        if got is not None:
+            patterns = _patterns(mismatch, got, case, case.make_config(), case.tolerance.state_rtol)
+        cause = _state_hint(mismatch, patterns, case, compared)
+    elif compared:
+        cause = _state_hint(mismatch, patterns, case, compared)
+    else:
+        finite = bool(np.all(np.isfinite(traj[:first])))
+        cause = likely_cause(
+            first,
+            max_rel,
+            case.refresh_steps,
+            completion_steps=completion_steps(case),
+            fixture_dtype=case.dtype,
+            candidate_dtype=candidate_dtype,
+            finite=finite,
+        )
+    if mismatch is not None and mismatch.field == PARAMETER and not np.all(np.isfinite(traj[:first])):
+        cause = CAUSE_NONFINITE
     return ComparisonReport(
         case=case.name,
         steps=case.steps,
@@ -281,6 +705,35 @@ def compare(
         refresh_steps=case.refresh_steps,
         likely_cause=cause,
         candidate_dtype=candidate_dtype,
+        first_mismatch=mismatch,
+        patterns=tuple(patterns),
+        state_fields=compared,
+        error=error,
+        error_step=error_step,
+        state_rtol=case.tolerance.state_rtol,
+    )
+
+
+def error_report(case: GoldenCase, error: str, step: int | None = None) -> ComparisonReport:
+    """The report of a port that failed before producing a trajectory (its constructor raised, a command exited
+    with an error, an output file was malformed): failed at ``step`` (default 1), with ``error`` as its traceback."""
+    nan = np.full(case.steps, np.nan)
+    last = error.strip().splitlines()[-1:] or [""]
+    return ComparisonReport(
+        case=case.name,
+        steps=case.steps,
+        rtol=case.tolerance.rtol,
+        atol=case.tolerance.atol,
+        first_diverging_step=step or 1,
+        max_abs_error=nan,
+        max_rel_error=nan,
+        tolerance_ratio=nan,
+        refresh_steps=case.refresh_steps,
+        likely_cause=f"{CAUSE_RAISED}{f' at step {step}' if step else ' before its first step'}: {last[0]}",
+        candidate_dtype="",
+        error=error,
+        error_step=step,
+        state_rtol=case.tolerance.state_rtol,
     )
 
 

@@ -1,4 +1,4 @@
-"""The golden-vector format, version 1 (specified in ``docs/golden.md``).
+"""The golden-vector format, version 2 (specified in ``docs/golden.md``, with its changelog).
 
 A fixture set is a directory holding ``manifest.json`` and one ``<case>.npz``
 per case.  The manifest says what every case is (optimizer, full config,
@@ -12,10 +12,20 @@ key                         content
 ``grads``                   gradient stream, shape ``(K, *S)``; ``grads[t-1] = G_t``
 ``params``                  parameter after every step, shape ``(K, *S)``;
                             ``params[t-1] = W_{t+1}``
-``state_t{t:03d}_{field}``  optimizer state after step ``t`` (work frame), for
-                            ``t`` in the case's ``state_steps``; ``field`` is
-                            one of ``count P Q M V r s u v`` (absent = ``None``)
+``state_{field}``           optimizer state after every step (work frame),
+                            shape ``(K, *field_shape)``: ``state_P[t-1]`` is
+                            ``P`` after step ``t``; ``field`` is one of
+                            ``count P Q M V r s u v`` (absent = ``None``)
 ==========================  =================================================
+
+The manifest's ``config`` of a case holds the keyword arguments of the API
+(``make_config(optimizer, **config)``, the torch classes, the optax aliases
+after :func:`api_options`): ``momentum``, not the dataclass field
+``momentum_enabled``; no ``name`` or ``sides`` (the optimizer decides them).
+
+Version 1 (states at three steps as ``state_t{t:03d}_{field}``, the config
+with ``name``, ``sides`` and ``momentum_enabled``) is still read: its config
+is translated on load (:func:`config_from_dict` takes either spelling).
 
 Every ``.npz`` is also a valid input of ``adadiag-ref replay`` (it has ``w0``
 and ``grads``).
@@ -38,9 +48,12 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "READABLE_VERSIONS",
     "STATE_FIELDS",
     "GoldenCase",
     "Tolerance",
+    "api_config",
+    "api_options",
     "array_sha256",
     "config_from_dict",
     "config_to_dict",
@@ -52,7 +65,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "adadiag-golden"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Versions :func:`load_manifest` accepts; changes between them: docs/golden.md, "Format changelog"."""
 MANIFEST_NAME = "manifest.json"
 STATE_FIELDS = ("count", "P", "Q", "M", "V", "r", "s", "u", "v")
 
@@ -62,8 +77,13 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parent / "data"
 
 
-def state_key(t: int, name: str) -> str:
-    """The ``.npz`` key of state field ``name`` after step ``t``."""
+def state_key(name: str) -> str:
+    """The ``.npz`` key of state field ``name`` at every step (format 2: shape ``(K, *field_shape)``)."""
+    return f"state_{name}"
+
+
+def _state_key_v1(t: int, name: str) -> str:
+    """Format 1's key of state field ``name`` after step ``t`` (states at a few steps only)."""
     return f"state_t{t:03d}_{name}"
 
 
@@ -82,37 +102,77 @@ GOLDEN_BASIS_METHOD = "svd"
 
 ``basis_method`` was added to the configs after format version 1; a manifest
 entry without it means this route, and :func:`config_to_dict` leaves it out when
-it has this value, so the shipped manifests regenerate byte for byte."""
+it has this value."""
+
+
+FIELD_TO_API = {"momentum_enabled": "momentum"}
+"""Config dataclass fields whose API keyword differs (``make_config``, the torch classes and optax aliases take
+``momentum``): the one place where a fixture key and a field name part."""
+DERIVED_FIELDS = ("name", "sides")
+"""Config fields the optimizer's name decides; format 2 does not write them (format 1 did)."""
+OPTAX_NAMES = {"lr": "learning_rate"}
+"""Fixture keys that optax's aliases spell differently; ``betas`` becomes ``b1`` and ``b2`` (:func:`api_options`)."""
 
 
 def config_to_dict(cfg: BaseConfig) -> dict[str, Any]:
-    """Every init field of ``cfg`` as JSON-ready values (``betas`` as a list).
+    """The keyword arguments that rebuild ``cfg``, under the API's names, as JSON-ready values.
 
-    ``basis_method`` is written only when it is not ``"svd"`` (:data:`GOLDEN_BASIS_METHOD`).
-    ``kernels`` is left out: it chooses who computes (numba or the reference
-    code, equal to rounding), not what, so a golden case does not depend on it.
-    ``batch_dims`` (added after format version 1) is written only when it is not 0, so the shipped manifests
-    regenerate byte for byte.
+    ``make_config(cfg.name, **config_to_dict(cfg)) == cfg`` (``kernels`` aside), and the same
+    keywords build the torch class (``AdaDiag(params, **config)``).  Every init field is written
+    except ``name`` and ``sides`` (the optimizer decides them, :data:`DERIVED_FIELDS`), ``kernels``
+    (it chooses who computes, numba or the reference code, equal to rounding, not what) and
+    ``basis_method`` when it is ``"svd"`` (:data:`GOLDEN_BASIS_METHOD`); ``momentum_enabled`` is
+    written as ``momentum`` (:data:`FIELD_TO_API`); ``betas`` as a list.
+    ``batch_dims`` is written only when it is not 0.
     """
     out: dict[str, Any] = {}
     for f in fields(cfg):
-        if not f.init or f.name == "kernels" or (f.name == "basis_method" and cfg.basis_method == GOLDEN_BASIS_METHOD):
+        if not f.init or f.name in ("kernels", *DERIVED_FIELDS):
+            continue
+        if f.name == "basis_method" and cfg.basis_method == GOLDEN_BASIS_METHOD:
             continue
         if f.name == "batch_dims" and cfg.batch_dims == 0:
             continue
         value = getattr(cfg, f.name)
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+        out[FIELD_TO_API.get(f.name, f.name)] = list(value) if isinstance(value, tuple) else value
     return out
 
 
 def config_from_dict(name: str, options: dict[str, Any]) -> BaseConfig:
-    """Inverse of :func:`config_to_dict` (``name`` and ``sides`` are taken from the optimizer name)."""
-    opts = {"basis_method": GOLDEN_BASIS_METHOD, **{k: v for k, v in options.items() if k not in ("name", "sides")}}
-    if "sides" in options:
-        expected = make_config(name).sides
-        if int(options["sides"]) != expected:
-            raise ValueError(f"config says sides={options['sides']} but optimizer {name!r} has sides={expected}")
+    """Inverse of :func:`config_to_dict`; also reads format 1's keys (``name``, ``sides``, ``momentum_enabled``)."""
+    opts = {"basis_method": GOLDEN_BASIS_METHOD, **api_config(name, options)}
     return make_config(name, **opts)
+
+
+def api_config(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A fixture config under the API's names: format 1's ``name`` and ``sides`` checked and dropped,
+    ``momentum_enabled`` renamed ``momentum``; a format 2 config is returned as is (a copy)."""
+    out = {}
+    for key, value in options.items():
+        if key == "sides" and int(value) != make_config(name).sides:
+            raise ValueError(f"config says sides={value} but optimizer {name!r} has sides={make_config(name).sides}")
+        if key == "name" and value != name:
+            raise ValueError(f"config says name={value!r} but the case's optimizer is {name!r}")
+        if key not in DERIVED_FIELDS:
+            out[FIELD_TO_API.get(key, key)] = value
+    return out
+
+
+def api_options(config: dict[str, Any], api: str = "torch") -> dict[str, Any]:
+    """A case's config as keyword arguments of one API.
+
+    ``"torch"`` (and ``"core"``): as stored (``lr``, ``betas``, ``momentum``, ...), for
+    ``Class(params, **options)`` and ``make_config(optimizer, **options)``.  ``"optax"``:
+    ``learning_rate`` for ``lr`` and ``b1``, ``b2`` for ``betas``, for ``alias(**options)``.
+    """
+    if api in ("torch", "core"):
+        return dict(config)
+    if api != "optax":
+        raise ValueError(f"unknown API {api!r}; choose torch, core or optax")
+    out = {OPTAX_NAMES.get(k, k): v for k, v in config.items() if k != "betas"}
+    if "betas" in config:
+        out["b1"], out["b2"] = (float(b) for b in config["betas"])
+    return out
 
 
 @dataclass(frozen=True)
@@ -183,11 +243,22 @@ class GoldenCase:
         return self.arrays["params"]
 
     def state(self, t: int) -> dict[str, np.ndarray]:
-        """State fields stored after step ``t`` (absent fields are ``None`` in the core)."""
-        return {name: self.arrays[state_key(t, name)] for name in STATE_FIELDS if state_key(t, name) in self.arrays}
+        """State fields stored after step ``t``, work frame (absent fields are ``None`` in the core).
+
+        Format 2 stores every step; a format 1 case only its ``state_steps`` (other steps give ``{}``).
+        """
+        out = {}
+        for name in STATE_FIELDS:
+            stacked = self.arrays.get(state_key(name))
+            if stacked is not None:
+                out[name] = stacked[t - 1]
+            elif _state_key_v1(t, name) in self.arrays:
+                out[name] = self.arrays[_state_key_v1(t, name)]
+        return out
 
     # ------------------------------------------------------------------ manifest
     def manifest_entry(self) -> dict[str, Any]:
+        """The case's entry of a format 2 manifest (states at every step: no ``state_steps``)."""
         return {
             "name": self.name,
             "file": self.file,
@@ -197,7 +268,6 @@ class GoldenCase:
             "shape": list(self.shape),
             "steps": self.steps,
             "refresh_steps": list(self.refresh_steps),
-            "state_steps": list(self.state_steps),
             "tolerance": self.tolerance.to_dict(),
             "stream": self.stream,
             "features": list(self.features),
@@ -207,15 +277,17 @@ class GoldenCase:
 
     @classmethod
     def from_manifest_entry(cls, entry: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> GoldenCase:
+        """A case from its manifest entry (format 1 or 2; a format 1 config is translated, :func:`api_config`)."""
+        steps = int(entry["steps"])
         return cls(
             name=entry["name"],
             optimizer=entry["optimizer"],
-            config=dict(entry["config"]),
+            config=api_config(entry["optimizer"], entry["config"]),
             dtype=entry["dtype"],
             shape=tuple(int(d) for d in entry["shape"]),
-            steps=int(entry["steps"]),
+            steps=steps,
             refresh_steps=tuple(int(t) for t in entry["refresh_steps"]),
-            state_steps=tuple(int(t) for t in entry["state_steps"]),
+            state_steps=tuple(int(t) for t in entry.get("state_steps", range(1, steps + 1))),
             tolerance=Tolerance.from_dict(entry["tolerance"]),
             stream=dict(entry.get("stream", {})),
             features=tuple(entry.get("features", ())),
@@ -239,8 +311,9 @@ def load_manifest(directory: str | Path | None = None) -> dict[str, Any]:
     if manifest.get("format") != FORMAT_NAME:
         raise ValueError(f"{manifest_path} is not an {FORMAT_NAME} manifest (format={manifest.get('format')!r})")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{manifest_path} has format_version {version!r}; this library reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise ValueError(f"{manifest_path} has format_version {version!r}; this library reads {readable}")
     return manifest
 
 

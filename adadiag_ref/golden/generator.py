@@ -56,6 +56,7 @@ __all__ = [
     "make_case",
     "make_stream",
     "run_core",
+    "stack_states",
 ]
 
 # Tolerances per dtype (justification in docs/golden.md, "Tolerances").
@@ -262,6 +263,13 @@ def run_core(
     return np.stack(params, axis=0) if params else np.zeros((0, *w0.shape), dtype=w0.dtype), states
 
 
+def stack_states(states: dict[int, dict[str, np.ndarray]], steps: Iterable[int]) -> dict[str, np.ndarray]:
+    """``{state_key(field): (K, *field_shape) array}`` from :func:`run_core`'s per-step states (format 2)."""
+    order = list(steps)
+    names = [name for name in STATE_FIELDS if all(name in states[t] for t in order)] if order else []
+    return {state_key(name): np.stack([states[t][name] for t in order], axis=0) for name in names}
+
+
 def refresh_steps(cfg: Any, steps: int) -> tuple[int, ...]:
     """The steps ``t`` whose gradient refreshes the basis (``t = 1`` and ``(t - 1) mod T == 0``)."""
     return tuple(t for t in range(1, steps + 1) if refresh_due(t - 1, cfg))
@@ -298,7 +306,8 @@ def make_case(spec: CaseSpec) -> GoldenCase:
     """Build one case: draw its stream, run the core, fix its tolerances."""
     stream = STREAMS[spec.stream]
     options = {**BASE_OPTIONS, "update_freq": stream.update_freq, **spec.options}
-    cfg = make_config(spec.optimizer, **options)
+    # the reference code, not the numba kernels (equal to rounding): the fixtures do not depend on numba's presence
+    cfg = make_config(spec.optimizer, **options, kernels="reference")
     w0, grads = make_stream(stream, spec.dtype)
     refreshes = refresh_steps(cfg, stream.steps)
     if spec.dtype != "float64":
@@ -308,18 +317,14 @@ def make_case(spec: CaseSpec) -> GoldenCase:
                 f"case {spec.name}: the canonical basis is ill-posed in {spec.dtype} (changes by {sensitivity:.2g} "
                 "in float64); choose another seed"
             )
-    second = [t for t in refreshes if t > 1][:1]
-    state_steps = tuple(sorted({1, *second, stream.steps}))
+    state_steps = tuple(range(1, stream.steps + 1))  # every step: a port's first wrong field is found where it begins
     params, states = run_core(cfg, w0, grads, state_steps)
     scale = float(max(np.max(np.abs(w0)), np.max(np.abs(params))))
     base = TOLERANCES[spec.dtype]
     tol = Tolerance(
         rtol=base.rtol, atol=base.atol_factor * scale, state_rtol=base.state_rtol, atol_factor=base.atol_factor
     )
-    arrays: dict[str, np.ndarray] = {"w0": w0, "grads": grads, "params": params}
-    for t, fields_ in states.items():
-        for name, value in fields_.items():
-            arrays[state_key(t, name)] = value
+    arrays: dict[str, np.ndarray] = {"w0": w0, "grads": grads, "params": params, **stack_states(states, state_steps)}
     features = [*stream.features, spec.dtype]
     if spec.variant:
         features.append(spec.variant)
@@ -370,7 +375,8 @@ def generate(out: str | Path | None = None, specs: Iterable[CaseSpec] | None = N
             "w0": "initial parameter W_1, shape S",
             "grads": "(K, *S): grads[t-1] = G_t",
             "params": "(K, *S): params[t-1] = W_{t+1}, the parameter after step t",
-            "state_tNNN_FIELD": "state field after step NNN, work frame (docs/golden.md)",
+            "state_FIELD": "(K, *field shape): the state field after every step, state_FIELD[t-1] after step t, "
+            "work frame (docs/golden.md)",
         },
         "cases": [case.manifest_entry() for case in cases],
     }
