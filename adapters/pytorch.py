@@ -187,6 +187,11 @@ class CoreOptimizer(torch.optim.Optimizer):
     copies the gradients it decomposes to the host.  With ``foreach`` the sums
     are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
     device and dtype).
+
+    Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
+    ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
+    DeepSpeed ZeRO-3's partitioned ones and groups whose parameters a wrapper replaced by a flat partition
+    (:func:`_refuse_hidden_shapes`).
     """
 
     core_name: str = ""
@@ -213,6 +218,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
+        self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
+        self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
             ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
@@ -244,15 +251,21 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._frames = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
+        self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
+        self._shapes_checked = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated."""
+        """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated and its
+        parameters checked for a shape the optimizer cannot see (:func:`_refuse_hidden_shapes`)."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
         try:
-            self._build_config(self.param_groups[-1])
+            self._build_config(group)
+            _refuse_hidden_shapes([group], first_group_index=len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
+        self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
     # ------------------------------------------------------------------ config
 
@@ -288,6 +301,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         the parameters due for a refresh (new tensors); only phase 3 writes, so a
         failure in phase 1 or 2 leaves every parameter and state bit-identical.
         """
+        if not self._shapes_checked:  # before the closure and before anything changes
+            _refuse_hidden_shapes(self.param_groups, self._registered_shapes)
+            self._shapes_checked = True
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -307,7 +323,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 if fresh:
                     flat = from_core_state(ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+                where = _where(names, index, group_index)
                 label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach, group_index))
         self._check_finite(work)
@@ -512,6 +528,86 @@ class _Work(NamedTuple):
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
     foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
+
+
+def _where(names: Any, index: int, group_index: int) -> str:
+    """A parameter as error messages name it: ``parameter 'fc.weight'`` with ``named_parameters()``, else its
+    index and group."""
+    return f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+
+
+_SHARDED_ALTERNATIVES = (
+    "the rotation needs each parameter's whole matrix: shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
+    "replicate with DistributedDataParallel (optionally with split_refresh=True, or under "
+    "ZeroRedundancyOptimizer) instead"
+)
+
+
+def _hidden_shape(p: torch.Tensor) -> str | None:
+    """Why the optimizer cannot see the matrix of ``p`` (a clause naming the wrapper), or ``None`` when it can.
+
+    Relies on the marks the wrappers leave on the tensors the optimizer is given:
+
+    * FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): its ``FlatParamHandle`` sets
+      ``_fsdp_flattened = True`` on every original parameter it manages (``use_orig_params=True``: the
+      parameters become 1-D views into this rank's shard of the flat parameter) and on the ``FlatParameter``
+      itself (``use_orig_params=False``).  Every sharding strategy is refused, ``NO_SHARD`` too (use DDP, its
+      equivalent).
+    * DeepSpeed ZeRO-3: a partitioned parameter carries its true shape in ``ds_shape`` (with ``ds_id``,
+      ``ds_numel``, ``ds_tensor``) while the tensor itself is empty; refused unless it is gathered (its shape is
+      then ``ds_shape``).
+    """
+    if getattr(p, "_fsdp_flattened", False):
+        return (
+            f"is managed by FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel), which hands the optimizer "
+            f"flat 1-D shards of its parameters (this one has shape {tuple(p.shape)})"
+        )
+    ds_shape = getattr(p, "ds_shape", None)
+    if ds_shape is not None and tuple(ds_shape) != tuple(p.shape):
+        return (
+            f"is partitioned by DeepSpeed ZeRO-3: its matrix has shape {tuple(ds_shape)} (ds_shape), the "
+            f"optimizer is given a tensor of shape {tuple(p.shape)}"
+        )
+    return None
+
+
+def _refuse_hidden_shapes(
+    groups: list[dict[str, Any]], registered: list[list[tuple[int, ...]]] | None = None, *, first_group_index: int = 0
+) -> None:
+    """``RuntimeError`` when a parameter's true shape is hidden from the optimizer, so that no other optimizer
+    (AdamW on a flat shard) runs silently in its place.
+
+    Two tests: the wrappers' marks (:func:`_hidden_shape`), and, with ``registered`` (the shapes of each group's
+    parameters when it was added), a group whose parameters changed count or shape since: what DeepSpeed ZeRO
+    stages 1 and 2 (and 3) do when they replace ``param_group["params"]`` with one flat partition of the group,
+    a tensor without any mark.  Nothing is changed by the check."""
+    for offset, group in enumerate(groups):
+        group_index = first_group_index + offset
+        names = group.get("param_names")
+        for index, p in enumerate(group["params"]):
+            if reason := _hidden_shape(p):
+                raise RuntimeError(
+                    f"{_where(names, index, group_index)} {reason}; {_SHARDED_ALTERNATIVES}; no parameter and no "
+                    "optimizer state was changed"
+                )
+        if registered is not None and offset < len(registered):
+            if change := _shape_change(registered[offset], [tuple(p.shape) for p in group["params"]]):
+                raise RuntimeError(
+                    f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
+                    f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
+                    f"see their matrices; {_SHARDED_ALTERNATIVES} (a parameter resized on purpose needs a new "
+                    "optimizer); no parameter and no optimizer state was changed"
+                )
+
+
+def _shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str | None:
+    """How a group's parameter shapes changed since it was added (a clause), or ``None`` if they did not."""
+    if len(now) != len(was):
+        return f"held {len(was)} parameters when it was given to the optimizer and holds {len(now)} now"
+    for before, after in zip(was, now, strict=True):
+        if before != after:
+            return f"has a parameter of shape {after} that was {before} when it was given to the optimizer"
+    return None
 
 
 def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
