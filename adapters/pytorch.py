@@ -188,6 +188,12 @@ class CoreOptimizer(torch.optim.Optimizer):
     are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
     device and dtype).
 
+    Initialisation step: a ``step()`` on an optimizer without any state, with every group's ``lr`` equal to 0 and
+    every gradient exactly zero, creates the states (``ar.init``, step 0) and counts no step, so the first real
+    step refreshes the basis.  This is the step DCP's ``get_/set_optimizer_state_dict`` take to initialise a fresh
+    optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
+    correction is that of ``t = 2``).
+
     Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
     ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
     DeepSpeed ZeRO-3's partitioned ones and groups whose parameters a wrapper replaced by a flat partition
@@ -327,6 +333,10 @@ class CoreOptimizer(torch.optim.Optimizer):
                 label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach, group_index))
         self._check_finite(work)
+        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's state initialisation
+            for item in work:
+                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
+            return loss
         counts = _host_counts(work)  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
@@ -528,6 +538,20 @@ class _Work(NamedTuple):
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
     foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
+
+
+def _initialisation_only(work: list[_Work]) -> bool:
+    """Whether a first ``step()`` (no state yet) only initialises the states: every group's ``lr`` is 0 and every
+    gradient is exactly zero.
+
+    That is the step ``torch.distributed.checkpoint.state_dict`` takes in ``_init_optim_state`` (called by
+    ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` on an optimizer without state): it sets every
+    gradient to ``zeros_like``, every ``lr`` to 0 and calls ``step()``.  Such a step can change no parameter
+    (``-0 * D``) and carries no information about the gradients, so it creates the states of ``ar.init`` and counts
+    no step: the first real step is ``t = 1`` and refreshes the basis.  Counting it would leave ``step = 1`` with the
+    identity basis, so the first refresh would come only at ``t = 1 + T``.  The gradients are read (one
+    synchronisation per parameter) only when every ``lr`` is already 0."""
+    return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
 
 
 def _where(names: Any, index: int, group_index: int) -> str:
