@@ -194,6 +194,11 @@ class CoreOptimizer(torch.optim.Optimizer):
     optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
     correction is that of ``t = 2``).
 
+    ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything
+    a graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh
+    the Adam family's update runs in one graph (the multi-tensor route), bit-identical to the eager step and with no
+    recompile after warm-up.  ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
+
     Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
     ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
     DeepSpeed ZeRO-3's partitioned ones and groups whose parameters a wrapper replaced by a flat partition
@@ -314,12 +319,27 @@ class CoreOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
+            _foreach_traced(_step_on_host_outside_graph(self, True))
+        else:
+            self._step_on_host(deferred=False)
+        return loss
+
+    def _step_on_host(self, deferred: bool) -> list[_ForeachPlan]:
+        """The body of :meth:`step` after the closure: validation, refreshes and every update, except, when
+        ``deferred`` (under ``torch.compile``), the multi-tensor update of the Adam family's batches without a
+        refresh or a new state, returned as plans for :func:`_foreach_traced` (the part compiled into a graph).
+
+        Under ``torch.compile`` this runs outside the graph (:data:`_step_on_host_outside_graph`): it reads host
+        values (the finiteness test, the counters), decomposes on the host and makes new states, none of which a
+        graph can hold.  The Adam family then takes the multi-tensor route, bit-identical to the per-parameter one.
+        """
         work = []
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
             lr = _number(group["lr"])
             names = group.get("param_names")
-            foreach = _foreach_on(group, cfg)
+            foreach = _foreach_on(group, cfg) or (deferred and family_of(cfg) is ADAM_FAMILY)
             for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -336,7 +356,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's state initialisation
             for item in work:
                 self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
-            return loss
+            return []
         counts = _host_counts(work)  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
@@ -359,13 +379,17 @@ class CoreOptimizer(torch.optim.Optimizer):
             self._commit(item, new_bases)
             item.flat["step"] += 1
         frames: dict[int, _Frame] = {}
+        plans = []
         for key, batch in batches.items():
+            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
+                plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
+                continue
             _foreach_adam(batch, key[-1], self._frames, frames)
             for entry in batch:
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
-        return loss
+        return plans
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -523,6 +547,17 @@ class CoreOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p in loaded:
                     self.state[p] = loaded[p]
+
+
+_step_on_host_outside_graph = torch.compiler.disable(
+    CoreOptimizer._step_on_host,
+    reason=(
+        "adadiag_ref runs a step's host phase (gradient validation with one host read, step counters, basis refresh "
+        "on the host) outside the graph on purpose, so torch.compile(opt.step, fullgraph=True) is refused; see "
+        "docs/adapters.md, 'torch.compile'"
+    ),
+)
+""":meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
 
 
 class _Work(NamedTuple):
@@ -775,30 +810,72 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     All or nothing: the new ``M``, ``V`` and ``delta`` are computed into new tensors first (the GEMMs and
     allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
     own tensors (``state_dict()`` references stay live)."""
+    _foreach_math(_foreach_plan(batch, count, cache, frames))
+
+
+class _ForeachPlan(NamedTuple):
+    """A multi-tensor batch with everything read on the host done: the coefficients as Python floats, the
+    moments in the frames they are updated in."""
+
+    batch: list[_Batched]
+    host_count: int | None  # the host counter for prepare_step; None under torch.compile (t is not needed there)
+    layouts: list[Layout]
+    moments: list[torch.Tensor]  # M, or its view in the parameter's shape when it has no basis
+    seconds: list[torch.Tensor]  # V, likewise
+    coefficients: tuple[Any, Any, Any, Any]  # b1_t, b2_t, 1 - b1_t, 1 - b2_t: Python floats, or 0-d tensors
+    eta: Any
+    counters: list[torch.Tensor]  # the host counters "step", advanced by :func:`_foreach_traced`
+
+
+def _foreach_plan(
+    batch: list[_Batched], count: int | None, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
+) -> _ForeachPlan:
+    """The host side of :func:`_foreach_adam`: ``b_t`` from the host counter, the moments' frames."""
     first = batch[0]
     cfg = first.item.cfg
-    dtype = first.state.M.dtype
     xp = torch_namespace()
-    t = xp.astype(first.state.count + 1, dtype)  # prepare_step's t, from the host counter
+    t = xp.astype(first.state.count + 1, first.state.M.dtype)  # prepare_step's t, from the host counter
     b1_t, b2_t = beta_hats(cfg, t, xp)
     b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
-    eta = learning_rate(cfg, first.item.lr)
-    params = [entry.item.p for entry in batch]
-    layouts = [layout_for(tuple(p.shape), cfg) for p in params]
-    grads: list[torch.Tensor] = []
-    moments: list[torch.Tensor] = []
-    seconds: list[torch.Tensor] = []
+    layouts = [layout_for(tuple(entry.item.p.shape), cfg) for entry in batch]
+    moments, seconds = [], []
     for entry, layout in zip(batch, layouts, strict=True):
+        state = entry.state
+        unrotated = state.P is None and state.Q is None  # updated in the parameter's shape, where G is
+        moments.append(_param_frame(state.M, layout, cache, frames) if unrotated else state.M)
+        seconds.append(_param_frame(state.V, layout, cache, frames) if unrotated else state.V)
+    eta = learning_rate(cfg, first.item.lr)
+    counters = [entry.item.flat["step"] for entry in batch]
+    return _ForeachPlan(batch, count, layouts, moments, seconds, (b1, b2, c1, c2), eta, counters)
+
+
+def _as_graph_inputs(plan: _ForeachPlan) -> _ForeachPlan:
+    """The plan's step-dependent numbers (``b_t``, ``eta``) as 0-d host tensors of the state dtype, holding the
+    same values: Dynamo turns a Python float into a constant of the graph (a recompile at every step), a tensor
+    into an input.  The multi-tensor ops compute with a Python scalar in the tensors' dtype, so the bits are the
+    same.  On the host (as torch.optim's step counters), so making them costs no copy to an accelerator."""
+    dtype = plan.batch[0].state.M.dtype
+    b1, b2, c1, c2 = (torch.tensor(c, dtype=dtype) for c in plan.coefficients)
+    eta = torch.tensor(_number(plan.eta), dtype=dtype)
+    return plan._replace(coefficients=(b1, b2, c1, c2), eta=eta)
+
+
+def _foreach_math(plan: _ForeachPlan) -> None:
+    """The tensor side of :func:`_foreach_adam` (no host read: it is what ``torch.compile`` puts in a graph)."""
+    batch, layouts, moments, seconds = plan.batch, plan.layouts, plan.moments, plan.seconds
+    b1, b2, c1, c2 = plan.coefficients
+    eta = plan.eta
+    cfg = batch[0].item.cfg
+    dtype = batch[0].state.M.dtype
+    xp = torch_namespace()
+    params = [entry.item.p for entry in batch]
+    grads: list[torch.Tensor] = []
+    for entry in batch:
         state, item = entry.state, entry.item
         if state.P is None and state.Q is None:
             grads.append(item.grad if item.grad.dtype == dtype else item.grad.to(dtype))
-            moments.append(_param_frame(state.M, layout, cache, frames))
-            seconds.append(_param_frame(state.V, layout, cache, frames))
-            continue
-        # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this very G)
-        grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, count).g_rot)
-        moments.append(state.M)
-        seconds.append(state.V)
+        else:  # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this G)
+            grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, plan.host_count).g_rot)
     new_v = torch._foreach_mul(seconds, b2)
     scratch = torch._foreach_mul(grads, grads)
     torch._foreach_mul_(scratch, c2)
@@ -806,15 +883,15 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     new_m = torch._foreach_mul(grads, c1)
     scratch = torch._foreach_mul(moments, b1)
     torch._foreach_add_(new_m, scratch)  # M_t = (1 - b1_t) G~ + b1_t M
-    scratch = torch._foreach_sqrt(new_v)
+    scratch = _foreach_sqrt_as_eager(new_v) if torch.compiler.is_compiling() else torch._foreach_sqrt(new_v)
     torch._foreach_add_(scratch, cfg.eps)
     directions = list(torch._foreach_div(new_m, scratch))  # U~ = M_t / (sqrt(V_t) + eps)
     del scratch
     for k, (entry, layout) in enumerate(zip(batch, layouts, strict=True)):
         state = entry.state
         if state.P is not None or state.Q is not None:
-            d = unrotate(directions[k], state.P, state.Q, xp, transposed=layout.transposed)
-            directions[k] = from_work(d, layout, xp)
+            unrotated = _unrotate_as_eager if torch.compiler.is_compiling() else _unrotate
+            directions[k] = from_work(unrotated(directions[k], state.P, state.Q, layout.transposed), layout, xp)
     if decays(cfg):
         weights = params if params[0].dtype == dtype else [p.to(dtype) for p in params]
         torch._foreach_add_(directions, torch._foreach_mul(weights, cfg.weight_decay))  # D + lambda W
@@ -825,6 +902,41 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     torch._foreach_add_(params, directions)
     torch._foreach_copy_(moments, new_m)
     torch._foreach_copy_(seconds, new_v)
+
+
+@torch.library.custom_op("adadiag_ref::foreach_sqrt", mutates_args=())
+def _foreach_sqrt_as_eager(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._foreach_sqrt`` as one opaque operation of a compiled graph, so that a compiled step has the bits
+    of an eager one: Inductor would fuse ``sqrt`` into a loop of its own, the correctly rounded square root, while
+    eager ``torch.sqrt`` on the CPU may differ from it in the last bit."""
+    return list(torch._foreach_sqrt(xs))
+
+
+@_foreach_sqrt_as_eager.register_fake
+def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+def _unrotate(u: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """The core's ``P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) on torch tensors."""
+    return unrotate(u, P, Q, torch_namespace(), transposed=transposed)
+
+
+_unrotate_as_eager = torch.library.custom_op(
+    "adadiag_ref::unrotate", _unrotate, mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
+)
+""":func:`_unrotate` as one opaque operation of a compiled graph, on its operands' eager strides: Inductor may
+lay ``U~`` (its own kernel's output) out otherwise, and BLAS then multiplies in another order (last-bit
+differences); so a compiled step keeps the bits of an eager one."""
+_unrotate_as_eager.register_fake(_unrotate)
+
+
+def _foreach_traced(plans: list[_ForeachPlan]) -> None:
+    """Under ``torch.compile``: the multi-tensor updates :meth:`CoreOptimizer._step_on_host` deferred, then their
+    counters advanced; only tensor operations, so Dynamo compiles them into one graph."""
+    for plan in plans:
+        _foreach_math(plan)
+        torch._foreach_add_(plan.counters, 1)
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:
