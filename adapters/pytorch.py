@@ -205,6 +205,22 @@ class CoreOptimizer(torch.optim.Optimizer):
     matrix, round-robin; the bases are broadcast).  The shards equal the single-process run, and DCP
     (``get_/set_optimizer_state_dict``) saves and restores the sharded state (docs/adapters.md, "Sharded
     training").
+
+    Initialisation step: a ``step()`` on an optimizer without any state, with every group's ``lr`` equal to 0 and
+    every gradient exactly zero, creates the states (``ar.init``, step 0) and counts no step, so the first real
+    step refreshes the basis.  This is the step DCP's ``get_/set_optimizer_state_dict`` take to initialise a fresh
+    optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
+    correction is that of ``t = 2``).
+
+    ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything
+    a graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh
+    the Adam family's update runs in one graph (the multi-tensor route), bit-identical to the eager step and with no
+    recompile after warm-up.  ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
+
+    Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
+    ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
+    DeepSpeed ZeRO-3's partitioned ones and groups whose parameters a wrapper replaced by a flat partition
+    (:func:`_refuse_hidden_shapes`).
     """
 
     core_name: str = ""
@@ -231,6 +247,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
+        self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
+        self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
             ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
@@ -262,15 +280,21 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._frames = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
+        self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
+        self._shapes_checked = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated."""
+        """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated and its
+        parameters checked for a shape the optimizer cannot see (:func:`_refuse_hidden_shapes`)."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
         try:
-            self._build_config(self.param_groups[-1])
+            self._build_config(group)
+            _refuse_hidden_shapes([group], first_group_index=len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
+        self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
     # ------------------------------------------------------------------ config
 
@@ -306,23 +330,41 @@ class CoreOptimizer(torch.optim.Optimizer):
         the parameters due for a refresh (new tensors); only phase 3 writes, so a
         failure in phase 1 or 2 leaves every parameter and state bit-identical.
         """
+        if not self._shapes_checked:  # before the closure and before anything changes
+            _refuse_hidden_shapes(self.param_groups, self._registered_shapes)
+            self._shapes_checked = True
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
+            _foreach_traced(_step_on_host_outside_graph(self, True))
+        else:
+            self._step_on_host(deferred=False)
+        return loss
+
+    def _step_on_host(self, deferred: bool) -> list[_ForeachPlan]:
+        """The body of :meth:`step` after the closure: validation, refreshes and every update, except, when
+        ``deferred`` (under ``torch.compile``), the multi-tensor update of the Adam family's batches without a
+        refresh or a new state, returned as plans for :func:`_foreach_traced` (the part compiled into a graph).
+
+        Under ``torch.compile`` this runs outside the graph (:data:`_step_on_host_outside_graph`): it reads host
+        values (the finiteness test, the counters), decomposes on the host and makes new states, none of which a
+        graph can hold.  The Adam family then takes the multi-tensor route, bit-identical to the per-parameter one.
+        """
         work = []
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
             lr = _number(group["lr"])
             names = group.get("param_names")
-            foreach = _foreach_on(group, cfg)
+            foreach = _foreach_on(group, cfg) or (deferred and family_of(cfg) is ADAM_FAMILY)
             for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 grad = self._checked_grad(p, group)
                 flat: dict[str, torch.Tensor] = self.state.get(p) or {}
                 fresh = not flat
-                where = f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+                where = _where(names, index, group_index)
                 label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
                 # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
@@ -332,6 +374,10 @@ class CoreOptimizer(torch.optim.Optimizer):
                 sharded = _sharded.is_sharded(p)  # FSDP2: its own route (adapters/_sharded.py), never foreach
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index))
         self._check_finite(work)
+        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's state initialisation
+            for item in work:
+                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
+            return []
         counts = _host_counts(work)  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
@@ -361,14 +407,18 @@ class CoreOptimizer(torch.optim.Optimizer):
             self._commit(item, new_bases)
             item.flat["step"] += 1
         frames: dict[int, _Frame] = {}
+        plans = []
         for key, batch in batches.items():
+            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
+                plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
+                continue
             _foreach_adam(batch, key[-1], self._frames, frames)
             for entry in batch:
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
-        return loss
+        return plans
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -521,6 +571,17 @@ class CoreOptimizer(torch.optim.Optimizer):
                     self.state[p] = loaded[p]
 
 
+_step_on_host_outside_graph = torch.compiler.disable(
+    CoreOptimizer._step_on_host,
+    reason=(
+        "adadiag_ref runs a step's host phase (gradient validation with one host read, step counters, basis refresh "
+        "on the host) outside the graph on purpose, so torch.compile(opt.step, fullgraph=True) is refused; see "
+        "docs/adapters.md, 'torch.compile'"
+    ),
+)
+""":meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
+
+
 class _Work(NamedTuple):
     """One parameter's share of a ``step()``."""
 
@@ -534,6 +595,100 @@ class _Work(NamedTuple):
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
     foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
+
+
+def _initialisation_only(work: list[_Work]) -> bool:
+    """Whether a first ``step()`` (no state yet) only initialises the states: every group's ``lr`` is 0 and every
+    gradient is exactly zero.
+
+    That is the step ``torch.distributed.checkpoint.state_dict`` takes in ``_init_optim_state`` (called by
+    ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` on an optimizer without state): it sets every
+    gradient to ``zeros_like``, every ``lr`` to 0 and calls ``step()``.  Such a step can change no parameter
+    (``-0 * D``) and carries no information about the gradients, so it creates the states of ``ar.init`` and counts
+    no step: the first real step is ``t = 1`` and refreshes the basis.  Counting it would leave ``step = 1`` with the
+    identity basis, so the first refresh would come only at ``t = 1 + T``.  The gradients are read (one
+    synchronisation per parameter) only when every ``lr`` is already 0."""
+    return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
+
+
+def _where(names: Any, index: int, group_index: int) -> str:
+    """A parameter as error messages name it: ``parameter 'fc.weight'`` with ``named_parameters()``, else its
+    index and group."""
+    return f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+
+
+_SHARDED_ALTERNATIVES = (
+    "the rotation needs each parameter's whole matrix: shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
+    "replicate with DistributedDataParallel (optionally with split_refresh=True, or under "
+    "ZeroRedundancyOptimizer) instead"
+)
+
+
+def _hidden_shape(p: torch.Tensor) -> str | None:
+    """Why the optimizer cannot see the matrix of ``p`` (a clause naming the wrapper), or ``None`` when it can.
+
+    Relies on the marks the wrappers leave on the tensors the optimizer is given:
+
+    * FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): its ``FlatParamHandle`` sets
+      ``_fsdp_flattened = True`` on every original parameter it manages (``use_orig_params=True``: the
+      parameters become 1-D views into this rank's shard of the flat parameter) and on the ``FlatParameter``
+      itself (``use_orig_params=False``).  Every sharding strategy is refused, ``NO_SHARD`` too (use DDP, its
+      equivalent).
+    * DeepSpeed ZeRO-3: a partitioned parameter carries its true shape in ``ds_shape`` (with ``ds_id``,
+      ``ds_numel``, ``ds_tensor``) while the tensor itself is empty; refused unless it is gathered (its shape is
+      then ``ds_shape``).
+    """
+    if getattr(p, "_fsdp_flattened", False):
+        return (
+            f"is managed by FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel), which hands the optimizer "
+            f"flat 1-D shards of its parameters (this one has shape {tuple(p.shape)})"
+        )
+    ds_shape = getattr(p, "ds_shape", None)
+    if ds_shape is not None and tuple(ds_shape) != tuple(p.shape):
+        return (
+            f"is partitioned by DeepSpeed ZeRO-3: its matrix has shape {tuple(ds_shape)} (ds_shape), the "
+            f"optimizer is given a tensor of shape {tuple(p.shape)}"
+        )
+    return None
+
+
+def _refuse_hidden_shapes(
+    groups: list[dict[str, Any]], registered: list[list[tuple[int, ...]]] | None = None, *, first_group_index: int = 0
+) -> None:
+    """``RuntimeError`` when a parameter's true shape is hidden from the optimizer, so that no other optimizer
+    (AdamW on a flat shard) runs silently in its place.
+
+    Two tests: the wrappers' marks (:func:`_hidden_shape`), and, with ``registered`` (the shapes of each group's
+    parameters when it was added), a group whose parameters changed count or shape since: what DeepSpeed ZeRO
+    stages 1 and 2 (and 3) do when they replace ``param_group["params"]`` with one flat partition of the group,
+    a tensor without any mark.  Nothing is changed by the check."""
+    for offset, group in enumerate(groups):
+        group_index = first_group_index + offset
+        names = group.get("param_names")
+        for index, p in enumerate(group["params"]):
+            if reason := _hidden_shape(p):
+                raise RuntimeError(
+                    f"{_where(names, index, group_index)} {reason}; {_SHARDED_ALTERNATIVES}; no parameter and no "
+                    "optimizer state was changed"
+                )
+        if registered is not None and offset < len(registered):
+            if change := _shape_change(registered[offset], [tuple(p.shape) for p in group["params"]]):
+                raise RuntimeError(
+                    f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
+                    f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
+                    f"see their matrices; {_SHARDED_ALTERNATIVES} (a parameter resized on purpose needs a new "
+                    "optimizer); no parameter and no optimizer state was changed"
+                )
+
+
+def _shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str | None:
+    """How a group's parameter shapes changed since it was added (a clause), or ``None`` if they did not."""
+    if len(now) != len(was):
+        return f"held {len(was)} parameters when it was given to the optimizer and holds {len(now)} now"
+    for before, after in zip(was, now, strict=True):
+        if before != after:
+            return f"has a parameter of shape {after} that was {before} when it was given to the optimizer"
+    return None
 
 
 def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
@@ -679,30 +834,72 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     All or nothing: the new ``M``, ``V`` and ``delta`` are computed into new tensors first (the GEMMs and
     allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
     own tensors (``state_dict()`` references stay live)."""
+    _foreach_math(_foreach_plan(batch, count, cache, frames))
+
+
+class _ForeachPlan(NamedTuple):
+    """A multi-tensor batch with everything read on the host done: the coefficients as Python floats, the
+    moments in the frames they are updated in."""
+
+    batch: list[_Batched]
+    host_count: int | None  # the host counter for prepare_step; None under torch.compile (t is not needed there)
+    layouts: list[Layout]
+    moments: list[torch.Tensor]  # M, or its view in the parameter's shape when it has no basis
+    seconds: list[torch.Tensor]  # V, likewise
+    coefficients: tuple[Any, Any, Any, Any]  # b1_t, b2_t, 1 - b1_t, 1 - b2_t: Python floats, or 0-d tensors
+    eta: Any
+    counters: list[torch.Tensor]  # the host counters "step", advanced by :func:`_foreach_traced`
+
+
+def _foreach_plan(
+    batch: list[_Batched], count: int | None, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
+) -> _ForeachPlan:
+    """The host side of :func:`_foreach_adam`: ``b_t`` from the host counter, the moments' frames."""
     first = batch[0]
     cfg = first.item.cfg
-    dtype = first.state.M.dtype
     xp = torch_namespace()
-    t = xp.astype(first.state.count + 1, dtype)  # prepare_step's t, from the host counter
+    t = xp.astype(first.state.count + 1, first.state.M.dtype)  # prepare_step's t, from the host counter
     b1_t, b2_t = beta_hats(cfg, t, xp)
     b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
-    eta = learning_rate(cfg, first.item.lr)
-    params = [entry.item.p for entry in batch]
-    layouts = [layout_for(tuple(p.shape), cfg) for p in params]
-    grads: list[torch.Tensor] = []
-    moments: list[torch.Tensor] = []
-    seconds: list[torch.Tensor] = []
+    layouts = [layout_for(tuple(entry.item.p.shape), cfg) for entry in batch]
+    moments, seconds = [], []
     for entry, layout in zip(batch, layouts, strict=True):
+        state = entry.state
+        unrotated = state.P is None and state.Q is None  # updated in the parameter's shape, where G is
+        moments.append(_param_frame(state.M, layout, cache, frames) if unrotated else state.M)
+        seconds.append(_param_frame(state.V, layout, cache, frames) if unrotated else state.V)
+    eta = learning_rate(cfg, first.item.lr)
+    counters = [entry.item.flat["step"] for entry in batch]
+    return _ForeachPlan(batch, count, layouts, moments, seconds, (b1, b2, c1, c2), eta, counters)
+
+
+def _as_graph_inputs(plan: _ForeachPlan) -> _ForeachPlan:
+    """The plan's step-dependent numbers (``b_t``, ``eta``) as 0-d host tensors of the state dtype, holding the
+    same values: Dynamo turns a Python float into a constant of the graph (a recompile at every step), a tensor
+    into an input.  The multi-tensor ops compute with a Python scalar in the tensors' dtype, so the bits are the
+    same.  On the host (as torch.optim's step counters), so making them costs no copy to an accelerator."""
+    dtype = plan.batch[0].state.M.dtype
+    b1, b2, c1, c2 = (torch.tensor(c, dtype=dtype) for c in plan.coefficients)
+    eta = torch.tensor(_number(plan.eta), dtype=dtype)
+    return plan._replace(coefficients=(b1, b2, c1, c2), eta=eta)
+
+
+def _foreach_math(plan: _ForeachPlan) -> None:
+    """The tensor side of :func:`_foreach_adam` (no host read: it is what ``torch.compile`` puts in a graph)."""
+    batch, layouts, moments, seconds = plan.batch, plan.layouts, plan.moments, plan.seconds
+    b1, b2, c1, c2 = plan.coefficients
+    eta = plan.eta
+    cfg = batch[0].item.cfg
+    dtype = batch[0].state.M.dtype
+    xp = torch_namespace()
+    params = [entry.item.p for entry in batch]
+    grads: list[torch.Tensor] = []
+    for entry in batch:
         state, item = entry.state, entry.item
         if state.P is None and state.Q is None:
             grads.append(item.grad if item.grad.dtype == dtype else item.grad.to(dtype))
-            moments.append(_param_frame(state.M, layout, cache, frames))
-            seconds.append(_param_frame(state.V, layout, cache, frames))
-            continue
-        # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this very G)
-        grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, count).g_rot)
-        moments.append(state.M)
-        seconds.append(state.V)
+        else:  # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this G)
+            grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, plan.host_count).g_rot)
     new_v = torch._foreach_mul(seconds, b2)
     scratch = torch._foreach_mul(grads, grads)
     torch._foreach_mul_(scratch, c2)
@@ -710,15 +907,15 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     new_m = torch._foreach_mul(grads, c1)
     scratch = torch._foreach_mul(moments, b1)
     torch._foreach_add_(new_m, scratch)  # M_t = (1 - b1_t) G~ + b1_t M
-    scratch = torch._foreach_sqrt(new_v)
+    scratch = _foreach_sqrt_as_eager(new_v) if torch.compiler.is_compiling() else torch._foreach_sqrt(new_v)
     torch._foreach_add_(scratch, cfg.eps)
     directions = list(torch._foreach_div(new_m, scratch))  # U~ = M_t / (sqrt(V_t) + eps)
     del scratch
     for k, (entry, layout) in enumerate(zip(batch, layouts, strict=True)):
         state = entry.state
         if state.P is not None or state.Q is not None:
-            d = unrotate(directions[k], state.P, state.Q, xp, transposed=layout.transposed)
-            directions[k] = from_work(d, layout, xp)
+            unrotated = _unrotate_as_eager if torch.compiler.is_compiling() else _unrotate
+            directions[k] = from_work(unrotated(directions[k], state.P, state.Q, layout.transposed), layout, xp)
     if decays(cfg):
         weights = params if params[0].dtype == dtype else [p.to(dtype) for p in params]
         torch._foreach_add_(directions, torch._foreach_mul(weights, cfg.weight_decay))  # D + lambda W
@@ -729,6 +926,41 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     torch._foreach_add_(params, directions)
     torch._foreach_copy_(moments, new_m)
     torch._foreach_copy_(seconds, new_v)
+
+
+@torch.library.custom_op("adadiag_ref::foreach_sqrt", mutates_args=())
+def _foreach_sqrt_as_eager(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._foreach_sqrt`` as one opaque operation of a compiled graph, so that a compiled step has the bits
+    of an eager one: Inductor would fuse ``sqrt`` into a loop of its own, the correctly rounded square root, while
+    eager ``torch.sqrt`` on the CPU may differ from it in the last bit."""
+    return list(torch._foreach_sqrt(xs))
+
+
+@_foreach_sqrt_as_eager.register_fake
+def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+def _unrotate(u: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """The core's ``P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) on torch tensors."""
+    return unrotate(u, P, Q, torch_namespace(), transposed=transposed)
+
+
+_unrotate_as_eager = torch.library.custom_op(
+    "adadiag_ref::unrotate", _unrotate, mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
+)
+""":func:`_unrotate` as one opaque operation of a compiled graph, on its operands' eager strides: Inductor may
+lay ``U~`` (its own kernel's output) out otherwise, and BLAS then multiplies in another order (last-bit
+differences); so a compiled step keeps the bits of an eager one."""
+_unrotate_as_eager.register_fake(_unrotate)
+
+
+def _foreach_traced(plans: list[_ForeachPlan]) -> None:
+    """Under ``torch.compile``: the multi-tensor updates :meth:`CoreOptimizer._step_on_host` deferred, then their
+    counters advanced; only tensor operations, so Dynamo compiles them into one graph."""
+    for plan in plans:
+        _foreach_math(plan)
+        torch._foreach_add_(plan.counters, 1)
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:
