@@ -2,9 +2,9 @@
 
 For every parameter leaf the update is the core's, run on ``jax.Array`` leaves::
 
-    due = (t == 1) | ((t - 1) mod T == 0)            # traced, t = count + 1
-    S   = lax.cond(due, refresh, identity, S)         # refresh: P, Q <- canonical_svd(G) on the host
-    U, S = preconditioned_direction(S, G, cfg, W)     # the core's U = P U~ Q^T with the current bases
+    due = (t == 1) | ((t - 1) mod T == 0)            # traced, t = count + 1 (one counter for all leaves)
+    S_k = lax.cond(due, refresh_bases, identity, S_k) # one cond, all leaves k: P, Q <- canonical_svd(G_k) on the host
+    U, S = preconditioned_direction(S, G, cfg, W)     # per leaf: the core's U = P U~ Q^T with the current bases
 
 ``scale_by_<name>`` returns the preconditioned direction ``U = P U~ Q^T`` (no
 learning rate, no weight decay), computed by the core's
@@ -21,19 +21,23 @@ alias then runs the core's whole update, :func:`adadiag_ref.update` with the
 real learning rate and weight decay, in one transformation.)
 
 The canonical SVD decides the rank and clusters on host data and does not
-trace, so the refresh runs through ``jax.pure_callback`` into the core's NumPy
-:func:`adadiag_ref.refresh_basis`, inside ``lax.cond`` on the traced counter:
-the update jits once and never recompiles across steps.  Only the rotated
-sides are decomposed; baselines (``adamw``, ``adafactor``, ``hfac``) never call
-back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
+trace, so the refresh runs through one ``jax.pure_callback`` per step into the
+core's NumPy :func:`adadiag_ref.refresh_bases` (every rotated leaf), inside one
+``lax.cond`` on the traced counter: the update jits once and never recompiles
+across steps.  Only the rotated sides are decomposed; baselines (``adamw``,
+``adafactor``, ``hfac``) never call back.  The matrix products (the rotations)
+are traced at ``precision=HIGHEST``: float32 arithmetic whatever JAX's default
+matmul precision (:func:`_tree_step`).  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
 keeps the previous bases and is no refresh for that step's update
 (``refreshed=False``: no rotation noise floor), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
-parameters whose leaves are the core's NamedTuple states (``AdamState``,
-``AdafactorState``, ``HfacState``); each has its own ``count``.
+parameters whose leaves are :class:`LeafState`: the arrays of the core's
+NamedTuple states (``AdamState``, ``AdafactorState``, ``HfacState``), each with
+its own ``count``, and no ``None`` or zero-size leaf, so that ``flax.nnx``,
+orbax and ``jax.vmap`` take it.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
         'adadiag_ref.adapters.optax needs JAX and optax: pip install "adadiag-ref[jax]"', name=exc.name
     ) from exc
 
+import collections
 import contextlib
 import copy
 import ctypes
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -79,10 +85,11 @@ ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
 
 class CoreTransformState(NamedTuple):
-    """``states``: pytree like the parameters, each leaf a core state (``count``, ``P``, ``Q``, moments).
+    """``states``: pytree like the parameters, each leaf a :class:`LeafState` (``count``, ``P``, ``Q``, moments).
 
-    Its leaves are arrays only (a field the core leaves ``None`` is an empty
-    subtree), so the state checkpoints, donates and shards like optax's own.
+    Its leaves are non-empty arrays only (a field the core leaves ``None`` is no child, the parameter's shape is
+    static metadata), so the state checkpoints (orbax), donates, shards and goes through ``flax.nnx`` like
+    optax's own.
     The moment matrices of a tall parameter without a basis (more rows than columns: the core's work frame is
     its transpose; ``P`` absent: AdamW, Adafactor, Hfac, a side over ``max_basis_dim``) are kept in the
     parameter's orientation, as the transposes of the core's ``m x n`` matrices
@@ -93,66 +100,63 @@ class CoreTransformState(NamedTuple):
     states: Any
 
 
-@jax.tree_util.register_pytree_with_keys_class
 class LeafState:
-    """One parameter's core state as the adapter stores it: its arrays only, as pytree children.
+    """One parameter's core state as the adapter stores it: a NamedTuple of its arrays only.
 
     A core state (``AdamState``, ``AdafactorState``, ``HfacState``, a registered family's) is a NamedTuple
     ``(count, P, Q, *moments, param_shape)`` whose absent fields are ``None`` and whose ``param_shape`` is a
     zero-size array recording the parameter's shape.  Frameworks that rebuild a state from its arrays drop
     ``None`` fields (``flax.nnx.Optimizer``: ``No attribute 'Q' in State`` at the second step), and orbax
-    refuses to save zero-size arrays.  Here the children are the fields that hold arrays, keyed by their names
-    (``count``, ``P``, ``M``, ...), and the state type, the names of the fields present and the parameter's
-    shape are static metadata, so the structure (and a jitted step) does not depend on either behaviour.
+    refuses to save zero-size arrays.  The stored form is a NamedTuple of the fields that hold arrays (``count``,
+    ``P``, ``M``, ...), whose type (one per core state type, fields present and parameter shape: :func:`_stored_type`)
+    carries the core state type (:attr:`state_type`) and the parameter's shape (:attr:`parameter_shape`,
+    ``None`` when the core state had no ``param_shape`` record) as static data.  Being a NamedTuple, it is
+    flattened by JAX's C++ pytree code (a registered Python node took 6x the time, per leaf and per step).
 
-    It reads like the core's state: ``leaf.count``, ``leaf.M``, ``leaf.P`` (``None`` when absent); the
-    parameter's shape is :attr:`parameter_shape` (``None`` when the core state had no ``param_shape``
-    record).  :func:`core_states` gives the core's NamedTuples.
+    It reads like the core's state: ``leaf.count``, ``leaf.M``, ``leaf.P`` (``None`` when absent);
+    :meth:`core` and :func:`core_states` give the core's NamedTuples.
     """
 
-    __slots__ = ("arrays", "kind", "parameter_shape")
+    __slots__ = ()
+    state_type: ClassVar[Any]
+    parameter_shape: ClassVar[tuple[int, ...] | None]
 
-    def __init__(self, kind: type, arrays: dict[str, Any], parameter_shape: tuple[int, ...] | None) -> None:
-        self.kind, self.arrays, self.parameter_shape = kind, arrays, parameter_shape
-
-    @classmethod
-    def of(cls, state: Any) -> LeafState:
-        """The stored form of a core state: its non-``None`` fields, and the shape its ``param_shape`` records."""
+    @staticmethod
+    def of(state: Any) -> Any:
+        """The stored form of a core state: its non-``None`` fields; the shape its ``param_shape`` records."""
         recorded = getattr(state, "param_shape", None)
         shape = None if recorded is None else tuple(int(d) for d in recorded.shape[1:])
-        fields = (f for f in state._fields if f != "param_shape")
-        return cls(type(state), {f: getattr(state, f) for f in fields if getattr(state, f) is not None}, shape)
+        fields = tuple(f for f in state._fields if f != "param_shape" and getattr(state, f) is not None)
+        state_type: Any = type(state)
+        return _stored_type(state_type, fields, shape)(*(getattr(state, f) for f in fields))
 
     def core(self) -> Any:
         """The core's state: absent fields ``None``, ``param_shape`` a zero-size ``(0, *shape)`` array again."""
-        state = self.kind(**{f: self.arrays.get(f) for f in self.kind._fields if f != "param_shape"})
+        kind = self.state_type
+        state = kind(**{f: getattr(self, f) for f in kind._fields if f != "param_shape"})
         if self.parameter_shape is None:
             return state
         return state._replace(param_shape=jnp.zeros((0, *self.parameter_shape), work_dtype(state)))
 
-    def __getattr__(self, name: str) -> Any:
-        if name not in LeafState.__slots__ and name in self.kind._fields:
-            return self.arrays.get(name)
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields of the stored NamedTuple
+        if name in type(self).state_type._fields:
+            return None  # a field the core leaves None
         raise AttributeError(name)
 
-    def __getstate__(self) -> tuple[Any, ...]:
-        return self.kind, self.arrays, self.parameter_shape
+    def __reduce__(self) -> tuple[Any, ...]:  # the stored types are made at run time: pickle by their recipe
+        return _stored_leaf, (self.state_type, self._fields, self.parameter_shape, tuple(self))  # type: ignore[attr-defined]
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.kind, self.arrays, self.parameter_shape = state
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.arrays.items())
-        return f"LeafState[{self.kind.__name__}]({fields}, parameter_shape={self.parameter_shape})"
+@functools.cache
+def _stored_type(state_type: Any, fields: tuple[str, ...], shape: tuple[int, ...] | None) -> type:
+    """The NamedTuple type that stores the ``fields`` of a ``state_type`` for a parameter of shape ``shape``."""
+    base = collections.namedtuple(f"Stored{state_type.__name__}", fields)  # type: ignore[misc]
+    namespace = {"__slots__": (), "state_type": state_type, "parameter_shape": shape}
+    return type(base.__name__, (base, LeafState), namespace)
 
-    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-        children = [(jax.tree_util.GetAttrKey(k), v) for k, v in self.arrays.items()]
-        return children, (self.kind, tuple(self.arrays), self.parameter_shape)
 
-    @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> LeafState:
-        kind, names, shape = aux
-        return cls(kind, dict(zip(names, children, strict=True)), shape)
+def _stored_leaf(state_type: Any, fields: tuple[str, ...], shape: tuple[int, ...] | None, values: Any) -> Any:
+    return _stored_type(state_type, tuple(fields), shape)(*values)
 
 
 def _core_state(leaf: Any, cfg: BaseConfig | None = None) -> Any:
@@ -170,8 +174,8 @@ def _core_state(leaf: Any, cfg: BaseConfig | None = None) -> Any:
     if isinstance(leaf, Mapping):
         if cfg is None:
             raise TypeError(f"a {type(leaf).__name__} of state fields is read with the optimizer's config")
-        kind = family_of(cfg).state_type
-        return kind(**{f: leaf.get(f) for f in kind._fields if f != "param_shape"})
+        state_type: Any = family_of(cfg).state_type
+        return state_type(**{f: leaf.get(f) for f in state_type._fields if f != "param_shape"})
     return leaf
 
 
@@ -396,7 +400,8 @@ def _refresh_when_due(
     refreshed: list[Any] = [False] * len(states)
     if not rotated:  # baselines and vectors only: nothing to refresh, no callback
         return states, refreshed
-    leaves, bases = [], []
+    leaves: list[_RotatedLeaf] = []
+    bases: list[jax.Array] = []
     for i in rotated:
         state = states[i]
         leaf_bases = [b for b in (state.P, state.Q) if b is not None]
@@ -457,7 +462,8 @@ def _tree_step(updates: Any, state: CoreTransformState, weights: Any, opts: _Opt
     ``jax.default_matmul_precision("bfloat16")`` around the step).  On a CPU the products are the same bits.
     """
     with jax.default_matmul_precision("highest"):
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        with_paths, treedef_ = jax.tree_util.tree_flatten_with_path(updates)
+        treedef: Any = treedef_  # its flatten_up_to and unflatten are missing from JAX's type stubs
         grads = [g for _, g in with_paths]
         names = [jax.tree_util.keystr(path) for path, _ in with_paths]
         prepared = _prepared_leaves(grads, treedef.flatten_up_to(state.states), names, opts)

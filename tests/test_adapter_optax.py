@@ -16,7 +16,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
-import jax.extend  # noqa: E402
+jax_extend = pytest.importorskip("jax.extend")
 import jax.numpy as jnp  # noqa: E402
 from adadiag_ref.adapters import optax as ao  # noqa: E402
 
@@ -72,8 +72,8 @@ def test_alias_trajectory_equals_core_replay(name):
     _assert_matches_replay(traj, w0, grads, name, lr=0.01, weight_decay=0.1, update_freq=FREQ)
     stored = state[0].states
     assert int(stored["w"].count) == STEPS
-    assert stored["w"].kind is type(ar.init(w0["w"], ar.make_config(name)))
-    assert type(ao.core_states(state[0], w0)["w"]) is stored["w"].kind
+    assert stored["w"].state_type is type(ar.init(w0["w"], ar.make_config(name)))
+    assert type(ao.core_states(state[0], w0)["w"]) is stored["w"].state_type
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -472,9 +472,9 @@ def _equations(jaxpr):
         yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                if isinstance(sub, jax_extend.core.ClosedJaxpr):
                     yield from _equations(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
+                elif isinstance(sub, jax_extend.core.Jaxpr):
                     yield from _equations(sub)
 
 
