@@ -2,9 +2,9 @@
 
 For every parameter leaf the update is the core's, run on ``jax.Array`` leaves::
 
-    due = (t == 1) | ((t - 1) mod T == 0)            # traced, t = count + 1
-    S   = lax.cond(due, refresh, identity, S)         # refresh: P, Q <- canonical_svd(G) on the host
-    U, S = preconditioned_direction(S, G, cfg, W)     # the core's U = P U~ Q^T with the current bases
+    due = (t == 1) | ((t - 1) mod T == 0)            # traced, t = count + 1 (one counter for all leaves)
+    S_k = lax.cond(due, refresh_bases, identity, S_k) # one cond, all leaves k: P, Q <- canonical_svd(G_k) on the host
+    U, S = preconditioned_direction(S, G, cfg, W)     # per leaf: the core's U = P U~ Q^T with the current bases
 
 ``scale_by_<name>`` returns the preconditioned direction ``U = P U~ Q^T`` (no
 learning rate, no weight decay), computed by the core's
@@ -21,19 +21,23 @@ alias then runs the core's whole update, :func:`adadiag_ref.update` with the
 real learning rate and weight decay, in one transformation.)
 
 The canonical SVD decides the rank and clusters on host data and does not
-trace, so the refresh runs through ``jax.pure_callback`` into the core's NumPy
-:func:`adadiag_ref.refresh_basis`, inside ``lax.cond`` on the traced counter:
-the update jits once and never recompiles across steps.  Only the rotated
-sides are decomposed; baselines (``adamw``, ``adafactor``, ``hfac``) never call
-back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
+trace, so the refresh runs through one ``jax.pure_callback`` per step into the
+core's NumPy :func:`adadiag_ref.refresh_bases` (every rotated leaf), inside one
+``lax.cond`` on the traced counter: the update jits once and never recompiles
+across steps.  Only the rotated sides are decomposed; baselines (``adamw``,
+``adafactor``, ``hfac``) never call back.  The matrix products (the rotations)
+are traced at ``precision=HIGHEST``: float32 arithmetic whatever JAX's default
+matmul precision (:func:`_tree_step`).  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
 keeps the previous bases and is no refresh for that step's update
 (``refreshed=False``: no rotation noise floor), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
-parameters whose leaves are the core's NamedTuple states (``AdamState``,
-``AdafactorState``, ``HfacState``); each has its own ``count``.
+parameters whose leaves are :class:`LeafState`: the arrays of the core's
+NamedTuple states (``AdamState``, ``AdafactorState``, ``HfacState``), each with
+its own ``count``, and no ``None`` or zero-size leaf, so that ``flax.nnx``,
+orbax and ``jax.vmap`` take it.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
         'adadiag_ref.adapters.optax needs JAX and optax: pip install "adadiag-ref[jax]"', name=exc.name
     ) from exc
 
+import collections
 import contextlib
 import copy
 import ctypes
+import functools
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,12 +65,14 @@ import numpy as np
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig
 from adadiag_ref.optim.core import check_orientation, preconditioned_direction, work_dtype
+from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.layout import from_work, split_batch, transposed_frame
 
 __all__ = [
     "ALIASES",
     "SCALE_BY",
     "CoreTransformState",
+    "LeafState",
     "core_alias",
     "core_states",
     "refresh_due",
@@ -77,10 +85,11 @@ ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 
 
 class CoreTransformState(NamedTuple):
-    """``states``: pytree like the parameters, each leaf a core state (``count``, ``P``, ``Q``, moments).
+    """``states``: pytree like the parameters, each leaf a :class:`LeafState` (``count``, ``P``, ``Q``, moments).
 
-    Its leaves are arrays only (a field the core leaves ``None`` is an empty
-    subtree), so the state checkpoints, donates and shards like optax's own.
+    Its leaves are non-empty arrays only (a field the core leaves ``None`` is no child, the parameter's shape is
+    static metadata), so the state checkpoints (orbax), donates, shards and goes through ``flax.nnx`` like
+    optax's own.
     The moment matrices of a tall parameter without a basis (more rows than columns: the core's work frame is
     its transpose; ``P`` absent: AdamW, Adafactor, Hfac, a side over ``max_basis_dim``) are kept in the
     parameter's orientation, as the transposes of the core's ``m x n`` matrices
@@ -89,6 +98,85 @@ class CoreTransformState(NamedTuple):
     """
 
     states: Any
+
+
+class LeafState:
+    """One parameter's core state as the adapter stores it: a NamedTuple of its arrays only.
+
+    A core state (``AdamState``, ``AdafactorState``, ``HfacState``, a registered family's) is a NamedTuple
+    ``(count, P, Q, *moments, param_shape)`` whose absent fields are ``None`` and whose ``param_shape`` is a
+    zero-size array recording the parameter's shape.  Frameworks that rebuild a state from its arrays drop
+    ``None`` fields (``flax.nnx.Optimizer``: ``No attribute 'Q' in State`` at the second step), and orbax
+    refuses to save zero-size arrays.  The stored form is a NamedTuple of the fields that hold arrays (``count``,
+    ``P``, ``M``, ...), whose type (one per core state type, fields present and parameter shape: :func:`_stored_type`)
+    carries the core state type (:attr:`state_type`) and the parameter's shape (:attr:`parameter_shape`,
+    ``None`` when the core state had no ``param_shape`` record) as static data.  Being a NamedTuple, it is
+    flattened by JAX's C++ pytree code (a registered Python node took 6x the time, per leaf and per step).
+
+    It reads like the core's state: ``leaf.count``, ``leaf.M``, ``leaf.P`` (``None`` when absent);
+    :meth:`core` and :func:`core_states` give the core's NamedTuples.
+    """
+
+    __slots__ = ()
+    state_type: ClassVar[Any]
+    parameter_shape: ClassVar[tuple[int, ...] | None]
+
+    @staticmethod
+    def of(state: Any) -> Any:
+        """The stored form of a core state: its non-``None`` fields; the shape its ``param_shape`` records."""
+        recorded = getattr(state, "param_shape", None)
+        shape = None if recorded is None else tuple(int(d) for d in recorded.shape[1:])
+        fields = tuple(f for f in state._fields if f != "param_shape" and getattr(state, f) is not None)
+        state_type: Any = type(state)
+        return _stored_type(state_type, fields, shape)(*(getattr(state, f) for f in fields))
+
+    def core(self) -> Any:
+        """The core's state: absent fields ``None``, ``param_shape`` a zero-size ``(0, *shape)`` array again."""
+        kind = self.state_type
+        state = kind(**{f: getattr(self, f) for f in kind._fields if f != "param_shape"})
+        if self.parameter_shape is None:
+            return state
+        return state._replace(param_shape=jnp.zeros((0, *self.parameter_shape), work_dtype(state)))
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields of the stored NamedTuple
+        if name in type(self).state_type._fields:
+            return None  # a field the core leaves None
+        raise AttributeError(name)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the stored types are made at run time: pickle by their recipe
+        return _stored_leaf, (self.state_type, self._fields, self.parameter_shape, tuple(self))  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _stored_type(state_type: Any, fields: tuple[str, ...], shape: tuple[int, ...] | None) -> type:
+    """The NamedTuple type that stores the ``fields`` of a ``state_type`` for a parameter of shape ``shape``."""
+    base = collections.namedtuple(f"Stored{state_type.__name__}", fields)  # type: ignore[misc]
+    namespace = {"__slots__": (), "state_type": state_type, "parameter_shape": shape}
+    return type(base.__name__, (base, LeafState), namespace)
+
+
+def _stored_leaf(state_type: Any, fields: tuple[str, ...], shape: tuple[int, ...] | None, values: Any) -> Any:
+    return _stored_type(state_type, tuple(fields), shape)(*values)
+
+
+def _core_state(leaf: Any, cfg: BaseConfig | None = None) -> Any:
+    """The core state of a stored leaf.
+
+    A :class:`LeafState` gives its :meth:`~LeafState.core`; a core NamedTuple (a state stored before
+    :class:`LeafState` existed, or one made with ``ar.init``) is taken as it is.  A mapping of field names to
+    arrays is a :class:`LeafState` that a framework rebuilt from its keyed children (``flax.nnx.Optimizer``
+    writes each new state back as an ``nnx.State``): the fields it lacks are ``None`` and its type is ``cfg``'s
+    family's; it carries no parameter shape, so the orientation check is skipped, as for any state without a
+    ``param_shape`` record (the framework keys the state by the parameter's path).
+    """
+    if isinstance(leaf, LeafState):
+        return leaf.core()
+    if isinstance(leaf, Mapping):
+        if cfg is None:
+            raise TypeError(f"a {type(leaf).__name__} of state fields is read with the optimizer's config")
+        state_type: Any = family_of(cfg).state_type
+        return state_type(**{f: leaf.get(f) for f in state_type._fields if f != "param_shape"})
+    return leaf
 
 
 _TRACEABLE = frozenset({"betas", "eps", "weight_decay", "update_freq", "clip_threshold", "decay_rate", "eps2"})
@@ -187,33 +275,69 @@ def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
     return due
 
 
-def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.ndarray, ...]]:
-    """Host callback: the core's :func:`adadiag_ref.refresh_basis` on the NumPy gradient -> ``(P[, Q], refreshed)``.
+class _RotatedLeaf(NamedTuple):
+    """What the host refresh needs of one rotated leaf: its tree path (for messages), the parameter's shape, the
+    state dtype, whether ``Q`` is rotated too, and where its ``P`` sits among the callback's bases."""
 
-    The gradient and the previous bases ``P_{t-1}[, Q_{t-1}]`` cross to the host
-    (the moments stay on the device); the host state is a fresh ``ar.init`` of the
-    state dtype carrying those bases, so that a refresh that keeps the previous
-    basis (a NaN or Inf gradient, a decomposition that fails on every rung;
-    ``docs/reliability.md``) returns ``P_{t-1}[, Q_{t-1}]`` bit for bit, as the
-    eager core does, never the identity of a fresh state.  ``refreshed`` (a 0-d
-    bool) is False when the basis was kept: the step's update must then not apply
-    the rotation noise floor, whose premise (``G~`` computed with the bases of
-    this very ``G``) does not hold, exactly as :func:`adadiag_ref.step` passes
-    ``refreshed=False`` (``new.P is not state.P``).
-    The callback runs on an XLA thread whose floating-point environment is not
-    Python's; :func:`adadiag_ref.refresh_basis` is therefore run with the
-    default environment restored (:func:`_default_fp_environment`).
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    two_sided: bool
+    first: int
+
+
+def _host_refresh(cfg: BaseConfig, leaves: list[_RotatedLeaf]) -> Callable[..., tuple[np.ndarray, ...]]:
+    """Host callback of one step's refresh: the core's :func:`adadiag_ref.refresh_bases` over every leaf due.
+
+    Called as ``callback(due, count, *grads, *bases)`` with, for each rotated leaf in order, its gradient, then
+    the previous bases ``P_{t-1}[, Q_{t-1}]`` of every rotated leaf; returns ``(*bases, refreshed)`` with the
+    bases in the same order and ``refreshed`` a bool per leaf.  Under ``jax.vmap`` (``vmap_method=
+    "broadcast_all"``) every argument carries the same leading batch dimensions (``due``'s shape): each
+    member whose ``due`` is true refreshes its own bases from its own gradient, the others keep theirs, and the
+    whole batch is one :func:`adadiag_ref.refresh_bases` call.
+
+    Only the gradients and the bases cross to the host (the moments stay on the device); each host state is a
+    fresh ``ar.init`` of the state dtype carrying the previous bases, so that a refresh that keeps them (a NaN or
+    Inf gradient, a decomposition that fails on every rung; ``docs/reliability.md``) returns ``P_{t-1}[,
+    Q_{t-1}]`` bit for bit, as the eager core does, never the identity of a fresh state.  ``refreshed`` is
+    False when the basis was kept: the step's update must then not apply the rotation noise floor, whose
+    premise (``G~`` computed with the bases of this very ``G``) does not hold, exactly as
+    :func:`adadiag_ref.step` passes ``refreshed=False`` (``new.P is not state.P``).  The leaves' tree paths
+    and the step label the core's messages.  The callback runs on an XLA thread whose floating-point
+    environment is not Python's; the refresh therefore runs with the default environment restored
+    (:func:`_default_fp_environment`).
     """
 
-    def callback(grad: np.ndarray, *previous: np.ndarray) -> tuple[np.ndarray, ...]:
-        grad = np.asarray(grad)
+    def callback(due: np.ndarray, count: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        due, count = np.asarray(due), np.asarray(count)
+        grads, previous = arrays[: len(leaves)], arrays[len(leaves) :]
+        bases = [np.array(b) for b in previous]  # writable copies: the members not due keep their bases
+        refreshed = np.zeros((*due.shape, len(leaves)), dtype=np.bool_)
+        jobs: list[tuple[tuple[int, ...], int, Any]] = []
         with _default_fp_environment():
-            host_state = ar.init(np.zeros(grad.shape, dtype=dtype), cfg)
-            P = np.asarray(previous[0], dtype=dtype)
-            Q = np.asarray(previous[1], dtype=dtype) if len(previous) > 1 else None
-            new = ar.refresh_basis(host_state._replace(P=P, Q=Q), grad, cfg)
-        bases = tuple(np.asarray(b, dtype=dtype) for b in (new.P, new.Q) if b is not None)
-        return (*bases, np.asarray(new.P is not P))  # a kept basis comes back as the very object passed in
+            for member in np.ndindex(due.shape):  # () without vmap: the one member
+                if not due[member]:
+                    continue
+                for j, leaf in enumerate(leaves):
+                    P = bases[leaf.first][member]
+                    Q = bases[leaf.first + 1][member] if leaf.two_sided else None
+                    host = ar.init(np.zeros(leaf.shape, dtype=leaf.dtype), cfg)._replace(P=P, Q=Q)
+                    jobs.append((member, j, host))
+            new = ar.refresh_bases(
+                [host for _, _, host in jobs],
+                [np.asarray(grads[j][member]) for member, j, _ in jobs],
+                cfg,
+                names=[leaves[j].name for _, j, _ in jobs],
+                count=[int(count[member]) for member, _, _ in jobs],
+            )
+        for (member, j, host), state in zip(jobs, new, strict=True):
+            leaf = leaves[j]
+            if state.P is not host.P:  # a kept basis comes back as the very object passed in
+                refreshed[(*member, j)] = True
+                bases[leaf.first][member] = state.P
+                if leaf.two_sided:
+                    bases[leaf.first + 1][member] = state.Q
+        return (*bases, refreshed)
 
     return callback
 
@@ -259,49 +383,96 @@ def _default_fp_environment() -> Iterator[None]:
         _LIBC.fesetenv(saved)
 
 
-def _refresh(state: Any, grad: jax.Array, cfg: BaseConfig, due: jax.Array) -> tuple[Any, Any]:
-    """``lax.cond(due, refresh_basis, identity)`` with the refresh on the host (traceable).
+def _refresh_when_due(
+    grads: list[jax.Array], states: list[Any], names: list[str], opts: _Options
+) -> tuple[list[Any], list[Any]]:
+    """Every rotated leaf's bases refreshed when due, in one ``lax.cond`` and one host callback (traceable).
 
-    Returns ``(state, refreshed)``: ``refreshed`` is a traced bool, true only when
-    a due refresh computed new bases from ``grad`` (false when none was due or
-    the refresh kept the previous basis), the core's ``refreshed`` of that step.
+    ``lax.cond(due, refresh_bases, identity)``: every leaf of one transformation advances its ``count``
+    together, so ``due`` (:func:`refresh_due`) is one predicate for all, read from the first rotated leaf's
+    counter, and one callback (:func:`_host_refresh`) refreshes every rotated leaf through the core's
+    :func:`adadiag_ref.refresh_bases`.  Returns the states (the core's orientation) and, per leaf, the core's
+    ``refreshed``: a traced bool, true only when a due refresh computed new bases from the leaf's gradient, or
+    ``False`` for a leaf without a basis.  Under ``jax.vmap`` with a batched counter the ``cond`` becomes a
+    ``select``: the callback then runs at every step and refreshes only the members that are due.
     """
-    if state.P is None:  # no rotated side: nothing to refresh
-        return state, False
-    bases = [b for b in (state.P, state.Q) if b is not None]
-    shapes = (*(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases), jax.ShapeDtypeStruct((), jnp.bool_))
-    callback = _host_refresh(cfg, np.dtype(state.P.dtype))
+    rotated = [i for i, state in enumerate(states) if state.P is not None]
+    refreshed: list[Any] = [False] * len(states)
+    if not rotated:  # baselines and vectors only: nothing to refresh, no callback
+        return states, refreshed
+    leaves: list[_RotatedLeaf] = []
+    bases: list[jax.Array] = []
+    for i in rotated:
+        state = states[i]
+        leaf_bases = [b for b in (state.P, state.Q) if b is not None]
+        dtype = np.dtype(state.P.dtype)
+        leaves.append(_RotatedLeaf(names[i], tuple(grads[i].shape), dtype, state.Q is not None, len(bases)))
+        bases.extend(leaf_bases)
+    count = states[rotated[0]].count
+    due = refresh_due(count, opts.traced.get("update_freq", opts.cfg))
+    shapes = (
+        *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases),
+        jax.ShapeDtypeStruct((len(rotated),), jnp.bool_),
+    )
+    callback = _host_refresh(opts.cfg, leaves)
 
-    def do_refresh(s: Any) -> tuple[Any, jax.Array]:
-        *new, refreshed = jax.pure_callback(callback, shapes, grad, *(b for b in (s.P, s.Q) if b is not None))
-        return s._replace(P=new[0], Q=new[1] if s.Q is not None else None), refreshed
+    def do_refresh(operands: Any) -> tuple[list[jax.Array], jax.Array]:
+        *new, flags = jax.pure_callback(callback, shapes, *operands, vmap_method="broadcast_all")
+        return new, flags
 
-    def keep(s: Any) -> tuple[Any, jax.Array]:
-        return s, jnp.asarray(False)
+    def keep(operands: Any) -> tuple[list[jax.Array], jax.Array]:
+        return list(operands[2 + len(rotated) :]), jnp.zeros((len(rotated),), jnp.bool_)
 
-    return jax.lax.cond(due, do_refresh, keep, state)  # type: ignore[no-any-return]
+    operands = (due, count, *(grads[i] for i in rotated), *bases)
+    new_bases, flags = jax.lax.cond(due, do_refresh, keep, operands)
+    out = list(states)
+    for j, (i, leaf) in enumerate(zip(rotated, leaves, strict=True)):
+        P, Q = new_bases[leaf.first], new_bases[leaf.first + 1] if leaf.two_sided else None
+        out[i], refreshed[i] = states[i]._replace(P=P, Q=Q), flags[j]
+    return out, refreshed
 
 
-def _refreshed_leaf(grad: jax.Array, state: Any, opts: _Options) -> tuple[BaseConfig, Any, Any]:
-    """The leaf's config, its stored state in the core's orientation (:func:`_parameter_oriented`, after the
+def _prepared_leaves(grads: list[jax.Array], stored: list[Any], names: list[str], opts: _Options) -> list[Any]:
+    """Each leaf's config, its core state (the core's orientation: :func:`_parameter_oriented`, after the
     orientation check it would otherwise defeat) with the bases refreshed when due, and the ``refreshed`` flag
     for the core."""
-    check_orientation(state, tuple(grad.shape))
-    cfg = _leaf_config(opts, state)
-    due = refresh_due(state.count, opts.traced.get("update_freq", cfg))
-    state, refreshed = _refresh(_parameter_oriented(state, tuple(grad.shape), cfg.batch_dims), grad, cfg, due)
-    return cfg, state, refreshed
+    states = []
+    for grad, leaf in zip(grads, stored, strict=True):
+        state = _core_state(leaf, opts.cfg)
+        check_orientation(state, tuple(grad.shape))
+        states.append(_parameter_oriented(state, tuple(grad.shape), opts.cfg.batch_dims))
+    states, refreshed = _refresh_when_due(grads, states, names, opts)
+    return [(_leaf_config(opts, s), s, r) for s, r in zip(states, refreshed, strict=True)]
 
 
 def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
     return jnp.astype(from_work(x, step_in.layout, jnp), param.dtype)
 
 
-def _split(tree: Any, outputs: Any) -> tuple[Any, Any]:
-    """Unzip a pytree whose leaves were replaced by ``(update, state)`` pairs."""
-    updates = jax.tree.map(lambda _, pair: pair[0], tree, outputs)
-    states = jax.tree.map(lambda _, pair: pair[1], tree, outputs)
-    return updates, states
+LeafStep = Callable[[jax.Array, Any, jax.Array, BaseConfig, Any], tuple[jax.Array, Any]]
+"""One leaf's step after the refresh: ``(grad, core state, weight, config, refreshed) -> (output, new state)``."""
+
+
+def _tree_step(updates: Any, state: CoreTransformState, weights: Any, opts: _Options, step: LeafStep) -> Any:
+    """``step`` over every leaf after one refresh for all (:func:`_refresh_when_due`) -> ``(outputs, state)``.
+
+    Traced with float32 matrix products at full precision (``jax.default_matmul_precision("highest")``, which
+    JAX records on each product as ``precision=HIGHEST``): the rotations ``P^T G Q`` and ``P U~ Q^T`` are the
+    core's float32 arithmetic whatever the caller's default (TF32 on A100/H100 GPUs, or a
+    ``jax.default_matmul_precision("bfloat16")`` around the step).  On a CPU the products are the same bits.
+    """
+    with jax.default_matmul_precision("highest"):
+        with_paths, treedef_ = jax.tree_util.tree_flatten_with_path(updates)
+        treedef: Any = treedef_  # its flatten_up_to and unflatten are missing from JAX's type stubs
+        grads = [g for _, g in with_paths]
+        names = [jax.tree_util.keystr(path) for path, _ in with_paths]
+        prepared = _prepared_leaves(grads, treedef.flatten_up_to(state.states), names, opts)
+        outputs, states = [], []
+        for g, w, (cfg, s, refreshed) in zip(grads, treedef.flatten_up_to(weights), prepared, strict=True):
+            out, new_state = step(g, s, w, cfg, refreshed)
+            outputs.append(out)
+            states.append(LeafState.of(_parameter_oriented(new_state, tuple(g.shape), opts.cfg.batch_dims)))
+        return treedef.unflatten(outputs), CoreTransformState(states=treedef.unflatten(states))
 
 
 def _parameter_oriented(state: Any, shape: tuple[int, ...], batch_dims: int = 0) -> Any:
@@ -334,14 +505,17 @@ def core_states(state: CoreTransformState, params: Any, *, batch_dims: int = 0) 
     is returned as is, so ``ar.update(core_states(state, params)[k], ...)`` continues the adapter's trajectory.
     ``batch_dims``: the option the transformation was built with (which matrices a leaf's moments stack).
     """
-    # params' structure is a prefix of the states': each parameter leaf meets its whole core state
+    # params' structure is a prefix of the states': each parameter leaf meets its whole stored state
     return jax.tree.map(
-        lambda param, leaf: _parameter_oriented(leaf, tuple(np.shape(param)), batch_dims), params, state.states
+        lambda param, leaf: _parameter_oriented(_core_state(leaf), tuple(np.shape(param)), batch_dims),
+        params,
+        state.states,
     )
 
 
-def _init_leaf(param: jax.Array, cfg: BaseConfig) -> Any:
-    """``ar.init`` for one leaf, its moment matrices in the parameter's orientation (:func:`_parameter_oriented`).
+def _init_leaf(param: jax.Array, cfg: BaseConfig) -> LeafState:
+    """``ar.init`` for one leaf, its moment matrices in the parameter's orientation (:func:`_parameter_oriented`),
+    stored as a :class:`LeafState`.
 
     A leaf sharded over several devices is initialised under ``jax.jit``: the
     core places its zeros with ``device=device(param)``, which for such a leaf
@@ -350,8 +524,8 @@ def _init_leaf(param: jax.Array, cfg: BaseConfig) -> Any:
     shape = tuple(param.shape)
     sharding = getattr(param, "sharding", None)
     if sharding is not None and len(sharding.device_set) > 1:
-        return jax.jit(lambda p: _parameter_oriented(ar.init(p, cfg), shape, cfg.batch_dims))(param)
-    return _parameter_oriented(ar.init(param, cfg), shape, cfg.batch_dims)
+        return jax.jit(lambda p: LeafState.of(_parameter_oriented(ar.init(p, cfg), shape, cfg.batch_dims)))(param)
+    return LeafState.of(_parameter_oriented(ar.init(param, cfg), shape, cfg.batch_dims))
 
 
 def _check_update_args(params: Any, needs_params: bool) -> None:
@@ -460,14 +634,11 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
         # Without parameter scaling the direction reads only W's shape and dtype.
         weights = updates if params is None else params
 
-        def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            cfg, s, refreshed = _refreshed_leaf(g, s, opts)  # the core's orientation (transposes XLA cancels)
+        def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
             u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
-            return _in_param_frame(u, step_in, w), _parameter_oriented(new_state, tuple(g.shape), cfg.batch_dims)
+            return _in_param_frame(u, step_in, w), new_state
 
-        outputs = jax.tree.map(leaf, updates, state.states, weights)
-        directions, states = _split(updates, outputs)
-        return directions, CoreTransformState(states=states)
+        return _tree_step(updates, state, weights, opts, leaf)  # type: ignore[no-any-return]
 
     return optax.GradientTransformation(_init_fn(opts), update_fn)
 
@@ -486,17 +657,12 @@ def _fused_core(
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
         _check_update_args(params, True)
-        first = jax.tree.leaves(state.states, is_leaf=lambda x: hasattr(x, "_fields"))
-        lr = learning_rate(first[0].count) if callable(learning_rate) and first else learning_rate
 
-        def leaf(g: jax.Array, s: Any, w: jax.Array) -> tuple[jax.Array, Any]:
-            cfg, s, refreshed = _refreshed_leaf(g, s, opts)
-            delta, new_state = ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)
-            return delta, _parameter_oriented(new_state, tuple(g.shape), cfg.batch_dims)
+        def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
+            lr = learning_rate(s.count) if callable(learning_rate) else learning_rate  # one count for all leaves
+            return ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)  # type: ignore[no-any-return]
 
-        outputs = jax.tree.map(leaf, updates, state.states, params)
-        deltas, states = _split(updates, outputs)
-        return deltas, CoreTransformState(states=states)
+        return _tree_step(updates, state, params, opts, leaf)  # type: ignore[no-any-return]
 
     return optax.GradientTransformation(_init_fn(opts), update_fn)
 

@@ -16,6 +16,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
+jax_extend = pytest.importorskip("jax.extend")
 import jax.numpy as jnp  # noqa: E402
 from adadiag_ref.adapters import optax as ao  # noqa: E402
 
@@ -69,9 +70,10 @@ def test_alias_trajectory_equals_core_replay(name):
     w0, grads = _stream()
     traj, state = _run(ao.ALIASES[name](0.01, weight_decay=0.1, update_freq=FREQ), w0, grads)
     _assert_matches_replay(traj, w0, grads, name, lr=0.01, weight_decay=0.1, update_freq=FREQ)
-    core_states = state[0].states
-    assert int(core_states["w"].count) == STEPS
-    assert type(core_states["w"]) is type(ar.init(w0["w"], ar.make_config(name)))
+    stored = state[0].states
+    assert int(stored["w"].count) == STEPS
+    assert stored["w"].state_type is type(ar.init(w0["w"], ar.make_config(name)))
+    assert type(ao.core_states(state[0], w0)["w"]) is stored["w"].state_type
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -462,3 +464,52 @@ def test_adamw_on_a_tall_leaf_compiles_without_transposes():
     params = {"w": jnp.ones((64, 16))}
     compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
     assert "transpose(" not in compiled
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it (``pjit``, ``cond`` branches, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax_extend.core.ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, jax_extend.core.Jaxpr):
+                    yield from _equations(sub)
+
+
+MANY_LEAVES = {"a": (5, 7), "b": (7, 5), "c": (4, 4), "d": (6, 2, 2), "e": (7,)}  # 4 rotated, 1 vector
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_cond_and_one_host_callback_per_step_for_every_refresh(name):
+    """The jitted update holds one ``lax.cond`` and one ``pure_callback`` for all the leaves' refreshes (their
+    counter is shared), none for an optimizer without a basis; before, one of each per rotated leaf."""
+    w0, _ = _stream(shapes=MANY_LEAVES)
+    params = _device(w0)
+    opt = ao.ALIASES[name](0.01, update_freq=FREQ)
+    jaxpr = jax.make_jaxpr(jax.jit(opt.update))(params, opt.init(params), params)
+    names = [eqn.primitive.name for eqn in _equations(jaxpr.jaxpr)]
+    expected = 1 if ar.make_config(name).sides else 0
+    assert (names.count("cond"), names.count("pure_callback")) == (expected, expected)
+
+
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp", "adafacdiag_pp", "hfacdiag"])
+def test_rotations_keep_full_float32_precision_under_a_lower_default(name):
+    """Under ``jax.default_matmul_precision("bfloat16")`` (or a TF32 default on a GPU) every matrix product of
+    the update is ``precision=HIGHEST`` and the float32 result is the same bits as without the context.  (On a
+    CPU the default precision computes the same float32 products, so the jaxpr is what tells them apart.)"""
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in MANY_LEAVES.items()}
+    grads = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in MANY_LEAVES.items()}
+    opt = ao.ALIASES[name](0.01, update_freq=FREQ)
+    state = opt.init(params)
+    with jax.default_matmul_precision("bfloat16"):
+        jaxpr = jax.make_jaxpr(opt.update)(grads, state, params)
+        low_default = jax.jit(opt.update)(grads, state, params)
+    dots = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"]
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert dots and all(eqn.params["precision"] == highest for eqn in dots)
+    reference = jax.jit(opt.update)(grads, state, params)
+    for got, want in zip(jax.tree.leaves(low_default), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -145,7 +145,7 @@ def _core_and_adapter_after_a_kept_refresh(name: str, fault: str, monkeypatch, *
         if t == 3:
             monkeypatch.undo()
         params = optax.apply_updates(params, updates)
-        out.append(((params["w"], state[0].states["w"]), (core_w, core_state)))
+        out.append(((params["w"], ao.core_states(state[0], params)["w"]), (core_w, core_state)))
     return out
 
 
