@@ -29,7 +29,7 @@ back.  Under ``jax.jit`` the gradient is not validated (no ``check_inputs``):
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
 keeps the previous bases and is no refresh for that step's update
-(``refreshed=False``: no rotation noise floor), as the eager core does.
+(``refreshed=False``: no refresh-step structure), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
 parameters whose leaves are the core's NamedTuple states (``AdamState``,
@@ -197,7 +197,7 @@ def _host_refresh(cfg: BaseConfig, dtype: np.dtype) -> Callable[..., tuple[np.nd
     ``docs/reliability.md``) returns ``P_{t-1}[, Q_{t-1}]`` bit for bit, as the
     eager core does, never the identity of a fresh state.  ``refreshed`` (a 0-d
     bool) is False when the basis was kept: the step's update must then not apply
-    the rotation noise floor, whose premise (``G~`` computed with the bases of
+    the refresh-step structure, whose premise (``G~`` computed with the bases of
     this very ``G``) does not hold, exactly as :func:`adadiag_ref.step` passes
     ``refreshed=False`` (``new.P is not state.P``).
     The callback runs on an XLA thread whose floating-point environment is not

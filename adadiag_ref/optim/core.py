@@ -40,8 +40,8 @@ __all__ = [
     "preconditioned_direction",
     "refresh_basis",
     "refresh_due",
+    "refresh_step_structure",
     "rotate",
-    "rotation_noise_floor",
     "step",
     "unrotate",
     "update",
@@ -237,25 +237,54 @@ def refresh_basis(
     return state._replace(P=svd.P, Q=svd.Q if layout.rotate_right else None)
 
 
-def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) -> Array:
-    """Zero the entries of a refresh step's ``G~`` that are pure rounding noise.
+def refresh_step_structure(g_rot: Array, two_sided: bool, refreshed: Any, xp: Namespace) -> Array:
+    """A refresh step's ``G~`` set to its exact-arithmetic structure (``docs/spec.md``, section 5).
 
-    On the step whose gradient defined the bases, ``G~ = P^T G Q = Sigma`` (or
-    ``Sigma Q^T``) exactly, so every entry outside the numerical rank is zero in
-    exact arithmetic.  Computed in floating point those entries are rounding
-    noise of size ``~eps ||G||``, which the Adafactor/Hfac normalisation
-    ``G~ / sqrt(V)`` (with eps = 1e-30) would blow up to O(1) and make the
-    trajectory backend-dependent.  Entries with
-    ``|G~_ij| <= max(m, n) eps(dtype) ||G||_F`` (the rank tolerance of
-    :func:`~adadiag_ref.linalg.canonical_svd`, with ``||G||_F >= sigma_max``) are
-    set to 0 when ``refreshed`` is true.
+    On the step whose gradient defined the bases, ``G~ = P^T G Q`` is, in exact arithmetic, ``Sigma``
+    (two-sided: ``G~_ii = sigma_i``, every other entry zero) or ``Sigma Q^T`` (one-sided, only ``P``
+    rotating: row ``i`` is ``sigma_i q_i^T``).  In floating point the structural zeros are rounding noise
+    (``~eps ||G||``, and inside a rotated cluster of equal singular values up to ~100x that), which the
+    Adafactor/Hfac normalisation ``G~ / sqrt(V)`` (eps = 1e-30) and Adam's ``M / (sqrt(V) + eps)`` turn into
+    backend-dependent updates.  So, when ``refreshed`` is true:
+
+    * two-sided: keep ``G~_ii`` for ``i < r``, zero everything else;
+    * one-sided: zero the rows ``i >= r``, keep the others untouched;
+
+    with ``r = #{i : s_i > max(m, n) eps(dtype) max_j s_j}`` (``canonical_svd``'s rank rule 2), where
+    ``s_i = |G~_ii|`` (two-sided) or ``||G~_i,:||`` (one-sided) equal ``sigma_i`` to rounding.  Which entries
+    are kept depends on no entry's rounding, only on the rank, and no real entry is zeroed.
+    ``refreshed`` is a bool or, under ``jax.jit``, a boolean 0-d array (``G~`` is returned as is where false).
     """
-    m, n = g.shape
-    tol = max(m, n) * float(xp.finfo(g.dtype).eps) * xp.sqrt(xp.sum(g * g))
-    noise = xp.abs(g_rot) <= tol
+    m, n = g_rot.shape
+    rows = xp.arange(m, device=creation_device(g_rot))[:, None]
+    if two_sided:
+        # the index grids in G~'s own memory order (zeros_like keeps it), so that the result keeps it too
+        grid = xp.zeros_like(g_rot, dtype=rows.dtype)
+        rows = grid + rows
+        diagonal = rows == grid + xp.arange(n, device=creation_device(g_rot))[None, :]
+        sizes = xp.sum(xp.where(diagonal, xp.abs(g_rot), xp.zeros_like(g_rot)), axis=1)  # |G~_ii|
+    else:
+        sizes = _row_norms(g_rot, xp)
+    keep = rows < _numerical_rank(sizes, max(m, n), xp)
+    if two_sided:
+        keep = keep & diagonal
     if refreshed is not True:
-        noise = noise & refreshed
-    return xp.where(noise, xp.zeros_like(g_rot), g_rot)
+        keep = keep | ~refreshed
+    return xp.where(keep, g_rot, xp.zeros_like(g_rot))
+
+
+def _row_norms(x: Array, xp: Namespace) -> Array:
+    """``||x_i,:||`` up to one common positive factor (``x`` scaled by ``max |x|`` first: no underflow of the
+    squares of a tiny float32 gradient, no overflow of a huge one)."""
+    scale = xp.max(xp.abs(x))
+    y = x / xp.where(scale > 0, scale, xp.ones_like(scale))
+    return xp.sqrt(xp.sum(y * y, axis=1))
+
+
+def _numerical_rank(sizes: Array, side: int, xp: Namespace) -> Array:
+    """``#{i : s_i > side eps max_j s_j}`` as a 0-d array (traces under ``jax.jit``): rule 2 of ``canonical_svd``."""
+    tol = side * float(xp.finfo(sizes.dtype).eps) * xp.max(sizes)
+    return xp.sum(xp.astype(sizes > tol, xp.int32))
 
 
 class StepInput(NamedTuple):
@@ -265,7 +294,7 @@ class StepInput(NamedTuple):
     t: Array  # the step t = count + 1, in the state dtype
     g: Array  # G in the work frame and state dtype
     w: Array  # W in the work frame and state dtype
-    g_rot: Array  # G~ = P^T G Q, noise floor applied on a refresh step
+    g_rot: Array  # G~ = P^T G Q, set to its exact structure on a refresh step
 
 
 def host_count(count: Any) -> int | None:
@@ -295,7 +324,7 @@ def prepare_step(
     w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
     g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
-        g_rot = rotation_noise_floor(g_rot, g, refreshed, xp)
+        g_rot = refresh_step_structure(g_rot, state.Q is not None, refreshed, xp)
     t = host_step(count, dtype, xp) if count is not None else xp.astype(state.count + 1, dtype)
     return StepInput(layout, t, g, w, g_rot)
 
@@ -320,8 +349,8 @@ def update(
 
     ``refreshed`` (a bool, or a boolean array under ``jax.jit``) says that the
     bases were just computed from this very gradient.  Then ``G~`` is ``Sigma``
-    (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its entries
-    below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
+    (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its structural
+    zeros (rounding noise in floating point) are set to exactly zero (:func:`refresh_step_structure`).
 
     ``count``: the steps taken (``state.count``) as a host int, for a caller that keeps its own counter
     (:func:`step`): the step's coefficients are then host numbers, not device arrays.
@@ -507,7 +536,7 @@ def _refresh_if_due(
 ) -> tuple[State, bool]:
     """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`;
     ``count`` the host counter, else the state's); ``refreshed`` is False when no refresh was due or a failed one
-    kept the previous basis (not computed from this ``G``: no noise floor)."""
+    kept the previous basis (not computed from this ``G``: no refresh-step structure)."""
     if not refresh_due(int(state.count) if count is None else count, cfg):
         return state, False
     new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)
