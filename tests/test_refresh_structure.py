@@ -17,6 +17,8 @@ import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a sou
 import numpy as np
 import pytest
 from conftest import to_np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref._xp import namespace
@@ -109,6 +111,16 @@ def test_a_refresh_step_zeroes_exactly_the_structural_zeros(name, shape, options
     _assert_exact_structure(g_rot, rank, two_sided)
 
 
+@pytest.mark.parametrize("scale", [1e-25, 1e25])
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_the_refresh_step_structure_does_not_depend_on_the_gradient_scale(name, scale) -> None:
+    # float32 squares of 1e-25 underflow and of 1e25 overflow: the rank must come from scaled norms
+    grad = _spectrum_gradient("rank_deficient", (8, 20), np.random.default_rng(5))
+    g_rot, rank, two_sided = _refresh_step_g_rot(name, (scale * grad).astype(np.float32), {})
+    assert rank == 6
+    _assert_exact_structure(g_rot, rank, two_sided)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
 def test_the_refresh_step_structure_is_the_same_on_every_backend(xp, name, dtype) -> None:
@@ -189,3 +201,21 @@ def test_the_jitted_optax_alias_agrees_with_numpy_to_the_golden_tolerance_on_ref
             trajectory.append(np.asarray(params))
         ref = ar.replay(name, w0, grads, **HYPER, **options)
         _assert_golden_close(np.stack(trajectory), ref, w0, f"{name} {kind} seed {seed} {shape}")
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(NAMES),
+    kind=st.sampled_from(SPECTRA),
+    frame=st.sampled_from(FRAMES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_torch_agrees_with_numpy_on_refresh_spectra_over_many_seeds(name, kind, frame, seed) -> None:
+    """The torch check above over arbitrary seeds (the long profile: 300 draws)."""
+    torch = pytest.importorskip("torch")
+    shape, options = frame
+    w0, grads = _stream(kind, seed, shape)
+    ref = ar.replay(name, w0, grads, **HYPER, **options)
+    got = ar.replay(name, torch.from_numpy(w0), torch.from_numpy(grads), **HYPER, **options).numpy()
+    _assert_golden_close(got, ref, w0, f"{name} {kind} seed {seed} {shape}")

@@ -243,7 +243,7 @@ def refresh_step_structure(g_rot: Array, two_sided: bool, refreshed: Any, xp: Na
     On the step whose gradient defined the bases, ``G~ = P^T G Q`` is, in exact arithmetic, ``Sigma``
     (two-sided: ``G~_ii = sigma_i``, every other entry zero) or ``Sigma Q^T`` (one-sided, only ``P``
     rotating: row ``i`` is ``sigma_i q_i^T``).  In floating point the structural zeros are rounding noise
-    (``~eps ||G||``, and inside a rotated cluster of equal singular values up to ~100x that), which the
+    (``~eps ||G||``, and more between the vectors of a rotated cluster of equal singular values), which the
     Adafactor/Hfac normalisation ``G~ / sqrt(V)`` (eps = 1e-30) and Adam's ``M / (sqrt(V) + eps)`` turn into
     backend-dependent updates.  So, when ``refreshed`` is true:
 
@@ -252,7 +252,8 @@ def refresh_step_structure(g_rot: Array, two_sided: bool, refreshed: Any, xp: Na
 
     with ``r = #{i : s_i > max(m, n) eps(dtype) max_j s_j}`` (``canonical_svd``'s rank rule 2), where
     ``s_i = |G~_ii|`` (two-sided) or ``||G~_i,:||`` (one-sided) equal ``sigma_i`` to rounding.  Which entries
-    are kept depends on no entry's rounding, only on the rank, and no real entry is zeroed.
+    are kept depends on no entry's rounding, only on the rank, and no entry that is nonzero in exact arithmetic
+    (within the rank) is zeroed.
     ``refreshed`` is a bool or, under ``jax.jit``, a boolean 0-d array (``G~`` is returned as is where false).
     """
     m, n = g_rot.shape
