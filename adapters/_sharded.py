@@ -14,8 +14,8 @@ otherwise.  Two routes (:func:`plan_for`):
   :func:`~adadiag_ref.update_in_place` on the local shard with the block's layout, the moments ``M, V`` stay
   sharded like the parameter (DTensors of the whole state shape, ``Shard`` on the block's work-frame dim) and
   a non-refresh step sends nothing but the one finiteness all-reduce of the step.  A refresh step gathers the
-  whole gradient (its owner decomposes it; on every rank it sets the noise floor's tolerance, as in the whole
-  step).
+  whole gradient (its owner decomposes it; on every rank it gives the refresh step's numerical rank, as in the
+  whole step).
 * **gathered** (everything else: a sharded rotated side, the Adafactor and Hfac families, whose factored
   second moments and update clipping reduce over the whole matrix, any other placement or mesh): the whole
   ``G`` (and ``W`` when the update reads it: decay or a non-Adam family) is all-gathered, every rank keeps the

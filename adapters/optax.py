@@ -31,7 +31,7 @@ matmul precision (:func:`_tree_step`).  Under ``jax.jit`` the gradient is not va
 a NaN gradient propagates into the moments as in any optax transformation,
 and a refresh on a non-finite gradient (or one whose decomposition fails)
 keeps the previous bases and is no refresh for that step's update
-(``refreshed=False``: no rotation noise floor), as the eager core does.
+(``refreshed=False``: no refresh-step structure), as the eager core does.
 
 State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
 parameters whose leaves are :class:`LeafState`: the arrays of the core's
@@ -300,7 +300,7 @@ def _host_refresh(cfg: BaseConfig, leaves: list[_RotatedLeaf]) -> Callable[..., 
     fresh ``ar.init`` of the state dtype carrying the previous bases, so that a refresh that keeps them (a NaN or
     Inf gradient, a decomposition that fails on every rung; ``docs/reliability.md``) returns ``P_{t-1}[,
     Q_{t-1}]`` bit for bit, as the eager core does, never the identity of a fresh state.  ``refreshed`` is
-    False when the basis was kept: the step's update must then not apply the rotation noise floor, whose
+    False when the basis was kept: the step's update must then not apply the refresh-step structure, whose
     premise (``G~`` computed with the bases of this very ``G``) does not hold, exactly as
     :func:`adadiag_ref.step` passes ``refreshed=False`` (``new.P is not state.P``).  The leaves' tree paths
     and the step label the core's messages.  The callback runs on an XLA thread whose floating-point

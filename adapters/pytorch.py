@@ -387,7 +387,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
             # moments in place, so only the counter and new bases need writing back, into the same tensor objects
             state = to_core_state(item.flat, item.cfg)
-            # a refresh that kept the previous basis is no refresh for the update (no noise floor), as in ar.step
+            # a refresh that kept the previous basis is no refresh for the update (no refresh structure), as ar.step
             new_bases, refreshed = next(refreshes) if is_due else ({}, False)
             if new_bases:
                 state = state._replace(**new_bases)
@@ -464,7 +464,7 @@ class CoreOptimizer(torch.optim.Optimizer):
 
         ``refreshed`` is the core's (:func:`adadiag_ref.step`): False when the refresh kept the previous basis
         (a failed decomposition), which ``refresh_basis`` returns as the very same tensors.  The bases are then
-        the previous ones and the step's update applies no rotation noise floor.
+        the previous ones and the step's update applies no refresh-step structure.
         """
         dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
@@ -898,7 +898,7 @@ def _foreach_math(plan: _ForeachPlan) -> None:
         state, item = entry.state, entry.item
         if state.P is None and state.Q is None:
             grads.append(item.grad if item.grad.dtype == dtype else item.grad.to(dtype))
-        else:  # the core's G~ = P^T G Q, its rounding noise zeroed on a refresh step (the bases come from this G)
+        else:  # the core's G~ = P^T G Q, set to its structure on a refresh step (the bases come from this G)
             grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, plan.host_count).g_rot)
     new_v = torch._foreach_mul(seconds, b2)
     scratch = torch._foreach_mul(grads, grads)

@@ -15,10 +15,10 @@ by ``delta Z``, ``Z`` standard normal):
   does, its largest ratio to the ``1e-15`` run's drift so far (what ``compare_backends`` bounds by
   ``AMPLIFICATION_MARGIN``).
 
-``--mechanism`` adds AdafacDiag++'s diagnostics: the refresh-step noise floor's margins, the smallest relative
-singular-value gap at each refresh, whether Adafactor's update clipping is active, the linearity of the
-amplification (``e(t) / delta`` for two sizes of a kick at one step), and the growth factor with one ingredient
-changed at a time (no refresh, no clipping, ``eps = 1e-16``, smaller learning rates).
+``--mechanism`` adds AdafacDiag++'s diagnostics: the refresh-step structure's margins (its entries against the
+rank tolerance), the smallest relative singular-value gap at each refresh, whether Adafactor's update clipping is
+active, the linearity of the amplification (``e(t) / delta`` for two sizes of a kick at one step), and the growth
+factor with one ingredient changed at a time (no refresh, no clipping, ``eps = 1e-16``, smaller learning rates).
 
 Run: ``python benchmarks/report_sensitivity.py [--long 1000] [--no-backends] [--mechanism]``
 (about 2 minutes with every backend and ``--long 1000``; docs/golden.md, "Cross-backend sensitivity").
@@ -33,6 +33,7 @@ import numpy as np
 
 import adadiag_ref as ar
 from adadiag_ref import report
+from adadiag_ref.optim import core
 
 TOL = report.CROSS_BACKEND_RTOL
 
@@ -112,13 +113,13 @@ def _run(cfg: Any, W0: np.ndarray, steps: int, kick: tuple[int, np.ndarray] | No
         info: dict[str, Any] = {"W": W, "loss": 0.5 * float(np.sum(R * R))}
         if state.P is not None and state.Q is not None:
             G_rot = state.P.T @ G @ state.Q
-            tol = max(G.shape) * eps * np.linalg.norm(G)
-            if refreshing:
-                ratio = np.abs(G_rot) / tol
-                info["floor"] = (int((ratio <= 1).sum()), ratio[ratio <= 1].max(), ratio[ratio > 1].min())
+            if refreshing:  # the refresh-step structure (docs/spec.md, section 5), against the rank tolerance
                 S = np.linalg.svd(G, compute_uv=False)
+                ratio = np.abs(G_rot) / (max(G.shape) * eps * S[0])
+                zeroed = core.refresh_step_structure(G_rot, True, True, np) == 0
+                info["floor"] = (int(zeroed.sum()), ratio[zeroed].max(), ratio[~zeroed].min())
                 info["gap"] = float(np.min(-np.diff(S)) / S[0])
-                G_rot = np.where(np.abs(G_rot) <= tol, 0.0, G_rot)
+                G_rot = core.refresh_step_structure(G_rot, True, True, np)
             U = G_rot * np.sqrt(state.r.sum()) / (np.sqrt(state.r)[:, None] * np.sqrt(state.s)[None, :])
             info["rms_u"] = float(np.sqrt(np.mean(U * U)))
             info["r_min"], info["s_min"] = float(state.r.min()), float(state.s.min())

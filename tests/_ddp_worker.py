@@ -76,7 +76,7 @@ KEPT_STEPS, KEPT_FREQ, KEPT_FAULT = 6, 2, 3  # refreshes due at t = 1, 3, 5; the
 
 def kept_basis_stream(name: str, rank: int | None) -> list[torch.Tensor]:
     """Two (5, 7) parameters (one owned by each rank under split_refresh) trained on rank-2 gradients ``A B_t``
-    (``P^T G`` then has rows of rounding noise, which the noise floor zeroes on a refresh step only); the
+    (``P^T G`` then has rows of rounding noise, which the refresh-step structure zeroes on a refresh step only); the
     decomposition fails at ``t = KEPT_FAULT``.  ``rank=None``: the core's ``ar.step``, in one process."""
     import warnings
 

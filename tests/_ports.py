@@ -1,7 +1,8 @@
 """A small torch.optim AdaDiag written from docs/golden.md, and single-bug versions of it, for the conformance runner.
 
-``PortAdaDiag`` is AdaDiag (Algorithm 1) as a porter writes it: its own moments, refresh schedule, noise floor and
-tall/conv work frame in torch, the canonical basis from :func:`adadiag_ref.canonical_svd` (as in the walkthrough).
+``PortAdaDiag`` is AdaDiag (Algorithm 1) as a porter writes it: its own moments, refresh schedule, refresh-step
+structure and tall/conv work frame in torch, the canonical basis from :func:`adadiag_ref.canonical_svd` (as in the
+walkthrough).
 It keeps ``state["step"]``, ``state["P"]``, ``state["M"]``, ``state["V"]`` in the work frame, the names the runner
 compares.  Each subclass plants one bug.
 """
@@ -56,9 +57,10 @@ class PortAdaDiag(torch.optim.Optimizer):
                     state["P"] = P.T.clone() if self.store_transposed else P
                 P = state["P"].T if self.store_transposed else state["P"]
                 Gt = P.T @ G
-                if refresh:  # the refresh-step noise floor of docs/spec.md
-                    floor = max(m, n) * torch.finfo(G.dtype).eps * G.norm()
-                    Gt = torch.where(Gt.abs() <= floor, torch.zeros_like(Gt), Gt)
+                if refresh:  # the refresh-step structure of docs/spec.md section 5: rows beyond the rank are zero
+                    sizes = (Gt / Gt.abs().max().clamp_min(torch.finfo(G.dtype).tiny)).norm(dim=1)
+                    rank = int((sizes > max(m, n) * torch.finfo(G.dtype).eps * sizes.max()).sum())
+                    Gt[rank:] = 0
                 h1, h2 = self._beta_hat(b1, t), self._beta_hat(b2, t)
                 state["M"] = h1 * state["M"] + (1 - h1) * Gt
                 state["V"] = h2 * state["V"] + (1 - h2) * Gt * Gt

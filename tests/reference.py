@@ -31,25 +31,26 @@ def _refresh_due(t: int, T: int | None) -> bool:
 
 def _rotated_gradient(G: np.ndarray, t: int, T: int | None, P: np.ndarray, Q: np.ndarray, sides: int) -> tuple:
     """The algorithm boxes' refresh and rotation lines: returns (P_t, Q_t, G~_t = P^T G Q)."""
-    refreshed = sides > 0 and _refresh_due(t, T)
-    if refreshed:
+    Gt = P.T @ G @ Q
+    if sides > 0 and _refresh_due(t, T):
         svd = canonical_svd(G)
         P = svd.P
         Q = svd.Q if sides == 2 else np.eye(G.shape[1])
-    return P, Q, _noise_floor(P.T @ G @ Q, G, refreshed, sides > 0)
+        Gt = _refresh_structure(P.T @ G @ Q, svd.rank, sides)
+    return P, Q, Gt
 
 
-def _noise_floor(Gt: np.ndarray, G: np.ndarray, refreshed: bool, rotated: bool) -> np.ndarray:
-    """The refresh-step convention of docs/spec.md: G~ entries below max(m,n) eps ||G||_F are exact zeros."""
-    if not (refreshed and rotated):
-        return Gt
-    m, n = G.shape
-    tol = max(m, n) * np.finfo(np.float64).eps * math.sqrt(sum(G[i, j] ** 2 for i in range(m) for j in range(n)))
-    out = Gt.copy()
-    for i in range(m):
-        for j in range(n):
-            if abs(out[i, j]) <= tol:
-                out[i, j] = 0.0
+def _refresh_structure(Gt: np.ndarray, rank: int, sides: int) -> np.ndarray:
+    """The refresh-step convention of docs/spec.md, section 5, with the refresh's own rank: G~ is Sigma (two-sided:
+    the diagonal entries i < rank kept, every other entry zero) or Sigma Q^T (one-sided: the rows i >= rank zero)."""
+    m, n = Gt.shape
+    out = np.zeros((m, n))
+    for i in range(rank):
+        if sides == 2:
+            out[i, i] = Gt[i, i]
+        else:
+            for j in range(n):
+                out[i, j] = Gt[i, j]
     return out
 
 

@@ -3,7 +3,7 @@
 Both compute the same formulas with the same operation order and the same BLAS
 calls, so the results must be equal bit for bit (``array_equal``), in float64
 and float32, on every layout (wide, tall = transposed work frame, vector,
-conv, scalar), with and without weight decay, on refresh steps (noise floor)
+conv, scalar), with and without weight decay, on refresh steps (the refresh-step structure)
 and in between.  The generic reference is the pure NumPy code
 (``kernels="reference"``).
 """

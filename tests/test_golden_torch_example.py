@@ -57,9 +57,10 @@ def complete(B, size, rtol):  # type: ignore[no-untyped-def]
 
 def canonical_bases(G, need_q):  # type: ignore[no-untyped-def]
     m, n = G.shape
-    rtol = max(m, n) * torch.finfo(G.dtype).eps
+    eps = torch.finfo(G.dtype).eps
+    rtol = eps**0.5  # spec rule 6: ties (pivots, signs) up to sqrt(eps)
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
-    tol = rtol * float(S[0])
+    tol = max(m, n) * eps * float(S[0])  # spec rules 2 and 3: rank and clusters
     rank = int((S > tol).sum()) if float(S[0]) > 0 else 0
     p_cols, q_cols, start = [], [], 0
     for i in range(1, rank + 1):
@@ -78,7 +79,7 @@ def canonical_bases(G, need_q):  # type: ignore[no-untyped-def]
         Pr, Qr = Pr * signs, Qr * signs
     P = torch.cat([Pr, complete(Pr, m, rtol)], 1)
     Q = torch.cat([Qr, complete(Qr, n, rtol)], 1) if need_q else None
-    return P, Q
+    return P, Q, rank
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -93,7 +94,7 @@ class TorchAdaDiag:
         a, b = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
         self.transposed, self.matrix = a > b, len(shape) >= 2
         self.m, self.n = min(a, b), max(a, b)
-        self.t, self.M, self.V, self.P, self.Q = 0, None, None, None, None
+        self.t, self.M, self.V, self.P, self.Q, self.rank = 0, None, None, None, None, 0
 
     def _work(self, x):  # type: ignore[no-untyped-def]
         return x.reshape(self.n, self.m).T if self.transposed else x.reshape(self.m, self.n)
@@ -105,15 +106,18 @@ class TorchAdaDiag:
             self.M, self.V = torch.zeros_like(G), torch.zeros_like(G)
         refresh = self.sides > 0 and self.matrix and (t == 1 or (self.T is not None and (t - 1) % self.T == 0))
         if refresh:
-            self.P, self.Q = canonical_bases(G, need_q=self.sides == 2)
+            self.P, self.Q, self.rank = canonical_bases(G, need_q=self.sides == 2)
         Gt = G
         if self.P is not None:
             Gt = self.P.T @ Gt
         if self.Q is not None:
             Gt = Gt @ self.Q
-        if refresh:  # spec: rounding-noise entries of G~ on a refresh step are exact zeros
-            tol = max(self.m, self.n) * torch.finfo(G.dtype).eps * G.norm()
-            Gt = torch.where(Gt.abs() <= tol, torch.zeros_like(Gt), Gt)
+        if refresh:  # spec section 5: G~ is Sigma (two-sided) or Sigma Q^T (one-sided), exactly
+            keep = torch.zeros_like(Gt, dtype=torch.bool)
+            keep[: self.rank] = True  # the rows within the refresh's rank
+            if self.Q is not None:
+                keep &= torch.eye(self.m, self.n, dtype=torch.bool)  # and only the diagonal
+            Gt = torch.where(keep, Gt, torch.zeros_like(Gt))
         b1 = self.b1 * (1 - self.b1 ** (t - 1)) / (1 - self.b1**t)
         b2 = self.b2 * (1 - self.b2 ** (t - 1)) / (1 - self.b2**t)
         self.M = b1 * self.M + (1 - b1) * Gt

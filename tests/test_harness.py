@@ -138,5 +138,5 @@ def test_cause_rules() -> None:
 def test_completion_steps() -> None:
     assert completion_steps(load_case("adadiag_pp-wide-f64")) == (1, 5, 9)  # 5 x 5 Q from rank 3
     assert completion_steps(load_case("adadiag-wide-f64")) == ()  # P is 3 x 3, G has rank 3
-    assert completion_steps(load_case("adadiag-degenerate-f64")) == (5, 9)  # zero and rank-1 gradients
+    assert completion_steps(load_case("adadiag-degenerate-f64")) == (1, 9)  # zero and rank-1 gradients
     assert completion_steps(load_case("adamw-wide-f64")) == ()

@@ -264,7 +264,7 @@ IN_PLACE_POINTS = [
     (adam_inplace, "unrotate"),
     (tail, "from_work"),
     (core, "rotate"),
-    (core, "rotation_noise_floor"),
+    (core, "refresh_step_structure"),
     ("native", "multiply"),
     ("native", "sqrt"),
     ("native", "divide"),
@@ -291,7 +291,7 @@ def test_update_in_place_is_all_or_nothing(name: str, point: tuple[Any, str], mo
     except _Boom:
         pass
     else:  # the patched point is not on this optimizer's path (e.g. no rotation for adamw)
-        assert attr in ("rotate", "rotation_noise_floor", "unrotate") and name == "adamw"
+        assert attr in ("rotate", "refresh_step_structure", "unrotate") and name == "adamw"
         return
     assert _snapshot(state, w, g) == before
 

@@ -108,9 +108,9 @@ def _break_the_ladder(monkeypatch) -> None:
 
 
 def _kept_basis_gradient(fault: str, P: np.ndarray) -> np.ndarray:
-    """Step 3's gradient.  ``"inf"``: Inf in one entry (the noise floor's tolerance is then Inf: applied with the
-    kept basis it would zero every finite entry of ``G~``).  ``"decomposition"``: finite, in the span of the kept
-    ``P``'s first two columns, so ``P^T G`` has three rows of pure rounding noise that the floor would zero."""
+    """Step 3's gradient.  ``"inf"``: Inf in one entry (applied with the kept basis, the refresh-step structure
+    would find no finite row norm and zero all of ``G~``).  ``"decomposition"``: finite, in the span of the kept
+    ``P``'s first two columns, so ``P^T G`` has three rows of pure rounding noise that the structure would zero."""
     rng = np.random.default_rng(2)
     if fault == "inf":
         g = rng.standard_normal(SHAPE)
@@ -152,7 +152,7 @@ def _core_and_adapter_after_a_kept_refresh(name: str, fault: str, monkeypatch, *
 @pytest.mark.parametrize("fault", ["inf", "decomposition"])
 @pytest.mark.parametrize("name", ONE_SIDED)
 def test_a_kept_basis_gives_the_bits_of_ar_step(name: str, fault: str, monkeypatch) -> None:
-    """A refresh that keeps the previous basis is no refresh for the update (``refreshed=False``, no noise floor),
+    """A refresh that keeps the previous basis is no refresh for the update (``refreshed=False``, no structure),
     as in ``ar.step``: the adapter's parameters and state equal ``ar.step``'s on the same jax arrays bit for bit
     (its update run eagerly: the same operations, through the same ``lax.cond`` and host callback)."""
     for t, ((w, state), (core_w, core_state)) in enumerate(
@@ -170,7 +170,7 @@ def test_a_kept_basis_gives_the_bits_of_ar_step(name: str, fault: str, monkeypat
 def test_a_kept_basis_under_jit_matches_ar_step(name: str, monkeypatch) -> None:
     """The same under ``jax.jit``, where ``refreshed`` comes back from the callback as a traced flag.  XLA fuses
     the elementwise work, so the jitted step agrees with the eager ``ar.step`` to rounding (rtol 1e-12 in float64);
-    the noise floor applied with the kept basis would zero every finite entry of ``G~`` (an O(1) difference)."""
+    the refresh-step structure applied with the kept basis would zero all of ``G~`` (an O(1) difference)."""
     for t, ((w, state), (core_w, core_state)) in enumerate(
         _core_and_adapter_after_a_kept_refresh(name, "inf", monkeypatch, jit=True), start=1
     ):

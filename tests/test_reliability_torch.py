@@ -55,7 +55,7 @@ def test_refresh_warning_names_an_unnamed_parameter_by_group_and_index(broken_la
 @pytest.mark.parametrize("name", ["adadiag", "adadiag_pp", "adafacdiag", "adafacdiag_pp", "hfacdiag"])
 def test_a_kept_basis_gives_the_bits_of_ar_step(name, monkeypatch) -> None:
     """A refresh whose decomposition fails keeps the previous basis and is no refresh for the update
-    (``refreshed=False``: no rotation noise floor), as in ``ar.step``.  Step 3's gradient lies in the span of the
+    (``refreshed=False``: no refresh-step structure), as in ``ar.step``.  Step 3's gradient lies in the span of the
     kept ``P``'s first two columns, so ``P^T G`` has rows of pure rounding noise that the floor would zero: the
     adapter's parameter and state must equal ``ar.step``'s on the same tensors bit for bit at every step."""
     shape, freq = (5, 7), 2  # refreshes due at t = 1, 3

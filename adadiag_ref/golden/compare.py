@@ -562,7 +562,10 @@ def _state_hint(mismatch: Mismatch, patterns: list[str], case: GoldenCase, compa
         "what is averaged, eps placement, clipping)"
     )
     if t in case.refresh_steps and t > 1:
-        text += "; a refresh step: moments are carried over unrotated, and G~'s refresh-step noise floor applies"
+        text += (
+            "; a refresh step: moments are carried over unrotated, and G~ is set to its refresh-step structure "
+            "(docs/spec.md, section 5)"
+        )
     return text
 
 

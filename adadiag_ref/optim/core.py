@@ -40,8 +40,8 @@ __all__ = [
     "preconditioned_direction",
     "refresh_basis",
     "refresh_due",
+    "refresh_step_structure",
     "rotate",
-    "rotation_noise_floor",
     "step",
     "unrotate",
     "update",
@@ -276,26 +276,67 @@ def _decompose(g: Array, layout: Layout, method: str, label: str, xp: Namespace)
     return P, Q
 
 
-def rotation_noise_floor(g_rot: Array, g: Array, refreshed: Any, xp: Namespace) -> Array:
-    """Zero the entries of a refresh step's ``G~`` that are pure rounding noise.
+def refresh_step_structure(
+    g_rot: Array, two_sided: bool, refreshed: Any, xp: Namespace, *, rank_from: Array | None = None
+) -> Array:
+    """A refresh step's ``G~`` set to its exact-arithmetic structure (``docs/spec.md``, section 5).
 
-    On the step whose gradient defined the bases, ``G~ = P^T G Q = Sigma`` (or
-    ``Sigma Q^T``) exactly, so every entry outside the numerical rank is zero in
-    exact arithmetic.  Computed in floating point those entries are rounding
-    noise of size ``~eps ||G||``, which the Adafactor/Hfac normalisation
-    ``G~ / sqrt(V)`` (with eps = 1e-30) would blow up to O(1) and make the
-    trajectory backend-dependent.  Entries with
-    ``|G~_ij| <= max(m, n) eps(dtype) ||G||_F`` (the rank tolerance of
-    :func:`~adadiag_ref.linalg.canonical_svd`, with ``||G||_F >= sigma_max``) are
-    set to 0 when ``refreshed`` is true.  For a stack ``(*B, m, n)`` the rule holds per matrix (its own norm).
+    On the step whose gradient defined the bases, ``G~ = P^T G Q`` is, in exact arithmetic, ``Sigma``
+    (two-sided: ``G~_ii = sigma_i``, every other entry zero) or ``Sigma Q^T`` (one-sided, only ``P``
+    rotating: row ``i`` is ``sigma_i q_i^T``).  In floating point the structural zeros are rounding noise
+    (``~eps ||G||``, and more between the vectors of a rotated cluster of equal singular values), which the
+    Adafactor/Hfac normalisation ``G~ / sqrt(V)`` (eps = 1e-30) and Adam's ``M / (sqrt(V) + eps)`` turn into
+    backend-dependent updates.  So, when ``refreshed`` is true:
+
+    * two-sided: keep ``G~_ii`` for ``i < r``, zero everything else;
+    * one-sided: zero the rows ``i >= r``, keep the others untouched;
+
+    with ``r = #{i : s_i > max(m, n) eps(dtype) max_j s_j}`` (``canonical_svd``'s rank rule 2), where
+    ``s_i = |G~_ii|`` (two-sided) or ``||G~_i,:||`` (one-sided) equal ``sigma_i`` to rounding.  Which entries
+    are kept depends on no entry's rounding, only on the rank, and no entry that is nonzero in exact arithmetic
+    (within the rank) is zeroed.
+    ``refreshed`` is a bool or, under ``jax.jit``, a boolean 0-d array (``G~`` is returned as is where false).
+    For a stack ``(*B, m, n)`` (``batch_dims``) the rule holds per matrix (its own rank).  ``rank_from`` (a
+    sharded caller's block of whole columns: ``adapters/_sharded.py``) is the whole parameter's ``G~``, from which
+    the rank is taken, so a block keeps exactly the rows the whole step keeps.
     """
-    m, n = g.shape[-2:]
-    squares = xp.sum(g * g) if g.ndim == 2 else xp.sum(g * g, axis=(-2, -1), keepdims=True)
-    tol = max(m, n) * float(xp.finfo(g.dtype).eps) * xp.sqrt(squares)
-    noise = xp.abs(g_rot) <= tol
+    m, n = g_rot.shape[-2:]
+    device = creation_device(g_rot)
+    # the index grids in G~'s own memory order (zeros_like keeps it), so that the result keeps it too
+    grid = xp.zeros_like(g_rot, dtype=xp.int32)
+    rows = grid + xp.reshape(xp.arange(m, dtype=xp.int32, device=device), (m, 1))
+    diagonal = rows == grid + xp.reshape(xp.arange(n, dtype=xp.int32, device=device), (1, n)) if two_sided else None
+    ranked = g_rot if rank_from is None else rank_from
+    keep = rows < _numerical_rank(_structure_sizes(ranked, two_sided, xp), max(ranked.shape[-2:]), xp)
+    if diagonal is not None:
+        keep = keep & diagonal
     if refreshed is not True:
-        noise = noise & refreshed
-    return xp.where(noise, xp.zeros_like(g_rot), g_rot)
+        keep = keep | ~refreshed
+    return xp.where(keep, g_rot, xp.zeros_like(g_rot))
+
+
+def _structure_sizes(g_rot: Array, two_sided: bool, xp: Namespace) -> Array:
+    """``s_i`` of every matrix of ``g_rot`` (``(*B, m, n)``), shape ``(*B, m)``: ``|G~_ii|`` (two-sided) or
+    ``||G~_i,:||`` up to one positive factor per matrix (one-sided), both ``sigma_i`` to rounding.  For the row
+    norms each matrix is scaled by its ``max |G~|`` first: no underflow of the squares of a tiny float32
+    gradient, no overflow of a huge one."""
+    m, n = g_rot.shape[-2:]
+    if two_sided:
+        device = creation_device(g_rot)
+        rows = xp.reshape(xp.arange(m, dtype=xp.int32, device=device), (m, 1))
+        diagonal = rows == xp.reshape(xp.arange(n, dtype=xp.int32, device=device), (1, n))
+        return xp.sum(xp.where(diagonal, xp.abs(g_rot), xp.zeros_like(g_rot)), axis=-1)  # one nonzero term a row
+    scale = xp.max(xp.abs(g_rot), axis=(-2, -1), keepdims=True)
+    y = g_rot / xp.where(scale > 0, scale, xp.ones_like(scale))
+    return xp.sqrt(xp.sum(y * y, axis=-1))
+
+
+def _numerical_rank(sizes: Array, side: int, xp: Namespace) -> Array:
+    """``#{i : s_i > side eps max_j s_j}`` per matrix, shape ``(*B, 1, 1)`` (broadcasts against ``(*B, m, n)``;
+    traces under ``jax.jit``): rule 2 of ``canonical_svd``."""
+    tol = side * float(xp.finfo(sizes.dtype).eps) * xp.max(sizes, axis=-1, keepdims=True)
+    rank = xp.sum(xp.astype(sizes > tol, xp.int32), axis=-1, keepdims=True)
+    return xp.reshape(rank, (*rank.shape, 1))
 
 
 class StepInput(NamedTuple):
@@ -305,7 +346,7 @@ class StepInput(NamedTuple):
     t: Array  # the step t = count + 1, in the state dtype
     g: Array  # G in the work frame and state dtype
     w: Array  # W in the work frame and state dtype
-    g_rot: Array  # G~ = P^T G Q, noise floor applied on a refresh step
+    g_rot: Array  # G~ = P^T G Q, set to its exact structure on a refresh step
 
 
 def host_count(count: Any) -> int | None:
@@ -339,8 +380,9 @@ def prepare_step(
     ``block`` (a sharded caller, ``adapters/_sharded.py``): ``param`` and ``grad`` are a block of whole columns
     (or rows) of a larger parameter's work frame whose rotated sides the block holds entirely; ``block`` is their
     layout (``rows``/``cols`` the block's, ``transposed`` and the rotated sides the whole parameter's) and the state
-    holds the block's moments.  ``whole_grad`` (the whole parameter's gradient, parameter-shaped) then sets the
-    noise floor's tolerance of a refresh step, so each entry of ``G~`` is zeroed exactly as in the whole step.
+    holds the block's moments.  ``whole_grad`` (the whole parameter's gradient, parameter-shaped) then gives the
+    numerical rank of a refresh step's structure (:func:`refresh_step_structure`), so the block keeps exactly the
+    rows the whole step keeps.
     """
     layout = layout_for(tuple(param.shape), cfg) if block is None else block
     _check_static(state, grad, param, layout, cfg)
@@ -350,10 +392,11 @@ def prepare_step(
     w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
     g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
-        whole = g
-        if whole_grad is not None:
+        rank_from = None
+        if whole_grad is not None:  # a block of whole columns: the rank is the whole parameter's
             whole = to_work(xp.astype(whole_grad, dtype, copy=False), layout_for(tuple(whole_grad.shape), cfg), xp)
-        g_rot = rotation_noise_floor(g_rot, whole, refreshed, xp)
+            rank_from = rotate(whole, state.P, state.Q, xp, transposed=layout.transposed)
+        g_rot = refresh_step_structure(g_rot, state.Q is not None, refreshed, xp, rank_from=rank_from)
     t = host_step(count, dtype, xp) if count is not None else xp.astype(state.count + 1, dtype)
     return StepInput(layout, t, g, w, g_rot)
 
@@ -378,8 +421,8 @@ def update(
 
     ``refreshed`` (a bool, or a boolean array under ``jax.jit``) says that the
     bases were just computed from this very gradient.  Then ``G~`` is ``Sigma``
-    (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its entries
-    below the rank tolerance are set to exactly zero (:func:`rotation_noise_floor`).
+    (two-sided) or ``Sigma Q^T`` (one-sided) in exact arithmetic, and its structural
+    zeros (rounding noise in floating point) are set to exactly zero (:func:`refresh_step_structure`).
 
     ``count``: the steps taken (``state.count``) as a host int, for a caller that keeps its own counter
     (:func:`step`): the step's coefficients are then host numbers, not device arrays.
@@ -566,7 +609,7 @@ def _refresh_if_due(
 ) -> tuple[State, bool]:
     """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`;
     ``count`` the host counter, else the state's); ``refreshed`` is False when no refresh was due or a failed one
-    kept the previous basis (not computed from this ``G``: no noise floor)."""
+    kept the previous basis (not computed from this ``G``: no refresh-step structure)."""
     if not refresh_due(int(state.count) if count is None else count, cfg):
         return state, False
     new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)

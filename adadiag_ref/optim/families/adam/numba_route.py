@@ -288,7 +288,7 @@ def update(
     ``delta = -eta_t (P U~ Q^T + lambda W_t)`` is returned in the work frame and the state dtype (the caller
     applies ``from_work`` and the parameter's dtype, as for the generic code).
 
-    ``g_rot`` is ``G~`` as ``prepare_step`` made it (with its noise floor): a new
+    ``g_rot`` is ``G~`` as ``prepare_step`` made it (set to its structure on a refresh step): a new
     array whenever a basis exists, which this call then reuses for ``U~``.
     ``unrotate`` is the core's ``P U~ Q^T`` (passed in, so both routes share one
     implementation of the rotation).
