@@ -45,12 +45,14 @@ from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, 
 from .config import BASIS_METHODS
 
 __all__ = [
+    "DECISION_BAND",
     "DECOMPOSITION_LADDER",
     "REFRESH_METHODS",
     "CanonicalSVD",
     "DecompositionError",
     "DecompositionWarning",
     "NonFiniteInputError",
+    "basis_conditioning",
     "canonical_complement",
     "canonical_svd",
     "canonical_svd_batch",
@@ -79,6 +81,56 @@ class CanonicalSVD(NamedTuple):
 def _tolerance(S_host: np.ndarray, m: int, n: int, eps: float) -> float:
     smax = float(S_host[0]) if S_host.size else 0.0
     return max(m, n) * eps * smax
+
+
+DECISION_BAND = 0.5
+"""Half-width of the band around the rank tolerance ``tau`` inside which a decision counts in
+:func:`basis_conditioning` (relative to ``tau``).  Exact structure (zero singular values, exact ties) computes to
+within about one ulp of ``sigma_max``, ``tau / max(m, n)`` from zero; a value within ``tau / 2`` of ``tau`` is
+closer to the threshold than to that structure, so the rank or cluster it decides is no longer robust."""
+
+
+def basis_conditioning(S: Any, m: int, n: int, dtype: Any) -> float:
+    """How well the canonical basis of an ``m x n`` matrix with singular values ``S`` is determined.
+
+    Returns ``kappa = min(1, eps / delta)``, ``eps = eps(dtype)``: the relative change of the canonical
+    ``P`` (and ``Q``) that a rounding-level change of the matrix (``eps ||G||``) can cause.  With ``S``
+    sorted descending, ``sigma_max = S[0]``, ``tau = max(m, n) eps sigma_max`` (the rank and cluster
+    tolerance of rules 2 and 3, docs/spec.md section 4) and ``r`` the numerical rank, ``delta`` is the
+    smallest of, all relative to ``sigma_max``:
+
+    * the **gaps next to each kept direction**: ``S[i] - S[i+1]`` for ``i < r`` (``i + 1 < min(m, n)``,
+      so the last kept value's gap to the first dropped one counts); a singular vector moves by
+      ``eps sigma_max / gap`` (Wedin).  Gaps ``<= tau`` are inside a cluster, which the canonical rules
+      re-choose from its subspace (rule 3): they do not count;
+    * the **decision margins**: ``|x - tau|`` for each quantity compared with ``tau`` (the rank margin:
+      the smallest kept ``S[r-1]`` and the largest dropped ``S[r]``; and every gap ``S[i] - S[i+1]``,
+      ``i + 1 < r``, which decides a cluster) that lies within ``DECISION_BAND * tau`` of ``tau``: rounding
+      of ``eps sigma_max`` can flip such a decision and change the basis by O(1).  Exact structure (zero
+      singular values, exact ties) lies about ``tau`` away and does not count.
+
+    ``delta = 1`` when nothing counts (a zero matrix, a rank-1 one: ``kappa = eps``).  Examples (float64,
+    3 x 5): ``S = (1, 0.5, 0.25)`` gives ``eps / 0.25``; ``S = (1, 1 - 1e-8, 0.5)`` gives ``eps / 1e-8``;
+    ``S = (1, 1, 0.5)`` (a cluster) gives ``eps / 0.5``; ``S = (1, 0.5, 0)`` gives ``eps / 0.5``.
+    :func:`adadiag_ref.replay.trajectory_conditioning` evaluates it at every refresh of a run, and
+    ``docs/golden.md`` ("Tolerances") turns it into the tolerance two correct implementations meet.
+    """
+    eps = float(np.finfo(np.dtype(dtype)).eps)
+    values = np.sort(np.abs(np.asarray(S, dtype=np.float64)).ravel())[::-1]
+    if values.size == 0 or not values[0] > 0:
+        return eps
+    smax = float(values[0])
+    tau = _tolerance(values, m, n, eps)
+    k, rank = values.size, int(np.sum(values > tau))
+    gaps = values[:-1] - values[1:]  # gaps[i] = S[i] - S[i+1]
+    kept_gaps = gaps[: min(rank, k - 1)]
+    counted = [kept_gaps[kept_gaps > tau]]
+    decisions = [gaps[: max(rank - 1, 0)], values[max(rank - 1, 0) : rank + 1]]
+    margins = np.abs(np.concatenate(decisions) - tau)
+    counted.append(margins[margins < DECISION_BAND * tau])
+    candidates = np.concatenate(counted)
+    delta = float(np.min(candidates)) / smax if candidates.size else 1.0
+    return 1.0 if delta <= eps else min(1.0, eps / delta)
 
 
 def _first_near_max(values: Array, rtol: float, xp: Namespace) -> int:

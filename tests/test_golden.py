@@ -33,7 +33,7 @@ SIZE_BUDGET = 1_000_000  # bytes; the issue allows "well under 5 MB"
 def test_manifest_header() -> None:
     manifest = load_manifest()
     assert manifest["format"] == FORMAT_NAME
-    assert manifest["format_version"] == FORMAT_VERSION == 2
+    assert manifest["format_version"] == FORMAT_VERSION == 3
     assert manifest["library_version"] == ar.__version__
     names = [c["name"] for c in manifest["cases"]]
     assert len(names) == len(set(names)) == len(CASES)

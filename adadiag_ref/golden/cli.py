@@ -9,7 +9,8 @@
 float dtype; the run uses the dtype of ``w0``).  ``out.npz`` receives
 ``params`` (``(K, *S)``, ``params[t-1] = W_{t+1}``), ``state_FIELD`` (the
 state after every step, work frame), ``w0``, ``config`` (the full config as a
-JSON string) and ``library_version``.  Every golden ``.npz`` is a valid
+JSON string), ``library_version`` and ``conditioning`` (``(K,)``: ``kappa_t``, how well
+the bases of step ``t`` are determined, docs/golden.md "Tolerances").  Every golden ``.npz`` is a valid
 ``in.npz``, and its manifest entry gives the optimizer and config (as do the
 ``optimizer`` and ``config`` entries of an ``adadiag-ref conform`` input, so
 ``replay`` is itself a ``--cmd`` port); ``--optimizer`` and ``--config``
@@ -29,6 +30,7 @@ import numpy as np
 from .. import __version__
 from .._cli import INPUT_ERRORS, ErrorParser, fail, input_file, output_file, parse_and_run
 from ..config import OPTIMIZERS, make_config
+from ..replay import trajectory_conditioning
 from .format import api_config, config_from_dict, config_to_dict, default_data_dir, load_manifest
 from .generator import generate, run_core, stack_states
 from .verify import verify
@@ -132,6 +134,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "w0": w0,
         "config": np.array(json.dumps({"optimizer": optimizer, **config_to_dict(cfg)})),
         "library_version": np.array(__version__),
+        "conditioning": trajectory_conditioning(cfg, grads),  # kappa_t: how well step t's bases are determined
         **stack_states(states, steps),
     }
     np.savez(args.output, **arrays)  # type: ignore[arg-type]

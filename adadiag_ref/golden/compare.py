@@ -165,6 +165,10 @@ class ComparisonReport:
             transposed, off by one step in the bias correction).
         state_fields: the state fields the port returned and that were compared (``()``: parameters only).
         error: the port's traceback when it raised (at step ``error_step``), else ``None``.
+        conditioning: ``kappa_t`` per step, how well the bases in use at step ``t`` are determined
+            (:meth:`~adadiag_ref.golden.GoldenCase.conditioning_per_step`; empty when not used).
+        step_rtol, step_atol, step_state_rtol: the tolerances applied at each step: ``rtol``, ``atol`` and
+            ``state_rtol`` widened by the conditioning where it is larger (docs/golden.md, "Tolerances").
     """
 
     case: str
@@ -184,10 +188,33 @@ class ComparisonReport:
     error: str | None = None
     error_step: int | None = None
     state_rtol: float = 0.0
+    conditioning: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    step_rtol: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    step_atol: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    step_state_rtol: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def passed(self) -> bool:
         return self.first_diverging_step is None
+
+    @property
+    def widened_from(self) -> int | None:
+        """The first step whose tolerance the basis conditioning widened, or ``None``."""
+        wider = np.flatnonzero((self.step_rtol > self.rtol) | (self.step_state_rtol > self.state_rtol))
+        return int(wider[0]) + 1 if wider.size else None
+
+    def tolerance_note(self) -> str:
+        """Why the tolerance is what it is: the case's own, or widened by the basis conditioning from step t."""
+        t = self.widened_from
+        if t is None:
+            return ""
+        k = int(np.argmax(self.step_rtol))
+        return (
+            f"tolerance widened by the basis conditioning from step {t}: the bases are determined only to "
+            f"kappa {self.conditioning[k]:.2g} (a near-tie or a rank decision at a refresh; docs/golden.md, "
+            f"Tolerances), so rtol up to {self.step_rtol[k]:.2g} (case: {self.rtol:g}), atol up to "
+            f"{self.step_atol[k]:.2g}, state_rtol up to {float(np.max(self.step_state_rtol)):.2g}"
+        )
 
     def summary(self) -> str:
         """One line: pass, or the first diverging step, the first wrong entry and the hint."""
@@ -195,7 +222,8 @@ class ComparisonReport:
         if self.passed:
             ratio = self.tolerance_ratio[np.isfinite(self.tolerance_ratio)]
             worst = float(np.max(ratio)) if ratio.size else 0.0
-            return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{checked})"
+            note = f"; {self.tolerance_note()}" if self.widened_from is not None else ""
+            return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{checked}{note})"
         t = self.first_diverging_step
         if self.first_mismatch is None and self.error is not None:
             where = f"at step {self.error_step} of {self.steps}" if self.error_step else "before its first step"
@@ -211,20 +239,24 @@ class ComparisonReport:
 
     def table(self) -> str:
         """Per-step parameter errors, refresh steps marked with ``R``."""
-        lines = ["   t  R    max abs err    max rel err   err/tol"]
+        widened = self.widened_from is not None
+        lines = ["   t  R    max abs err    max rel err   err/tol" + ("       rtol" if widened else "")]
         for k in range(self.steps):
             t = k + 1
             mark = "R" if t in self.refresh_steps else " "
             flag = "  <- first divergence" if t == self.first_diverging_step else ""
+            rtol = f"  {self.step_rtol[k]:9.2g}" if widened else ""
             lines.append(
                 f"{t:4d}  {mark}  {self.max_abs_error[k]:13.3e}  {self.max_rel_error[k]:13.3e}"
-                f"  {self.tolerance_ratio[k]:8.2g}{flag}"
+                f"  {self.tolerance_ratio[k]:8.2g}{rtol}{flag}"
             )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         text = f"{self.summary()}\n(rtol={self.rtol:g}, atol={self.atol:.3g}"
         text += f", state_rtol={self.state_rtol:g})" if self.state_fields else ")"
+        if self.widened_from is not None and not self.passed:
+            text += f"\n{self.tolerance_note()}"
         text += f"\n{self.table()}"
         if self.error:
             text += f"\nthe port raised at step {self.error_step}:\n{self.error.rstrip()}"
@@ -250,6 +282,11 @@ class ComparisonReport:
             "rtol": self.rtol,
             "atol": self.atol,
             "state_rtol": self.state_rtol,
+            "conditioning": floats(self.conditioning),
+            "step_rtol": floats(self.step_rtol),
+            "step_atol": floats(self.step_atol),
+            "step_state_rtol": floats(self.step_state_rtol),
+            "tolerance_note": self.tolerance_note(),
             "refresh_steps": list(self.refresh_steps),
             "candidate_dtype": self.candidate_dtype,
             "max_abs_error": floats(self.max_abs_error),
@@ -573,11 +610,17 @@ def _state_hint(mismatch: Mismatch, patterns: list[str], case: GoldenCase, compa
 
 
 def _first_mismatch(
-    case: GoldenCase, params: np.ndarray, states: Mapping[str, np.ndarray], rtol: float, atol: float
+    case: GoldenCase,
+    params: np.ndarray,
+    states: Mapping[str, np.ndarray],
+    rtols: np.ndarray,
+    atols: np.ndarray,
+    state_rtols: np.ndarray,
 ) -> tuple[Mismatch | None, np.ndarray | None]:
-    """The first (step, field) out of tolerance, fields in :data:`FIELD_ORDER`, with the port's value there."""
-    state_rtol = case.tolerance.state_rtol
+    """The first (step, field) out of tolerance, fields in :data:`FIELD_ORDER`, with the port's value there
+    (the tolerances per step: :meth:`~adadiag_ref.golden.GoldenCase.tolerances_per_step`)."""
     for k in range(params.shape[0]):
+        rtol, atol, state_rtol = float(rtols[k]), float(atols[k]), float(state_rtols[k])
         t = k + 1
         golden = case.state(t)
         for name in FIELD_ORDER:
@@ -594,8 +637,9 @@ def _first_mismatch(
     return None, None
 
 
-def _parameter_errors(traj: np.ndarray, case: GoldenCase, rtol: float, atol: float) -> tuple[np.ndarray, ...]:
-    """Per step: max abs error, max error relative to the step's scale, max error / bound (``nan`` past the run)."""
+def _parameter_errors(traj: np.ndarray, case: GoldenCase, rtol: np.ndarray, atol: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per step: max abs error, max error relative to the step's scale, max error / bound (``nan`` past the run);
+    ``rtol``, ``atol``: the tolerances per step."""
     full = np.full(case.steps, np.nan)
     max_abs, max_rel, max_ratio = full.copy(), full.copy(), full.copy()
     n = traj.shape[0]
@@ -605,7 +649,7 @@ def _parameter_errors(traj: np.ndarray, case: GoldenCase, rtol: float, atol: flo
     y = np.asarray(case.params[:n]).astype(np.float64).reshape(n, -1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         diff = np.where(np.isfinite(x), np.abs(x - y), np.inf)
-        bound = atol + rtol * np.abs(y)
+        bound = atol[:n, None] + rtol[:n, None] * np.abs(y)
         ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
         max_abs[:n] = diff.max(axis=1) if x.shape[1] else 0.0
         scale = np.abs(y).max(axis=1) if y.shape[1] else np.zeros(n)
@@ -624,6 +668,7 @@ def compare(
     atol: float | None = None,
     directory: str | Path | None = None,
     states: Mapping[str, Any] | None = None,
+    conditioning: bool = True,
 ) -> ComparisonReport:
     """Compare an implementation with one golden case, parameters and (when given) states, step by step.
 
@@ -640,6 +685,10 @@ def compare(
         rtol, atol: override the parameter tolerances stored in the manifest.
         states: with a trajectory, the port's states as ``{field: (K, *field_shape)}`` (the fixture's
             ``state_FIELD`` layout); ignored with a step function.
+        conditioning: widen the tolerances after a refresh whose basis is poorly determined (a near-tie of
+            singular values, a rank decision near its threshold) to what two correct implementations meet
+            there: at step ``t`` the larger of the case's tolerance and ``conditioning_factor * kappa_t``
+            (docs/golden.md, "Tolerances"; the report says so).  ``False``: the case's tolerance only.
 
     Returns:
         A :class:`ComparisonReport` (it never raises on a mismatch or a failing port; see
@@ -664,10 +713,11 @@ def compare(
     candidate_dtype = str(traj.dtype)
     rtol = case.tolerance.rtol if rtol is None else rtol
     atol = case.tolerance.atol if atol is None else atol
+    kappa, rtols, atols, state_rtols = _step_tolerances(case, rtol, atol, conditioning)
     golden_fields = set(case.state(1)) if case.steps else set()
     compared = tuple(f for f in FIELD_ORDER if f in port_states and f in golden_fields)
-    max_abs, max_rel, max_ratio = _parameter_errors(traj, case, rtol, atol)
-    mismatch, got = _first_mismatch(case, traj, {f: port_states[f] for f in compared}, rtol, atol)
+    max_abs, max_rel, max_ratio = _parameter_errors(traj, case, rtols, atols)
+    mismatch, got = _first_mismatch(case, traj, {f: port_states[f] for f in compared}, rtols, atols, state_rtols)
     first = mismatch.step if mismatch is not None else None
     if error_step is not None and (first is None or error_step <= first):
         first, mismatch = error_step, None
@@ -679,7 +729,7 @@ def compare(
         cause = f"{CAUSE_RAISED} at step {first}: {last[0]}"
     elif mismatch.field != PARAMETER:
         if got is not None:
-            patterns = _patterns(mismatch, got, case, case.make_config(), case.tolerance.state_rtol)
+            patterns = _patterns(mismatch, got, case, case.make_config(), float(state_rtols[mismatch.step - 1]))
         cause = _state_hint(mismatch, patterns, case, compared)
     elif compared:
         cause = _state_hint(mismatch, patterns, case, compared)
@@ -714,7 +764,19 @@ def compare(
         error=error,
         error_step=error_step,
         state_rtol=case.tolerance.state_rtol,
+        conditioning=kappa,
+        step_rtol=rtols,
+        step_atol=atols,
+        step_state_rtol=state_rtols,
     )
+
+
+def _step_tolerances(case: GoldenCase, rtol: float, atol: float, conditioning: bool) -> tuple[np.ndarray, ...]:
+    """``(kappa_t, rtol_t, atol_t, state_rtol_t)`` per step; without ``conditioning`` the case's own tolerances."""
+    if conditioning and case.steps:
+        return (case.conditioning_per_step(), *case.tolerances_per_step(rtol, atol))
+    flat = np.ones(case.steps)
+    return np.zeros(case.steps), rtol * flat, atol * flat, case.tolerance.state_rtol * flat
 
 
 def error_report(case: GoldenCase, error: str, step: int | None = None) -> ComparisonReport:
@@ -747,9 +809,12 @@ def assert_trajectory_close(
     rtol: float | None = None,
     atol: float | None = None,
     directory: str | Path | None = None,
+    conditioning: bool = True,
 ) -> ComparisonReport:
     """:func:`compare`, raising ``AssertionError`` with the full report on a mismatch."""
-    report = compare(step_fn_or_trajectory, fixture, rtol=rtol, atol=atol, directory=directory)
+    report = compare(
+        step_fn_or_trajectory, fixture, rtol=rtol, atol=atol, directory=directory, conditioning=conditioning
+    )
     if not report.passed:
         raise AssertionError(str(report))
     return report

@@ -1,4 +1,4 @@
-"""The golden-vector format, version 2 (specified in ``docs/golden.md``, with its changelog).
+"""The golden-vector format, version 3 (specified in ``docs/golden.md``, with its changelog).
 
 A fixture set is a directory holding ``manifest.json`` and one ``<case>.npz``
 per case.  The manifest says what every case is (optimizer, full config,
@@ -23,6 +23,12 @@ The manifest's ``config`` of a case holds the keyword arguments of the API
 after :func:`api_options`): ``momentum``, not the dataclass field
 ``momentum_enabled``; no ``name`` or ``sides`` (the optimizer decides them).
 
+Version 3 adds the basis conditioning of every refresh (the manifest's ``conditioning``, one
+``kappa`` per refresh step) and the factors that turn it into a tolerance (``tolerance``'s
+``conditioning_factor`` and ``state_conditioning_factor``, docs/golden.md, "Tolerances").  A version 2
+case has neither: :meth:`GoldenCase.conditioning_per_step` computes ``kappa`` from its gradients, with
+the library's factors.
+
 Version 1 (states at three steps as ``state_t{t:03d}_{field}``, the config
 with ``name``, ``sides`` and ``momentum_enabled``) is still read: its config
 is translated on load (:func:`config_from_dict` takes either spelling).
@@ -43,18 +49,22 @@ from typing import Any
 import numpy as np
 
 from ..config import BaseConfig, make_config
+from ..replay import trajectory_conditioning
 
 __all__ = [
+    "CONDITIONING_FACTOR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "READABLE_VERSIONS",
+    "STATE_CONDITIONING_FACTOR",
     "STATE_FIELDS",
     "GoldenCase",
     "Tolerance",
     "api_config",
     "api_options",
     "array_sha256",
+    "conditioning_rtol",
     "config_from_dict",
     "config_to_dict",
     "default_data_dir",
@@ -65,11 +75,36 @@ __all__ = [
 ]
 
 FORMAT_NAME = "adadiag-golden"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 """Versions :func:`load_manifest` accepts; changes between them: docs/golden.md, "Format changelog"."""
 MANIFEST_NAME = "manifest.json"
 STATE_FIELDS = ("count", "P", "Q", "M", "V", "r", "s", "u", "v")
+
+
+CONDITIONING_FACTOR = 1.0
+"""``C`` of the parameters' conditioning tolerance ``C * kappa_t`` (:func:`conditioning_rtol`).
+
+Measured (``benchmarks/conditioning_tolerance.py``, docs/golden.md "Tolerances"): NumPy, torch and JAX
+trajectories differ by at most ``0.047 kappa_t`` of the trajectory's scale at ``lr = 1e-2`` and ``0.21 kappa_t``
+at ``lr = 0.1`` on random and near-tied spectra (gaps 1e-4 .. 1e-12): about ``2 lr kappa_t``.  ``C = 1`` keeps
+20x headroom at the golden ``lr`` and 5x at ``lr = 0.1``."""
+
+STATE_CONDITIONING_FACTOR = 100.0
+"""``C`` of the states' conditioning tolerance: the bases and moments move by up to ``3.6 kappa_t`` on their own
+scale (measured, same runs; Wedin's bound ``eps ||G|| / gap`` with ``||G||`` a little above ``sigma_max``);
+100 keeps 28x headroom."""
+
+
+def conditioning_rtol(kappa: float | np.ndarray, factor: float = CONDITIONING_FACTOR) -> float | np.ndarray:
+    """The relative tolerance two correct implementations meet after a refresh of conditioning ``kappa``.
+
+    ``factor * kappa``, ``kappa`` from :func:`adadiag_ref.linalg.basis_conditioning` (the largest over the
+    refreshes so far, :func:`adadiag_ref.replay.trajectory_conditioning`).  A comparison uses the larger of
+    this and the case's own tolerance, so a well-conditioned case keeps its golden tolerance
+    (``kappa ~ 1e-14`` for a Gaussian gradient against ``rtol = 1e-12``).
+    """
+    return factor * kappa
 
 
 def default_data_dir() -> Path:
@@ -185,15 +220,29 @@ class Tolerance:
     entries passing near zero (whose relative error is meaningless) are judged
     on the trajectory's own scale.  State arrays use ``state_rtol`` and an
     ``atol`` of ``state_rtol * max |array|`` per array.
+
+    After a refresh whose basis is poorly determined the tolerances widen
+    (:meth:`GoldenCase.tolerances_per_step`): at step ``t`` ``rtol_t = max(rtol,
+    conditioning_factor kappa_t)``, ``atol_t = max(atol, conditioning_factor kappa_t scale)``
+    and ``state_rtol_t = max(state_rtol, state_conditioning_factor kappa_t)``.
     """
 
     rtol: float
     atol: float
     state_rtol: float
     atol_factor: float = 0.0
+    conditioning_factor: float = CONDITIONING_FACTOR
+    state_conditioning_factor: float = STATE_CONDITIONING_FACTOR
 
     def to_dict(self) -> dict[str, float]:
-        return {"rtol": self.rtol, "atol": self.atol, "state_rtol": self.state_rtol, "atol_factor": self.atol_factor}
+        return {
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "state_rtol": self.state_rtol,
+            "atol_factor": self.atol_factor,
+            "conditioning_factor": self.conditioning_factor,
+            "state_conditioning_factor": self.state_conditioning_factor,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tolerance:
@@ -202,6 +251,8 @@ class Tolerance:
             atol=float(d["atol"]),
             state_rtol=float(d.get("state_rtol", d["rtol"])),
             atol_factor=float(d.get("atol_factor", 0.0)),
+            conditioning_factor=float(d.get("conditioning_factor", CONDITIONING_FACTOR)),
+            state_conditioning_factor=float(d.get("state_conditioning_factor", STATE_CONDITIONING_FACTOR)),
         )
 
 
@@ -224,6 +275,8 @@ class GoldenCase:
     file: str = ""
     sha256: dict[str, str] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    conditioning: tuple[float, ...] = ()
+    """``kappa`` of each refresh (aligned with ``refresh_steps``; format 3), ``()`` when not stored."""
 
     # ------------------------------------------------------------------ access
     def make_config(self) -> BaseConfig:
@@ -256,9 +309,34 @@ class GoldenCase:
                 out[name] = self.arrays[_state_key_v1(t, name)]
         return out
 
+    def conditioning_per_step(self) -> np.ndarray:
+        """``kappa_t``, ``t = 1..K``: the largest refresh conditioning at steps ``<= t`` (``(K,)`` float64).
+
+        From the stored ``conditioning`` (format 3), else computed from the gradients
+        (:func:`adadiag_ref.replay.trajectory_conditioning`; a format 2 case, loaded with its arrays).
+        """
+        if len(self.conditioning) != len(self.refresh_steps) or not self.refresh_steps:
+            return trajectory_conditioning(self.make_config(), self.grads)
+        at_refresh = np.zeros(self.steps)
+        for t, kappa in zip(self.refresh_steps, self.conditioning, strict=True):
+            at_refresh[t - 1] = kappa
+        return np.maximum.accumulate(at_refresh)
+
+    def tolerances_per_step(self, rtol: float | None = None, atol: float | None = None) -> tuple[np.ndarray, ...]:
+        """``(rtol_t, atol_t, state_rtol_t)`` for ``t = 1..K``: the case's tolerance (``rtol``, ``atol``
+        override it), widened by the basis conditioning where it is larger (:class:`Tolerance`)."""
+        tol = self.tolerance
+        rtol = tol.rtol if rtol is None else rtol
+        atol = tol.atol if atol is None else atol
+        kappa = self.conditioning_per_step()
+        cond = np.asarray(conditioning_rtol(kappa, tol.conditioning_factor), dtype=np.float64)
+        scale = float(max(np.max(np.abs(self.w0)), np.max(np.abs(self.params))))  # as the case's own atol
+        state = np.asarray(conditioning_rtol(kappa, tol.state_conditioning_factor), dtype=np.float64)
+        return np.maximum(rtol, cond), np.maximum(atol, cond * scale), np.maximum(tol.state_rtol, state)
+
     # ------------------------------------------------------------------ manifest
     def manifest_entry(self) -> dict[str, Any]:
-        """The case's entry of a format 2 manifest (states at every step: no ``state_steps``)."""
+        """The case's entry of a format 3 manifest (states at every step: no ``state_steps``)."""
         return {
             "name": self.name,
             "file": self.file,
@@ -273,11 +351,12 @@ class GoldenCase:
             "features": list(self.features),
             "description": self.description,
             "sha256": dict(self.sha256),
+            "conditioning": list(self.conditioning),
         }
 
     @classmethod
     def from_manifest_entry(cls, entry: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> GoldenCase:
-        """A case from its manifest entry (format 1 or 2; a format 1 config is translated, :func:`api_config`)."""
+        """A case from its manifest entry (format 1, 2 or 3; a format 1 config is translated, :func:`api_config`)."""
         steps = int(entry["steps"])
         return cls(
             name=entry["name"],
@@ -295,6 +374,7 @@ class GoldenCase:
             file=entry.get("file", f"{entry['name']}.npz"),
             sha256=dict(entry.get("sha256", {})),
             arrays=arrays or {},
+            conditioning=tuple(float(k) for k in entry.get("conditioning", ())),
         )
 
 

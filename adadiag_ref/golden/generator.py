@@ -31,6 +31,7 @@ from .._xp import to_numpy
 from ..config import OPTIMIZERS, make_config
 from ..linalg import canonical_svd
 from ..optim import init, layout_for, refresh_due, step, to_work
+from ..replay import refresh_conditioning
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -51,6 +52,7 @@ __all__ = [
     "CaseSpec",
     "Stream",
     "basis_sensitivity",
+    "case_from_arrays",
     "case_specs",
     "generate",
     "make_case",
@@ -319,14 +321,6 @@ def make_case(spec: CaseSpec) -> GoldenCase:
                 f"case {spec.name}: the canonical basis is ill-posed in {spec.dtype} (changes by {sensitivity:.2g} "
                 "in float64); choose another seed"
             )
-    state_steps = tuple(range(1, stream.steps + 1))  # every step: a port's first wrong field is found where it begins
-    params, states = run_core(cfg, w0, grads, state_steps)
-    scale = float(max(np.max(np.abs(w0)), np.max(np.abs(params))))
-    base = TOLERANCES[spec.dtype]
-    tol = Tolerance(
-        rtol=base.rtol, atol=base.atol_factor * scale, state_rtol=base.state_rtol, atol_factor=base.atol_factor
-    )
-    arrays: dict[str, np.ndarray] = {"w0": w0, "grads": grads, "params": params, **stack_states(states, state_steps)}
     features = [*stream.features, spec.dtype]
     if spec.variant:
         features.append(spec.variant)
@@ -336,22 +330,51 @@ def make_case(spec: CaseSpec) -> GoldenCase:
         f"{spec.optimizer} on the {spec.stream} stream {stream.shape}, {spec.dtype}, "
         f"{stream.steps} steps, refreshes at t = {', '.join(map(str, refreshes))}"
     )
+    return case_from_arrays(
+        spec.name, cfg, w0, grads, stream={"name": stream.name, **stream.recipe()}, features=features,
+        description=description,
+    )  # fmt: skip
+
+
+def case_from_arrays(
+    name: str,
+    cfg: Any,
+    w0: np.ndarray,
+    grads: np.ndarray,
+    *,
+    stream: dict[str, Any] | None = None,
+    features: Iterable[str] = (),
+    description: str = "",
+) -> GoldenCase:
+    """A case (in memory) from a config and its inputs: the live core's parameters and states at every step,
+    the tolerances of ``w0``'s dtype (:data:`TOLERANCES`) and the conditioning of every refresh."""
+    steps = int(grads.shape[0])
+    refreshes = refresh_steps(cfg, steps)
+    state_steps = tuple(range(1, steps + 1))  # every step: a port's first wrong field is found where it begins
+    params, states = run_core(cfg, w0, grads, state_steps)
+    scale = float(max(np.max(np.abs(w0)), np.max(np.abs(params))))
+    base = TOLERANCES[str(w0.dtype)]
+    tol = Tolerance(
+        rtol=base.rtol, atol=base.atol_factor * scale, state_rtol=base.state_rtol, atol_factor=base.atol_factor
+    )
+    arrays: dict[str, np.ndarray] = {"w0": w0, "grads": grads, "params": params, **stack_states(states, state_steps)}
     return GoldenCase(
-        name=spec.name,
-        optimizer=spec.optimizer,
+        name=name,
+        optimizer=cfg.name,
         config=config_to_dict(cfg),
-        dtype=spec.dtype,
-        shape=stream.shape,
-        steps=stream.steps,
+        dtype=str(w0.dtype),
+        shape=tuple(w0.shape),
+        steps=steps,
         refresh_steps=refreshes,
         state_steps=state_steps,
         tolerance=tol,
-        stream={"name": stream.name, **stream.recipe()},
+        stream=dict(stream or {}),
         features=tuple(features),
         description=description,
-        file=f"{spec.name}.npz",
+        file=f"{name}.npz",
         sha256={"w0": array_sha256(w0), "grads": array_sha256(grads)},
         arrays=arrays,
+        conditioning=tuple(refresh_conditioning(cfg, grads[t - 1]) for t in refreshes),
     )
 
 

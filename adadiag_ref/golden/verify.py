@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import BaseConfig
+from ..replay import refresh_conditioning
 from .compare import ComparisonReport, compare
 from .format import GoldenCase, array_sha256, load_cases
 from .generator import STREAMS, make_stream, run_core, stack_states
@@ -57,7 +59,19 @@ def verify_case(case: GoldenCase) -> CaseResult:
     live = stack_states(states, stored) if stored == list(range(1, case.steps + 1)) else {}
     report = compare(params, case, states={k[len("state_") :]: v for k, v in live.items()})
     problems = _check_inputs(case) + (_check_sparse_states(case, states) if not live else [])
+    problems += _check_conditioning(case, cfg)
     return CaseResult(case.name, report, tuple(problems))
+
+
+def _check_conditioning(case: GoldenCase, cfg: BaseConfig) -> list[str]:
+    """Format 3: the stored ``kappa`` of every refresh is the live :func:`refresh_conditioning` (to 1%: it sets a
+    tolerance, and the singular values' rounding moves a ``kappa`` of a near-tie by far less)."""
+    problems = []
+    for t, stored in zip(case.refresh_steps, case.conditioning, strict=False):
+        live = refresh_conditioning(cfg, case.grads[t - 1])
+        if not np.isclose(stored, live, rtol=1e-2, atol=0.0):
+            problems.append(f"conditioning of the refresh at step {t}: stored {stored:.3g}, live {live:.3g}")
+    return problems
 
 
 def _check_sparse_states(case: GoldenCase, states: dict[int, dict[str, np.ndarray]]) -> list[str]:
