@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
-from array_api_compat import is_numpy_namespace
+from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, to_numpy
 from .config import BASIS_METHODS
@@ -440,9 +440,13 @@ def _gram_factors(lam: Array, vecs: Array, m: int, n: int, xp: Namespace) -> tup
     eigenvectors ``(c, m, m)`` of ``G_i G_i^T`` to the float32 thin factors ``U`` ``(c, m, k)`` and
     ``S = sqrt(max(lambda, 0))`` ``(c, k)``, descending (``k = min(m, n)``), on the device; the rows of ``S``
     are NaN where ``lambda`` or the eigenvectors hold NaN or Inf (:func:`_nan_unless`)."""
+    if TORCH_CPU_ON_NUMPY and _on_torch_cpu(vecs, xp):  # host memory: NumPy's kernels on the views
+        lam_view, vecs_view = to_numpy(lam), to_numpy(vecs)
+        U_host, S_host = _gram_factors(lam_view, vecs_view, m, n, namespace(vecs_view))
+        return _shared_tensor(U_host), _shared_tensor(S_host)
     k = min(m, n)
-    last_first = xp.arange(m - 1, m - 1 - k, -1, device=creation_device(vecs))
-    U = xp.astype(xp.take(vecs, last_first, axis=-1), xp.float32)
+    # the last k columns, last first: a cast and a flip (a copy each), 25x faster than a gather on torch CPU
+    U = xp.flip(xp.astype(vecs[..., m - k :], xp.float32), axis=-1)
     sigma = xp.sqrt(xp.clip(xp.flip(lam, axis=-1), min=0.0))
     finite = xp.all(xp.isfinite(lam), axis=-1) & xp.all(xp.isfinite(vecs), axis=(-2, -1))
     return U, _nan_unless(finite, xp.astype(sigma[..., :k], xp.float32), xp)
@@ -504,6 +508,8 @@ def _canonical_stack(
     :func:`_canonical_involved`: the same rules as :func:`canonicalize_svd` on NumPy, with only the columns of
     the clusters and of the completions on the host.  Entry ``i`` is ``None`` where ``S[i]`` holds NaN or Inf.
     """
+    if TORCH_CPU_ON_NUMPY and _on_torch_cpu(U, xp):
+        return _torch_cpu_on_numpy(U, S, Vh, shape, compute_p=compute_p, compute_q=compute_q, fast=fast)
     m, n = shape
     count, k = int(U.shape[0]), int(U.shape[-1])
     eps = float(xp.finfo(U.dtype).eps)
@@ -541,6 +547,44 @@ def _canonical_stack(
         for (i, _), result in zip(involved, done, strict=True):
             results[i] = result
     return results
+
+
+TORCH_CPU_ON_NUMPY = True
+"""Torch tensors in CPU memory take :func:`_canonical_stack` with NumPy's kernels on zero-copy views (the
+results shared back, nothing copied): the same operations and bases, but NumPy's single-threaded elementwise
+kernels, which on a loaded 2-core machine were 2-5x faster than torch's 2-thread ones for these passes (and
+1.2-2.6x slower with one torch thread; ``docs/performance.md``).  ``False`` runs torch's own operations (tests
+use it to exercise the device route on CPU)."""
+
+
+def _on_torch_cpu(U: Array, xp: Namespace) -> bool:
+    """A float32/float64 torch tensor in CPU memory (it has a zero-copy NumPy view)."""
+    return is_torch_namespace(xp) and U.device.type == "cpu" and U.dtype in (xp.float32, xp.float64)
+
+
+def _torch_cpu_on_numpy(
+    U: Array, S: Array, Vh: Array | None, shape: tuple[int, int], *, compute_p: bool, compute_q: bool, fast: bool
+) -> list[CanonicalSVD | None]:
+    """:func:`_canonical_stack` of CPU torch factors on their NumPy views; the bases back as torch tensors
+    sharing the NumPy results' memory (:data:`TORCH_CPU_ON_NUMPY`)."""
+
+    U_host, S_host = to_numpy(U), to_numpy(S)
+    Vh_host = None if Vh is None else to_numpy(Vh)
+    results = _canonical_stack(U_host, S_host, Vh_host, shape, compute_p=compute_p, compute_q=compute_q, fast=fast,
+                               xp=namespace(U_host))  # fmt: skip
+
+    def shared(a: Any) -> Any:
+        return None if a is None else _shared_tensor(a)
+
+    return [None if r is None else CanonicalSVD(shared(r.P), shared(r.S), shared(r.Q), r.rank) for r in results]
+
+
+def _shared_tensor(a: np.ndarray) -> Array:
+    """A CPU torch tensor sharing ``a``'s memory (a copy only where ``a`` has a negative stride, a flipped view,
+    which torch cannot share)."""
+    import torch
+
+    return torch.from_numpy(a if min(a.strides, default=0) >= 0 else a.copy())
 
 
 def _canonical_involved(

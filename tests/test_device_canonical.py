@@ -118,16 +118,19 @@ def test_a_cluster_brings_only_its_columns_to_the_host():
 KINDS = ["generic", "clustered", "rank_deficient", "near_tied", "tied_entries"]
 
 
-@pytest.mark.parametrize("backend", ["array_api_strict", "torch", "jax"])
+@pytest.mark.parametrize("backend", ["array_api_strict", "torch", "torch_ops", "jax"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize(("shape", "two_sided"), [((8, 12), False), ((8, 12), True), ((8, 8), True)])
-def test_device_bases_equal_numpy(backend, kind, dtype, shape, two_sided):
+def test_device_bases_equal_numpy(backend, kind, dtype, shape, two_sided, monkeypatch):
     """Each route (``svd``; ``gram`` for float32 one-sided) on the device against NumPy's bases: exact on
     ``array_api_strict``; on torch and JAX to 1e-12 (float64) and 1e-5 (float32), the spec's tolerances: two
     backward-stable decompositions of one matrix agree to a small multiple of ``eps / gap`` (gaps >= 0.1 here,
-    clusters and the null space exact), and the rules then remove every choice."""
-    xp = _load_backend(backend)
+    clusters and the null space exact), and the rules then remove every choice.  ``torch_ops``: CPU tensors
+    through torch's own operations (``linalg.TORCH_CPU_ON_NUMPY`` off), as on a CUDA device."""
+    if backend == "torch_ops":
+        monkeypatch.setattr(ar.linalg, "TORCH_CPU_ON_NUMPY", False)
+    xp = _load_backend("torch" if backend == "torch_ops" else backend)
     G = spectrum(kind, *shape, dtype, np.random.default_rng(34))
     exact = backend == "array_api_strict"
     tol = 1e-12 if dtype == np.float64 else 1e-5
