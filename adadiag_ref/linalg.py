@@ -33,6 +33,7 @@ differently on every backend, so an exact comparison would flip the choice.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -144,15 +145,18 @@ def sign_canonical(B: Array, rtol: float, *, xp: Namespace | None = None) -> Arr
     """Signs ``s_j`` in {+1, -1} making the largest-magnitude entry of column j positive.
 
     ``s_j = sign(B[i*, j])`` with ``i* = min{i : |B_ij| >= (1 - rtol) max_i |B_ij|}``.
-    Returns the vector of signs (``+1`` for an all-zero column).
+    Returns the vector of signs (``+1`` for an all-zero column); for a stack ``B`` of shape ``(..., d, r)``,
+    the signs of every matrix, shape ``(..., r)``.  Array-API operations only (a handful of launches on a
+    device, no host read), and the same operations whatever the backend, so the same signs bit for bit.
     """
     xp = namespace(B, xp=xp)
     mag = xp.abs(B)
-    colmax = xp.max(mag, axis=0)
-    near = xp.astype(mag >= colmax[None, :] * (1.0 - rtol), xp.int32)
-    first = xp.argmax(near, axis=0)
-    rows = xp.arange(B.shape[0], device=creation_device(B))
-    picked = xp.sum(xp.where(rows[:, None] == first[None, :], B, xp.zeros_like(B)), axis=0)
+    colmax = xp.max(mag, axis=-2)
+    near = xp.astype(mag >= xp.expand_dims(colmax, axis=-2) * (1.0 - rtol), xp.int32)
+    first = xp.argmax(near, axis=-2)
+    rows = xp.arange(B.shape[-2], device=creation_device(B))
+    hit = rows[:, None] == xp.expand_dims(first, axis=-2)
+    picked = xp.sum(xp.where(hit, B, xp.zeros_like(B)), axis=-2)
     return xp.where(picked < 0, -xp.ones_like(picked), xp.ones_like(picked))
 
 
@@ -299,24 +303,34 @@ def _clusters(S_host: np.ndarray, rank: int, tol: float) -> list[tuple[int, int]
     return bounds
 
 
+def _projector_source(m: int, k: int, a: int, b: int) -> tuple[np.ndarray, bool]:
+    """The columns of ``U`` (``m x k``) whose projector gives the cluster ``[a, b)`` (:func:`_fast_cluster_columns`):
+    ``(indices, True)`` for the cluster's own span, ``(indices, False)`` for the other columns of a square ``U``
+    when they are the narrower basis (the cluster is then their orthogonal complement)."""
+    if k == m and m - (b - a) < b - a:
+        return np.concatenate([np.arange(a), np.arange(b, k)]), False
+    return np.arange(a, b), True
+
+
 def _fast_cluster_columns(U: Array, a: int, b: int, rtol: float) -> np.ndarray | None:
     """A wide cluster's canonical columns ``U_c A`` by :func:`_projector_columns` (fast routes), or None.
 
     The cluster's subspace is ``span(U[:, a:b])``; when ``U`` is square (the Gram
     route's ``m x m`` eigenvectors) it is also the orthogonal complement of the
     other columns, the narrower basis for the trailing cluster of a decaying
-    spectrum (``m - (b - a)`` columns instead of ``b - a``).
+    spectrum (``m - (b - a)`` columns instead of ``b - a``): :func:`_projector_source`.
     """
     if type(U) is not np.ndarray or U.dtype not in (np.float32, np.float64):
         return None
     m, k = U.shape
-    width = b - a
-    if k == m and m - width < width:
-        others = np.concatenate([U[:, :a], U[:, b:]], axis=1)
-        columns = _projector_columns(None, others, m, width, rtol)
-    else:
-        columns = _projector_columns(U[:, a:b], None, m, width, rtol)
+    index, span = _projector_source(m, k, a, b)
+    columns = _cluster_projector_columns(U[:, a:b] if span else np.take(U, index, axis=1), span, m, b - a, rtol)
     return None if columns is None else columns.astype(U.dtype)
+
+
+def _cluster_projector_columns(source: np.ndarray, span: bool, m: int, width: int, rtol: float) -> np.ndarray | None:
+    """:func:`_projector_columns` of a cluster from the columns :func:`_projector_source` chose (host arrays)."""
+    return _projector_columns(source if span else None, None if span else source, m, width, rtol)
 
 
 def canonicalize_svd(
@@ -341,19 +355,23 @@ def canonicalize_svd(
     completion by the pivoted Cholesky factorisation of their projector
     (:func:`_projector_columns`), narrower clusters by an in-place Gram-Schmidt.
 
-    Factors of any other backend than NumPy (CuPy, torch, JAX, ``array_api_strict``) are canonicalised on a
-    host copy: the rules are sequential (a pivot per column, a decision per cluster), so on a device they
-    would cost a few device calls and a host read per column (about 75,000 calls for a 512 x 512 matrix with
-    a decaying spectrum); on the host they are NumPy (and numba) steps, and the result goes back in one copy
-    per factor (:func:`_on_backend`; CPU torch tensors without a copy).  The same rules, so the same bases to
-    rounding.
+    Factors of any other backend than NumPy (CuPy, torch, JAX, ``array_api_strict``) stay on their device
+    (:func:`_canonical_stack`): only ``S`` comes to the host, to decide the order, the rank and the clusters;
+    the order, the signs and the basis are array-API operations on the device; the sequential rules
+    (clusters, completion) run on the host on the columns involved only.  The same rules and the same
+    operations, so the same bases to rounding (bit for bit where the backend computes as NumPy does).
+    Device singular values holding NaN or Inf raise ``ValueError``.
     """
     xp = namespace(U, S, xp=xp)
     if not is_numpy_namespace(xp):
-        host_vh = None if Vh is None else to_numpy(Vh)
-        host = canonicalize_svd(to_numpy(U), to_numpy(S), host_vh, shape, compute_p=compute_p, compute_q=compute_q,
-                                fast=fast)  # fmt: skip
-        return _on_backend(host, U, xp)
+        if compute_q and Vh is None:
+            raise ValueError("Q was requested but no right singular vectors were given")
+        U1, S1 = xp.expand_dims(U, axis=0), xp.expand_dims(S, axis=0)
+        Vh1 = xp.expand_dims(Vh, axis=0) if compute_q and Vh is not None else None
+        (result,) = _canonical_stack(U1, S1, Vh1, shape, compute_p=compute_p, compute_q=compute_q, fast=fast, xp=xp)
+        if result is None:
+            raise ValueError("canonicalize_svd: the singular values contain NaN or Inf")
+        return result
     m, n = shape
     dtype_eps = float(xp.finfo(U.dtype).eps)
     rtol = dtype_eps**0.5  # tie tolerance, see the module docstring
@@ -460,26 +478,306 @@ def canonical_svd(
                             fast=fast_steps)  # fmt: skip
 
 
-def _on_torch_cpu(G: Array, xp: Namespace) -> bool:
-    """A float32/float64 torch tensor in CPU memory (its factors have NumPy views, no copy)."""
-    return is_torch_namespace(xp) and G.device.type == "cpu" and G.dtype in (xp.float32, xp.float64)
+# ----------------------------------------------------------------------------- the rules on a device
 
 
-def _on_backend(host: CanonicalSVD, like: Array, xp: Namespace) -> CanonicalSVD:
-    """A canonical SVD computed on the host, on ``like``'s backend and device: one copy per factor (CPU torch
-    tensors share the NumPy arrays' memory instead)."""
-    if _on_torch_cpu(like, xp):
-        import torch
+def _nan_unless(finite: Array, S: Array, xp: Namespace) -> Array:
+    """``S`` (a stack ``(c, k)``) with the rows of the matrices whose factors are not all finite set to NaN: the
+    factors' finiteness travels to the host with the singular values, in the same copy."""
+    return xp.where(xp.expand_dims(finite, axis=-1), S, xp.full_like(S, float("nan")))
 
-        convert: Callable[[np.ndarray], Array] = torch.from_numpy
-    else:
-        device = creation_device(like)
 
-        def convert(a: np.ndarray) -> Array:
-            return xp.asarray(a, device=device)
+def _gram_factors(lam: Array, vecs: Array, m: int, n: int, xp: Namespace) -> tuple[Array, Array]:
+    """:func:`_gram_canonical`'s map on a device stack: ``eigh``'s ascending ``lambda`` ``(c, m)`` and
+    eigenvectors ``(c, m, m)`` of ``G_i G_i^T`` to the float32 thin factors ``U`` ``(c, m, k)`` and
+    ``S = sqrt(max(lambda, 0))`` ``(c, k)``, descending (``k = min(m, n)``), on the device; the rows of ``S``
+    are NaN where ``lambda`` or the eigenvectors hold NaN or Inf (:func:`_nan_unless`)."""
+    if TORCH_CPU_ON_NUMPY and _on_torch_cpu(vecs, xp):  # host memory: NumPy's kernels on the views
+        lam_view, vecs_view = to_numpy(lam), to_numpy(vecs)
+        U_host, S_host = _gram_factors(lam_view, vecs_view, m, n, namespace(vecs_view))
+        return _shared_tensor(U_host), _shared_tensor(S_host)
+    k = min(m, n)
+    # the last k columns, last first: a cast and a flip (a copy each), 25x faster than a gather on torch CPU
+    U = xp.flip(xp.astype(vecs[..., m - k :], xp.float32), axis=-1)
+    sigma = xp.sqrt(xp.clip(xp.flip(lam, axis=-1), min=0.0))
+    finite = xp.all(xp.isfinite(lam), axis=-1) & xp.all(xp.isfinite(vecs), axis=(-2, -1))
+    return U, _nan_unless(finite, xp.astype(sigma[..., :k], xp.float32), xp)
 
-    P, S, Q = (None if a is None else convert(a) for a in (host.P, host.S, host.Q))
-    return CanonicalSVD(P, S, Q, host.rank)
+
+class _Rules(NamedTuple):
+    """What the host decides for one matrix from its singular values alone (rules 1-3)."""
+
+    order: np.ndarray | None  # the permutation to descending order; None when the factors are already in it
+    rank: int
+    clusters: list[tuple[int, int]]
+
+
+def _decide_rules(S_raw: np.ndarray, m: int, n: int, eps: float) -> _Rules | None:
+    """Rules 1-3 from host singular values (in the factors' dtype, any order), exactly as
+    :func:`canonicalize_svd` decides them on NumPy; ``None`` when they hold NaN or Inf."""
+    if not bool(np.all(np.isfinite(S_raw))):
+        return None
+    order = np.asarray(namespace(S_raw).argsort(S_raw, descending=True, stable=True))
+    S_host = np.take(S_raw, order).astype(np.float64)
+    tol = _tolerance(S_host, m, n, eps)
+    rank = int(np.sum(S_host > tol)) if S_host.size and S_host[0] > 0 else 0
+    identity = bool(np.array_equal(order, np.arange(order.size)))
+    return _Rules(None if identity else order, rank, _clusters(S_host, rank, tol))
+
+
+def _host_copies(arrays: list[Array], xp: Namespace) -> list[np.ndarray]:
+    """Writable host copies of device arrays of one dtype, in one transfer (one synchronisation on a GPU)."""
+    if not arrays:
+        return []
+    flat = xp.concat([xp.reshape(a, (-1,)) for a in arrays])
+    host = np.array(to_numpy(flat))  # a copy: the host rules may work in place
+    copies, start = [], 0
+    for a in arrays:
+        shape = tuple(int(d) for d in a.shape)
+        copies.append(host[start : start + math.prod(shape)].reshape(shape))
+        start += math.prod(shape)
+    return copies
+
+
+def _canonical_stack(
+    U: Array,
+    S: Array,
+    Vh: Array | None,
+    shape: tuple[int, int],
+    *,
+    compute_p: bool,
+    compute_q: bool,
+    fast: bool,
+    xp: Namespace,
+) -> list[CanonicalSVD | None]:
+    """The canonical rules on a stack of thin SVDs ``U (c, m, k), S (c, k), Vh (c, k, n)`` on their device.
+
+    Only ``S`` comes to the host (one copy for the stack): the order, the numerical rank and the clusters are
+    decided there (:func:`_decide_rules`).  A *plain* matrix (already in descending order, full rank, no
+    cluster, and no completion of a requested side: every generic matrix of a one-sided refresh in the work
+    frame or of a square one) is finished on the device, all plain matrices at once: the signs by
+    :func:`sign_canonical` on the stack, ``P = U diag(s)``, ``Q = V diag(s)``.  The others take
+    :func:`_canonical_involved`: the same rules as :func:`canonicalize_svd` on NumPy, with only the columns of
+    the clusters and of the completions on the host.  Entry ``i`` is ``None`` where ``S[i]`` holds NaN or Inf.
+    """
+    if TORCH_CPU_ON_NUMPY and _on_torch_cpu(U, xp):
+        return _torch_cpu_on_numpy(U, S, Vh, shape, compute_p=compute_p, compute_q=compute_q, fast=fast)
+    m, n = shape
+    count, k = int(U.shape[0]), int(U.shape[-1])
+    eps = float(xp.finfo(U.dtype).eps)
+    rtol = eps**0.5  # tie tolerance, see the module docstring
+    rules = [_decide_rules(s, m, n, eps) for s in to_numpy(S)]  # the one read-back of every refresh
+    results: list[CanonicalSVD | None] = [None] * count
+    plain = [
+        i
+        for i, r in enumerate(rules)
+        if r is not None
+        and r.order is None
+        and r.rank == k
+        and all(b - a == 1 for a, b in r.clusters)
+        and (not compute_p or k == m)
+        and (not compute_q or k == n)
+    ]
+    if plain:
+        index = None if len(plain) == count else xp.asarray(plain, device=creation_device(U))
+
+        def members(x: Array) -> Array:
+            return x if index is None else xp.take(x, index, axis=0)
+
+        U_plain = members(U)
+        signs = xp.expand_dims(sign_canonical(U_plain, rtol, xp=xp), axis=-2)
+        P = U_plain * signs if compute_p else None
+        Q = xp.matrix_transpose(members(Vh)) * signs if compute_q and Vh is not None else None
+        S_plain = members(S)
+        for j, i in enumerate(plain):
+            results[i] = CanonicalSVD(None if P is None else P[j, ...], S_plain[j, ...],
+                                      None if Q is None else Q[j, ...], k)  # fmt: skip
+    involved = [(i, r) for i, r in enumerate(rules) if r is not None and i not in set(plain)]
+    if involved:
+        factors = [(U[i, ...], S[i, ...], None if Vh is None else Vh[i, ...], r) for i, r in involved]
+        done = _canonical_involved(factors, shape, compute_p, compute_q, fast, rtol, xp)
+        for (i, _), result in zip(involved, done, strict=True):
+            results[i] = result
+    return results
+
+
+TORCH_CPU_ON_NUMPY = True
+"""Torch tensors in CPU memory take :func:`_canonical_stack` with NumPy's kernels on zero-copy views (the
+results shared back, nothing copied): the same operations and bases, but NumPy's single-threaded elementwise
+kernels, which on a loaded 2-core machine were 2-5x faster than torch's 2-thread ones for these passes (and
+1.2-2.6x slower with one torch thread; ``docs/performance.md``).  ``False`` runs torch's own operations (tests
+use it to exercise the device route on CPU)."""
+
+
+def _on_torch_cpu(U: Array, xp: Namespace) -> bool:
+    """A float32/float64 torch tensor in CPU memory (it has a zero-copy NumPy view)."""
+    return is_torch_namespace(xp) and U.device.type == "cpu" and U.dtype in (xp.float32, xp.float64)
+
+
+def _torch_cpu_on_numpy(
+    U: Array, S: Array, Vh: Array | None, shape: tuple[int, int], *, compute_p: bool, compute_q: bool, fast: bool
+) -> list[CanonicalSVD | None]:
+    """:func:`_canonical_stack` of CPU torch factors on their NumPy views; the bases back as torch tensors
+    sharing the NumPy results' memory (:data:`TORCH_CPU_ON_NUMPY`)."""
+
+    U_host, S_host = to_numpy(U), to_numpy(S)
+    Vh_host = None if Vh is None else to_numpy(Vh)
+    results = _canonical_stack(U_host, S_host, Vh_host, shape, compute_p=compute_p, compute_q=compute_q, fast=fast,
+                               xp=namespace(U_host))  # fmt: skip
+
+    def shared(a: Any) -> Any:
+        return None if a is None else _shared_tensor(a)
+
+    return [None if r is None else CanonicalSVD(shared(r.P), shared(r.S), shared(r.Q), r.rank) for r in results]
+
+
+def _shared_tensor(a: np.ndarray) -> Array:
+    """A CPU torch tensor sharing ``a``'s memory (a copy only where ``a`` has a negative stride, a flipped view,
+    which torch cannot share)."""
+    import torch
+
+    return torch.from_numpy(a if min(a.strides, default=0) >= 0 else a.copy())
+
+
+def _canonical_involved(
+    factors: list[tuple[Array, Array, Array | None, _Rules]],
+    shape: tuple[int, int],
+    compute_p: bool,
+    compute_q: bool,
+    fast: bool,
+    rtol: float,
+    xp: Namespace,
+) -> list[CanonicalSVD]:
+    """:func:`canonicalize_svd`'s steps on device factors that need a host rule (a cluster, a completion, an
+    order), each step the NumPy route's own operation on the same values: the permutation and every product on
+    the device; on the host, the cluster rules on the cluster's columns (:func:`_cluster_rules`) and the
+    completions on the rank's columns (:func:`_completions`), one copy each way per round for all matrices."""
+    m, n = shape
+    device = creation_device(factors[0][0])
+    ordered = []
+    for U, S, Vh, rules in factors:
+        if rules.order is not None:
+            order = xp.asarray(rules.order, device=device)
+            U, S = xp.take(U, order, axis=1), xp.take(S, order)
+            Vh = None if Vh is None else xp.take(Vh, order, axis=0)
+        ordered.append((U, S, Vh, rules))
+    wide = [(j, a, b) for j, (_, _, _, r) in enumerate(ordered) for a, b in r.clusters if b - a > 1]
+    cluster_rules = _cluster_rules([(ordered[j][0], a, b) for j, a, b in wide], fast, rtol, xp)
+    rank_parts = []
+    for j, (U, _, Vh, rules) in enumerate(ordered):
+        p_cols: list[Array] = []
+        q_cols: list[Array] = []
+        start = 0  # the first column of the current run of single values (copied as they are)
+        for (w, a, b), (columns, coeff) in zip(wide, cluster_rules, strict=True):
+            if w != j:
+                continue
+            if start < a:
+                p_cols.append(U[:, start:a])
+                q_cols += [xp.matrix_transpose(Vh[start:a, :])] if compute_q and Vh is not None else []
+            if columns is not None:  # G Q_c = P_c sigma needs the coefficients A = U_c^T P_c (U_c orthonormal)
+                columns = xp.asarray(columns, device=device)
+                coeff = xp.matrix_transpose(U[:, a:b]) @ columns if compute_q else None
+            else:
+                coeff = xp.asarray(coeff, device=device)
+                columns = U[:, a:b] @ coeff
+            p_cols.append(columns)
+            q_cols += [xp.matrix_transpose(Vh[a:b, :]) @ coeff] if compute_q and Vh is not None else []
+            start = b
+        if start < rules.rank:
+            p_cols.append(U[:, start : rules.rank])
+            q_cols += [xp.matrix_transpose(Vh[start : rules.rank, :])] if compute_q and Vh is not None else []
+        Pr = xp.concat(p_cols, axis=1) if p_cols else xp.zeros((m, 0), dtype=U.dtype, device=device)
+        signs = xp.expand_dims(sign_canonical(Pr, rtol, xp=xp), axis=0) if rules.rank else None
+        P_rank = Pr * signs if signs is not None else Pr
+        Q_rank = None
+        if compute_q:
+            Qr = xp.concat(q_cols, axis=1) if q_cols else xp.zeros((n, 0), dtype=U.dtype, device=device)
+            Q_rank = Qr * signs if signs is not None else Qr
+        null = U[:, rules.rank :] if fast and int(U.shape[1]) == m else None  # spans the completion: U is square
+        rank_parts.append((P_rank if compute_p else None, null, Q_rank))
+    completed = _completions(rank_parts, shape, fast, rtol, xp)
+    return [CanonicalSVD(P, S, Q, rules.rank) for (P, Q), (_, S, _, rules) in zip(completed, ordered, strict=True)]
+
+
+def _source_columns(U: Array, a: int, b: int, source: tuple[np.ndarray, bool] | None, xp: Namespace) -> Array:
+    """The device columns :func:`_cluster_rules` needs on the host for the cluster ``[a, b)``: the cluster's own
+    (``source`` None or a span), else the other columns :func:`_projector_source` chose."""
+    if source is None or source[1]:
+        return U[:, a:b]
+    return xp.take(U, xp.asarray(source[0], device=creation_device(U)), axis=1)
+
+
+def _cluster_rules(
+    clusters: list[tuple[Array, int, int]], fast: bool, rtol: float, xp: Namespace
+) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """Rule 3 on the host for the clusters ``U[:, a:b]`` of device factors: ``(columns, None)`` where the
+    projector's pivoted Cholesky gives the canonical columns (fast routes, wide clusters: from the columns
+    :func:`_projector_source` chooses, the narrower side), else ``(None, A)``, the pivoted Gram-Schmidt
+    coefficients over the cluster's rows, as :func:`canonicalize_svd` on NumPy.  The columns each needs come
+    to the host in one copy for all clusters (a second only for a projector that declined)."""
+    from . import _kernels
+
+    answers: list[tuple[np.ndarray | None, np.ndarray | None]] = [(None, None)] * len(clusters)
+    sources: list[tuple[np.ndarray, bool] | None] = []
+    for U, a, b in clusters:
+        m, k = (int(d) for d in U.shape)
+        projector = fast and _kernels.AVAILABLE and _cholesky_pays(b - a, m) and U.dtype in (xp.float32, xp.float64)
+        sources.append(_projector_source(m, k, a, b) if projector else None)
+    needed = [_source_columns(U, a, b, src, xp) for (U, a, b), src in zip(clusters, sources, strict=True)]
+    fetched = _host_copies(needed, xp)
+    spans: dict[int, np.ndarray] = {}
+    for c, ((U, a, b), src, host) in enumerate(zip(clusters, sources, fetched, strict=True)):
+        if src is not None:
+            columns = _cluster_projector_columns(host, src[1], int(U.shape[0]), b - a, rtol)
+            if columns is not None:
+                answers[c] = (columns.astype(host.dtype), None)
+                continue
+        if src is None or src[1]:
+            spans[c] = host
+    missing = [c for c, (columns, _) in enumerate(answers) if columns is None and c not in spans]
+    for c, host in zip(missing, _host_copies([clusters[c][0][:, clusters[c][1] : clusters[c][2]] for c in missing], xp),
+                       strict=True):  # fmt: skip
+        spans[c] = host
+    for c, host in spans.items():
+        hxp = namespace(host)
+        answers[c] = (None, _pivoted_gram_schmidt(hxp.matrix_transpose(host), host.shape[1], None, rtol, hxp, fast))
+    return answers
+
+
+def _completions(
+    parts: list[tuple[Array | None, Array | None, Array | None]],
+    shape: tuple[int, int],
+    fast: bool,
+    rtol: float,
+    xp: Namespace,
+) -> list[tuple[Array | None, Array | None]]:
+    """Rule 4 for device factors: ``(P, Q)`` from the rank's columns ``(P_rank, null, Q_rank)`` (``None`` where
+    a side is not requested), each completed by :func:`_complement` on the host where it has fewer columns
+    than rows; every completed side's columns (and ``null``, where the fast route uses it) come to the host
+    in one copy for all matrices, the completions go back."""
+    m, n = shape
+    wanted: list[Array] = []
+    for P_rank, null, Q_rank in parts:
+        if P_rank is not None and int(P_rank.shape[1]) < m:
+            from_null = null is not None and m - int(P_rank.shape[1]) <= int(P_rank.shape[1])
+            wanted += [P_rank] + ([null] if from_null else [])
+        if Q_rank is not None and int(Q_rank.shape[1]) < n:
+            wanted.append(Q_rank)
+    hosts = iter(_host_copies(wanted, xp))
+    out: list[tuple[Array | None, Array | None]] = []
+    for P_rank, null, Q_rank in parts:
+        sides: list[Array | None] = []
+        for B, size, use_null in ((P_rank, m, True), (Q_rank, n, False)):
+            if B is None or int(B.shape[1]) == size:
+                sides.append(B)
+                continue
+            r = int(B.shape[1])
+            B_host = next(hosts)
+            null_host = next(hosts) if use_null and null is not None and size - r <= r else None
+            C = _complement(B_host, null_host, size, rtol, namespace(B_host), fast)
+            sides.append(xp.concat([B, xp.asarray(C, device=creation_device(B))], axis=1))
+        out.append((sides[0], sides[1]))
+    return out
 
 
 # ----------------------------------------------------------------------------- failures and the retry ladder
@@ -656,8 +954,8 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
 
     Returns ``None`` (the caller takes the SVD) when the backend cannot form a
     float64 Gram matrix or ``eigh`` fails or returns NaN/Inf.  The Gram matrix and
-    ``eigh`` run on ``G``'s backend; the eigenvectors are then copied to the host
-    once, and the ordering and the canonical rules run there (:func:`canonicalize_svd`).
+    ``eigh`` run on ``G``'s backend; on a device the eigenvectors stay there
+    (:func:`_gram_factors`, :func:`_canonical_stack`: only the ``m`` singular values come to the host).
     """
     G64 = xp.astype(G, xp.float64)
     if G64.dtype != xp.float64:  # pragma: no cover - a backend without float64 (JAX with x64 off)
@@ -667,13 +965,17 @@ def _gram_route(G: Array, m: int, n: int, compute_p: bool, *, xp: Namespace) -> 
         lam, vecs = xp.linalg.eigh(gram)
     except np.linalg.LinAlgError:
         return None  # the SVD ladder decides
-    host = _gram_canonical(to_numpy(lam), to_numpy(vecs), m, n, compute_p)  # NumPy: the same arrays
-    return None if host is None else _on_backend(host, G, xp)
+    if is_numpy_namespace(xp):
+        return _gram_canonical(lam, vecs, m, n, compute_p)
+    U, S = _gram_factors(xp.expand_dims(lam, axis=0), xp.expand_dims(vecs, axis=0), m, n, xp)
+    (result,) = _canonical_stack(U, S, None, (m, n), compute_p=compute_p, compute_q=False, fast=True, xp=xp)
+    return result
 
 
 def _gram_canonical(lam: np.ndarray, vecs: np.ndarray, m: int, n: int, compute_p: bool) -> CanonicalSVD | None:
-    """The host half of :func:`_gram_route`: ``eigh``'s ascending ``lambda, V`` of ``G G^T`` to the canonical
-    float32 ``P`` (``sigma = sqrt(max(lambda, 0))``, descending); ``None`` when they hold NaN or Inf."""
+    """:func:`_gram_route` on NumPy: ``eigh``'s ascending ``lambda, V`` of ``G G^T`` to the canonical
+    float32 ``P`` (``sigma = sqrt(max(lambda, 0))``, descending); ``None`` when they hold NaN or Inf.
+    :func:`_gram_factors` is the same map on a device stack."""
     if not (bool(np.all(np.isfinite(lam))) and bool(np.all(np.isfinite(vecs)))):
         return None
     sigma = np.sqrt(np.clip(lam[::-1].copy(), 0.0, None))
@@ -701,11 +1003,13 @@ def canonical_svd_batch(
     the decomposition libraries take stacks (cuSOLVER's batched ``syevj``/``gesvdj``, ``torch.linalg.eigh``):
     here the matrices are stacked once, their finiteness is read back once, the route's decomposition runs
     once over the stack (``eigh`` of the float64 Gram stack ``G_i G_i^T`` where :func:`gram_route_applies`,
-    else the thin ``svd``), its factors come to the host in one copy per factor, the canonical rules run on
-    each matrix there (:func:`canonicalize_svd`, as for one matrix), and the bases go back in one copy per
-    factor; entry ``i`` of the result holds views into those stacked copies.  The same rules on the same kind
-    of factors, so the same bases as :func:`canonical_svd` of each matrix to rounding (bit for bit where the
-    backend's stacked decomposition computes each matrix as its single one does, as NumPy's does).
+    else the thin ``svd``), and the canonical rules run on the stack on the device (:func:`_canonical_stack`):
+    the singular values come to the host in one copy (with the factors' finiteness), the signs and the bases
+    of every plain matrix are computed at once on the device (entry ``i`` of the result holds views into
+    those stacks), and the host rules run only on the columns of the clusters and completions, one copy
+    each way per round for the whole stack.  The same rules on the same kind of factors, so the same bases
+    as :func:`canonical_svd` of each matrix to rounding (bit for bit where the backend's stacked
+    decomposition computes each matrix as its single one does, as NumPy's does).
 
     Entry ``i`` is ``None`` where the batch does not decide and :func:`canonical_svd` of matrix ``i`` must run
     (which then raises or falls back with its messages): the matrix holds NaN or Inf, or the stacked
@@ -733,9 +1037,7 @@ def canonical_svd_batch(
         stack = xp.stack([matrices[i] for i in members]) if members else None
     if stack is None:
         return undecided
-    hosts = _decide_stack(stack, m, n, compute_p, compute_q, method, xp)
-    decided = [(i, host) for i, host in zip(members, hosts, strict=True) if host is not None]
-    for i, result in zip((i for i, _ in decided), _stack_on_backend([h for _, h in decided], stack, xp), strict=True):
+    for i, result in zip(members, _decide_stack(stack, m, n, compute_p, compute_q, method, xp), strict=True):
         undecided[i] = result
     return undecided
 
@@ -743,9 +1045,9 @@ def canonical_svd_batch(
 def _decide_stack(
     stack: Array, m: int, n: int, compute_p: bool, compute_q: bool, method: str, xp: Namespace
 ) -> list[CanonicalSVD | None]:
-    """The canonical SVD of every matrix of a finite stack, computed on the host from one stacked decomposition
-    of the stack's backend (``None`` for the whole stack when the decomposition raised, for one matrix when its
-    factors hold NaN or Inf)."""
+    """The canonical SVD of every matrix of a finite device stack from one stacked decomposition of its backend,
+    canonicalised on the device (:func:`_canonical_stack`); ``None`` for the whole stack when the decomposition
+    raised, for one matrix when its factors hold NaN or Inf."""
     count = int(stack.shape[0])
     if gram_route_applies(stack[0, ...], method, compute_q=compute_q, xp=xp):
         G64 = xp.astype(stack, xp.float64)
@@ -754,44 +1056,14 @@ def _decide_stack(
                 lam, vecs = xp.linalg.eigh(G64 @ xp.matrix_transpose(G64))
             except (np.linalg.LinAlgError, RuntimeError, ValueError):
                 return [None] * count
-            lam_host, vecs_host = to_numpy(lam), to_numpy(vecs)
-            return [_gram_canonical(lam_host[i], vecs_host[i], m, n, compute_p) for i in range(count)]
+            U, S = _gram_factors(lam, vecs, m, n, xp)
+            return _canonical_stack(U, S, None, (m, n), compute_p=compute_p, compute_q=False, fast=True, xp=xp)
     try:
         U, S, Vh = xp.linalg.svd(stack, full_matrices=False)
     except (np.linalg.LinAlgError, RuntimeError, ValueError):
         return [None] * count
-    U_host, S_host = to_numpy(U), to_numpy(S)
-    Vh_host = to_numpy(Vh) if compute_q else None
-    results: list[CanonicalSVD | None] = []
-    for i in range(count):
-        factors = [U_host[i], S_host[i]] + ([] if Vh_host is None else [Vh_host[i]])
-        if not all(bool(np.all(np.isfinite(f))) for f in factors):
-            results.append(None)  # the single matrix's ladder decides
-            continue
-        results.append(canonicalize_svd(U_host[i], S_host[i], None if Vh_host is None else Vh_host[i], (m, n),
-                                        compute_p=compute_p, compute_q=compute_q, fast=method != "svd"))  # fmt: skip
-    return results
-
-
-def _stack_on_backend(hosts: list[CanonicalSVD], like: Array, xp: Namespace) -> list[CanonicalSVD]:
-    """Host canonical SVDs of one shape on ``like``'s backend: each factor stacked and copied in one transfer
-    (:func:`_on_backend`), entry ``i`` views of the stacked copies."""
-    if not hosts:
-        return []
-    first = hosts[0]
-    stacked = CanonicalSVD(
-        P=None if first.P is None else np.stack([h.P for h in hosts if h.P is not None]),
-        S=np.stack([h.S for h in hosts]),
-        Q=None if first.Q is None else np.stack([h.Q for h in hosts if h.Q is not None]),
-        rank=0,
-    )
-    on_device = _on_backend(stacked, like, xp)
-    return [
-        CanonicalSVD(
-            P=None if on_device.P is None else on_device.P[i, ...],
-            S=on_device.S[i, ...],
-            Q=None if on_device.Q is None else on_device.Q[i, ...],
-            rank=h.rank,
-        )
-        for i, h in enumerate(hosts)
-    ]
+    finite = xp.all(xp.isfinite(U), axis=(-2, -1)) & xp.all(xp.isfinite(S), axis=-1)
+    if compute_q:
+        finite = finite & xp.all(xp.isfinite(Vh), axis=(-2, -1))
+    return _canonical_stack(U, _nan_unless(finite, S, xp), Vh if compute_q else None, (m, n), compute_p=compute_p,
+                            compute_q=compute_q, fast=method != "svd", xp=xp)  # fmt: skip

@@ -182,8 +182,9 @@ def test_refresh_device_traffic_is_bounded_and_flat(name, method):
     assert big.namespace_calls < 1.5 * max(small.namespace_calls, 1)
 
 
-def test_canonicalize_svd_of_device_factors_runs_on_the_host():
-    """Public ``canonicalize_svd`` on device factors: a bounded number of calls, the NumPy result."""
+def test_canonicalize_svd_of_device_factors_stays_on_the_device():
+    """Public ``canonicalize_svd`` on device factors: only ``S`` comes to the host, a bounded number of calls,
+    the NumPy result."""
     from adadiag_ref.linalg import canonicalize_svd
 
     rng = np.random.default_rng(6)
@@ -195,7 +196,9 @@ def test_canonicalize_svd_of_device_factors_runs_on_the_host():
     np.testing.assert_array_equal(host(out.P), ref.P)
     np.testing.assert_array_equal(host(out.Q), ref.Q)
     assert out.rank == ref.rank
-    assert traffic.namespace_calls <= 10 and traffic.host_conversions <= 3
+    # the 128 singular values (no cluster at this size: the gaps 1/i^2 exceed 128 eps32) are the only read-back
+    assert traffic.host_conversions == 1 and traffic.bytes_to_host == 128 * 4, traffic
+    assert traffic.namespace_calls <= 40, dict(traffic.calls)
 
 
 # ----------------------------------------------------------------------------- many parameters
@@ -334,8 +337,9 @@ def test_refresh_bases_equals_refresh_basis(name, dtype, method):
 
 @pytest.mark.parametrize("method", ["svd", "auto"])
 def test_refresh_bases_reads_back_once_per_group(method):
-    """Three host conversions per group (the finiteness verdict and the factors), whatever its size; one refresh
-    at a time converts per matrix."""
+    """Two host conversions per group (the finiteness verdict, and the singular values with the factors'
+    finiteness: the canonical rules stay on the device), whatever its size; one refresh at a time converts per
+    matrix."""
     rng = np.random.default_rng(12)
     cfg = ar.make_config("adadiag", basis_method=method)
 
@@ -350,8 +354,8 @@ def test_refresh_bases_reads_back_once_per_group(method):
                     ar.refresh_basis(s, g, cfg)
         return traffic.host_conversions
 
-    assert conversions(2, True) == conversions(16, True) == 3
-    assert conversions(16, False) >= 16 * 3
+    assert conversions(2, True) == conversions(16, True) == 2
+    assert conversions(16, False) >= 16 * 2
 
 
 def test_multi_step_refresh_reads_back_per_group_not_per_parameter():
@@ -365,7 +369,8 @@ def test_multi_step_refresh_reads_back_per_group_not_per_parameter():
             ar.multi_step(states, _gradients(rng, [(6, 10)] * n, np.float32), cfg, ws, count=0, check=False)
         return traffic.host_conversions
 
-    assert conversions(2) == conversions(12) == 4  # the verdict, U, S and Vh of the one stacked SVD
+    # the verdict, S of the one stacked SVD, and the rank's columns of every Q to complete (6 x 10: 4 columns)
+    assert conversions(2) == conversions(12) == 3
 
 
 def test_refresh_bases_keeps_the_failure_policy_of_refresh_basis():

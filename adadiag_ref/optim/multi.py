@@ -9,8 +9,8 @@ backend needs, where each call on an array is a kernel launch and each value rea
 * **a host counter** (``count``): the refresh schedule and the coefficients of the step never read a device
   counter (with ``count=None`` each state's counter is read once);
 * **the refreshes due at the step batched** (:func:`refresh_bases`): the gradients of one work shape and dtype
-  are decomposed by one stacked call of the backend's ``svd`` (or ``eigh`` of their Gram stack), whose factors
-  come to the host once for the canonical rules and go back in one copy;
+  are decomposed by one stacked call of the backend's ``svd`` (or ``eigh`` of their Gram stack); only the
+  singular values come to the host (rank and clusters), the factors stay on the device (docs/spec.md, section 4);
 * **launches that do not grow with the number of parameters**: for a family whose moment rule is entrywise
   (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, the Adam family), the parameters sharing a
   dtype form one flat group: the rotated gradients ``G~``, the moments, ``W`` and the directions are
@@ -211,7 +211,7 @@ def refresh_bases(
 
     The gradients are grouped by work shape, dtype and sides, and each group of two or more is decomposed by
     :func:`~adadiag_ref.linalg.canonical_svd_batch`: one stacked decomposition on a device backend (cuSOLVER
-    and ``torch.linalg`` take stacks), one host copy of its factors for the canonical rules, one copy back.
+    and ``torch.linalg`` take stacks), one host read of its singular values, the bases formed on the device.
     Every parameter the batch does not decide (NumPy, a group of one, a non-finite gradient, a failed
     stacked decomposition) takes :func:`~adadiag_ref.refresh_basis`, so the failure policy (``on_nonfinite``,
     ``on_failure``, the warnings and the kept bases) and the messages are exactly its.  The bases are those of

@@ -7,7 +7,8 @@ can be counted without a GPU: ``array_api_strict`` arrays stand in for device ar
 counts the calls made on them.
 
 * **host conversions**: ``Array.__bool__``, ``__int__``, ``__float__``, ``__index__``, ``__complex__``,
-  ``__array__``, ``__buffer__`` and ``__dlpack__`` (how :func:`~adadiag_ref._xp.to_numpy` copies);
+  ``__array__``, ``__buffer__`` and ``__dlpack__`` (how :func:`~adadiag_ref._xp.to_numpy` copies), and the
+  **bytes** they move device->host (the whole array converted: ``size * itemsize``);
 * **namespace calls**: every call of a public function of ``array_api_strict`` or ``array_api_strict.linalg``
   made from outside them, plus every operator and indexing call on an array (``+``, ``@``, ``x[...]``, ...).
 
@@ -54,6 +55,8 @@ class Traffic:
 
     conversions: Counter[str] = field(default_factory=Counter)
     calls: Counter[str] = field(default_factory=Counter)
+    bytes_to_host: int = 0
+    """Bytes the host conversions moved device->host: each converted array's ``size * itemsize``."""
 
     @property
     def host_conversions(self) -> int:
@@ -66,14 +69,22 @@ class Traffic:
         return sum(self.calls.values())
 
 
-def _counting(method: Callable[..., Any], key: str, counter: Counter[str], depth: list[int]) -> Callable[..., Any]:
+def _counting(
+    method: Callable[..., Any],
+    key: str,
+    counter: Counter[str],
+    depth: list[int],
+    on_count: Callable[[Any], None] | None = None,
+) -> Callable[..., Any]:
     """``method`` counting its outermost calls under ``key`` (a call made while another counted call runs is the
-    backend's own business, not the caller's)."""
+    backend's own business, not the caller's); ``on_count(self)`` is told of each counted call."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if depth[0] == 0:
             counter[key] += 1
+            if on_count is not None:
+                on_count(args[0])
         depth[0] += 1
         try:
             return method(*args, **kwargs)
@@ -91,7 +102,7 @@ def count_traffic() -> Iterator[Traffic]:
 
         with count_traffic() as traffic:
             ar.step(state, grad, cfg, param, count=k, check=False)
-        traffic.host_conversions, traffic.namespace_calls
+        traffic.host_conversions, traffic.namespace_calls, traffic.bytes_to_host
 
     Not thread-safe (it patches the module and the array class for the block's duration).
     """
@@ -100,6 +111,10 @@ def count_traffic() -> Iterator[Traffic]:
 
     traffic = Traffic()
     depth = [0]
+
+    def moved(array: Any) -> None:
+        traffic.bytes_to_host += int(array.size) * array.dtype._np_dtype.itemsize
+
     patches: list[tuple[Any, str, Any]] = []
     for module, prefix in ((array_api_strict, ""), (array_api_strict.linalg, "linalg.")):
         for name in dir(module):
@@ -113,7 +128,8 @@ def count_traffic() -> Iterator[Traffic]:
             patches.append((array_type, name, _counting(getattr(array_type, name), name, traffic.calls, depth)))
     for name in HOST_CONVERSIONS:
         if name in array_type.__dict__:
-            patches.append((array_type, name, _counting(getattr(array_type, name), name, traffic.conversions, depth)))
+            wrapped = _counting(getattr(array_type, name), name, traffic.conversions, depth, moved)
+            patches.append((array_type, name, wrapped))
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
         for owner, name, wrapped in patches:
