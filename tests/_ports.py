@@ -22,16 +22,30 @@ class PortAdaDiag(torch.optim.Optimizer):
     bias_offset = 0  # the step whose beta-hat is used, relative to t
     store_transposed = False  # keep P^T in the state (and read it back transposed)
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, update_freq=200, **_):  # type: ignore[no-untyped-def]
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "T": update_freq})
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        update_freq=200,
+        bias_correction=True,
+        max_basis_dim=8192,
+        **_,
+    ):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "T": update_freq}
+        super().__init__(params, {**defaults, "bias_correction": bias_correction, "max_basis_dim": max_basis_dim})
 
     @staticmethod
     def _frame(p: torch.Tensor) -> tuple[bool, int, int]:
         a, b = (p.shape[0], math.prod(p.shape[1:])) if p.dim() >= 2 else (1, p.numel())
         return a > b, min(a, b), max(a, b)
 
-    def _beta_hat(self, beta: float, t: int) -> float:
+    def _beta_hat(self, beta: float, t: int, corrected: bool = True) -> float:
         s = t + self.bias_offset
+        if not corrected:
+            return beta
         return 0.0 if beta == 0 else beta * (1 - beta ** (s - 1)) / (1 - beta**s)
 
     def check(self, p: torch.Tensor, t: int) -> None:
@@ -50,16 +64,18 @@ class PortAdaDiag(torch.optim.Optimizer):
                 W = p.reshape(n, m).T if tall else p.reshape(m, n)
                 if t == 1:
                     state["M"], state["V"] = torch.zeros_like(G), torch.zeros_like(G)
-                refresh = t == 1 or (T is not None and (t - 1) % T == 0)
+                rotated = m <= group["max_basis_dim"]  # a side longer than max_basis_dim is not rotated
+                refresh = rotated and (t == 1 or (T is not None and (t - 1) % T == 0))
                 if refresh:
                     P = torch.from_numpy(ar.canonical_svd(G.numpy(), compute_q=False).P.copy()) * self.sign
                     state["P"] = P.T.clone() if self.store_transposed else P
-                P = state["P"].T if self.store_transposed else state["P"]
+                P = (state["P"].T if self.store_transposed else state["P"]) if rotated else torch.eye(m, dtype=G.dtype)
                 Gt = P.T @ G
                 if refresh:  # the refresh-step noise floor of docs/spec.md
                     floor = max(m, n) * torch.finfo(G.dtype).eps * G.norm()
                     Gt = torch.where(Gt.abs() <= floor, torch.zeros_like(Gt), Gt)
-                h1, h2 = self._beta_hat(b1, t), self._beta_hat(b2, t)
+                corrected = group["bias_correction"]
+                h1, h2 = self._beta_hat(b1, t, corrected), self._beta_hat(b2, t, corrected)
                 state["M"] = h1 * state["M"] + (1 - h1) * Gt
                 state["V"] = h2 * state["V"] + (1 - h2) * Gt * Gt
                 D = P @ (state["M"] / (state["V"].sqrt() + group["eps"]))
