@@ -294,7 +294,7 @@ class SpecPort:
         Q = np.eye(self.n, dtype=G.dtype) if self.Q is None else self.Q
         Gt = P.T @ G @ Q
         if refreshed and bug != "no_refresh_step_rule":
-            Gt = refresh_step_rule(Gt, G, self.Q is not None and bug != "rotation_wrong_side")
+            Gt = refresh_step_rule(Gt, G, self.right)
         family = self.cfg.family
         U = self._adam(Gt, t) if family == "adam" else self._adafactor(Gt, t) if family == "adafactor" else None
         U = self._hfac(Gt, t) if U is None else U
