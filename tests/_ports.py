@@ -42,9 +42,9 @@ class PortAdaDiag(torch.optim.Optimizer):
         a, b = (p.shape[0], math.prod(p.shape[1:])) if p.dim() >= 2 else (1, p.numel())
         return a > b, min(a, b), max(a, b)
 
-    def _beta_hat(self, beta: float, t: int, corrected: bool = True) -> float:
+    def _beta_hat(self, beta: float, t: int) -> float:
         s = t + self.bias_offset
-        if not corrected:
+        if not self.defaults["bias_correction"]:  # the raw betas
             return beta
         return 0.0 if beta == 0 else beta * (1 - beta ** (s - 1)) / (1 - beta**s)
 
@@ -74,8 +74,7 @@ class PortAdaDiag(torch.optim.Optimizer):
                 if refresh:  # the refresh-step noise floor of docs/spec.md
                     floor = max(m, n) * torch.finfo(G.dtype).eps * G.norm()
                     Gt = torch.where(Gt.abs() <= floor, torch.zeros_like(Gt), Gt)
-                corrected = group["bias_correction"]
-                h1, h2 = self._beta_hat(b1, t, corrected), self._beta_hat(b2, t, corrected)
+                h1, h2 = self._beta_hat(b1, t), self._beta_hat(b2, t)
                 state["M"] = h1 * state["M"] + (1 - h1) * Gt
                 state["V"] = h2 * state["V"] + (1 - h2) * Gt * Gt
                 D = P @ (state["M"] / (state["V"].sqrt() + group["eps"]))

@@ -58,9 +58,9 @@ def complete(B, size, rtol):  # type: ignore[no-untyped-def]
 def canonical_bases(G, need_q):  # type: ignore[no-untyped-def]
     m, n = G.shape
     eps = torch.finfo(G.dtype).eps
-    rtol = eps**0.5  # ties (residual norms, magnitudes) up to sqrt(eps): docs/spec.md rule 6
+    rtol = eps**0.5  # spec rule 6: ties (pivots, signs) up to sqrt(eps)
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
-    tol = max(m, n) * eps * float(S[0])  # rank and clusters: rule 2
+    tol = max(m, n) * eps * float(S[0])  # spec rules 2 and 3: rank and clusters
     rank = int((S > tol).sum()) if float(S[0]) > 0 else 0
     p_cols, q_cols, start = [], [], 0
     for i in range(1, rank + 1):
@@ -96,9 +96,9 @@ class TorchAdaDiag:
         self.bias_correction = config.get("bias_correction", True)
         a, b = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
         self.transposed, self.matrix = a > b, len(shape) >= 2
-        self.m, self.n = min(a, b), max(a, b)
         limit = config.get("max_basis_dim", 8192)  # a side longer than this is not rotated
-        self.sides = 0 if self.m > limit else min(self.sides, 1) if self.n > limit else self.sides
+        self.sides = 0 if min(a, b) > limit else min(self.sides, 1) if max(a, b) > limit else self.sides
+        self.m, self.n = min(a, b), max(a, b)
         self.t, self.M, self.V, self.P, self.Q = 0, None, None, None, None
 
     def _work(self, x):  # type: ignore[no-untyped-def]
@@ -120,10 +120,10 @@ class TorchAdaDiag:
         if refresh:  # spec: rounding-noise entries of G~ on a refresh step are exact zeros
             tol = max(self.m, self.n) * torch.finfo(G.dtype).eps * G.norm()
             Gt = torch.where(Gt.abs() <= tol, torch.zeros_like(Gt), Gt)
-        b1, b2 = self.b1, self.b2
-        if self.bias_correction:
-            b1 = b1 * (1 - b1 ** (t - 1)) / (1 - b1**t) if b1 > 0 else 0.0
-            b2 = b2 * (1 - b2 ** (t - 1)) / (1 - b2**t)
+        b1 = self.b1 * (1 - self.b1 ** (t - 1)) / (1 - self.b1**t)
+        b2 = self.b2 * (1 - self.b2 ** (t - 1)) / (1 - self.b2**t)
+        if not self.bias_correction:  # the raw betas
+            b1, b2 = self.b1, self.b2
         self.M = b1 * self.M + (1 - b1) * Gt
         self.V = b2 * self.V + (1 - b2) * Gt * Gt
         D = self.M / (self.V.sqrt() + self.eps)
