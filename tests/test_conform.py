@@ -125,13 +125,21 @@ def test_flipped_sign_convention_is_caught_in_the_state_at_step_1() -> None:
         assert np.all(report.tolerance_ratio <= 1.0)  # the parameters agree: only the state shows the bug
 
 
+def _first_nonzero_gradient_step(case) -> int:  # type: ignore[no-untyped-def]
+    """The first ``t`` (1-based) whose gradient has a nonzero entry."""
+    return 1 + next(k for k, g in enumerate(case.grads) if np.any(g != 0))
+
+
 def test_off_by_one_bias_correction_is_named() -> None:
     result = run_port("OffByOneBiasAdaDiag")
     assert {r.case for r in result.failed} == {c.name for c in CORRECTED}  # bias_correction=False: no beta-hat
+    first_signal = {case.name: _first_nonzero_gradient_step(case) for case in ADADIAG}
     for report in result.failed:
         mismatch = report.first_mismatch
-        # both moments carry the bug; V is checked first (Adafactor's M is computed from it)
-        assert mismatch is not None and (mismatch.step, mismatch.field) == (1, "V"), str(report)
+        # both moments carry the bug; V is checked first (Adafactor's M is computed from it); a zero gradient
+        # (the degenerate stream's t = 1) leaves zero moments whatever the bias correction, so it shows next step
+        expected = (first_signal[report.case], "V")
+        assert mismatch is not None and (mismatch.step, mismatch.field) == expected, str(report)
         assert report.likely_cause is not None
         assert report.likely_cause.startswith("off by one step in the bias correction"), str(report)
 
@@ -151,9 +159,14 @@ def test_p_stored_transposed_is_named() -> None:
     result = run_port("TransposedPAdaDiag")
     vector = {c.name for c in ADADIAG if len(c.shape) == 1}  # P is 1 x 1 there: its transpose is itself
     assert {r.case for r in result.failed} == {c.name for c in ROTATED} - vector
+    cases = {c.name: c for c in ADADIAG}
     for report in result.failed:
         mismatch = report.first_mismatch
-        assert mismatch is not None and (mismatch.step, mismatch.field) == (1, "P"), str(report)
+        # a symmetric P (the identity of a zero gradient's refresh: the degenerate stream's t = 1) is its own
+        # transpose, so the bug shows at the first step whose P is not symmetric
+        case = cases[report.case]
+        expected = next(t for t in range(1, case.steps + 1) if not np.array_equal(P := case.state(t)["P"], P.T))
+        assert mismatch is not None and (mismatch.step, mismatch.field) == (expected, "P"), str(report)
         assert report.patterns and report.patterns[0].startswith("P is transposed"), str(report)
 
 
