@@ -23,8 +23,20 @@ class PortAdaDiag(torch.optim.Optimizer):
     bias_offset = 0  # the step whose beta-hat is used, relative to t
     store_transposed = False  # keep P^T in the state (and read it back transposed)
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, update_freq=200, **_):  # type: ignore[no-untyped-def]
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "T": update_freq})
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        update_freq=200,
+        bias_correction=True,
+        max_basis_dim=8192,
+        **_,
+    ):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "T": update_freq}
+        super().__init__(params, {**defaults, "bias_correction": bias_correction, "max_basis_dim": max_basis_dim})
 
     @staticmethod
     def _frame(p: torch.Tensor) -> tuple[bool, int, int]:
@@ -33,6 +45,8 @@ class PortAdaDiag(torch.optim.Optimizer):
 
     def _beta_hat(self, beta: float, t: int) -> float:
         s = t + self.bias_offset
+        if not self.defaults["bias_correction"]:  # the raw betas
+            return beta
         return 0.0 if beta == 0 else beta * (1 - beta ** (s - 1)) / (1 - beta**s)
 
     def check(self, p: torch.Tensor, t: int) -> None:
@@ -51,11 +65,12 @@ class PortAdaDiag(torch.optim.Optimizer):
                 W = p.reshape(n, m).T if tall else p.reshape(m, n)
                 if t == 1:
                     state["M"], state["V"] = torch.zeros_like(G), torch.zeros_like(G)
-                refresh = t == 1 or (T is not None and (t - 1) % T == 0)
+                rotated = m <= group["max_basis_dim"]  # a side longer than max_basis_dim is not rotated
+                refresh = rotated and (t == 1 or (T is not None and (t - 1) % T == 0))
                 if refresh:
                     P = torch.from_numpy(ar.canonical_svd(G.numpy(), compute_q=False).P.copy()) * self.sign
                     state["P"] = P.T.clone() if self.store_transposed else P
-                P = state["P"].T if self.store_transposed else state["P"]
+                P = (state["P"].T if self.store_transposed else state["P"]) if rotated else torch.eye(m, dtype=G.dtype)
                 Gt = P.T @ G
                 if refresh:  # the refresh-step structure of docs/spec.md section 5: rows beyond the rank are zero
                     sizes = (Gt / Gt.abs().max().clamp_min(torch.finfo(G.dtype).tiny)).norm(dim=1)

@@ -27,7 +27,7 @@ from adadiag_ref.testing import compare
 
 DATA = default_data_dir()
 CASES = load_cases()
-SIZE_BUDGET = 1_000_000  # bytes; the issue allows "well under 5 MB"
+SIZE_BUDGET = 2_500_000  # bytes; the issue allows "well under 5 MB" (161 cases: 1.6 MB)
 
 
 def test_manifest_header() -> None:

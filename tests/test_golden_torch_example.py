@@ -88,11 +88,16 @@ def canonical_bases(G, need_q):  # type: ignore[no-untyped-def]
 class TorchAdaDiag:
     """W <- W - lr (P (M / (sqrt(V) + eps)) Q^T + wd W) with beta-hat EMAs of G~ = P^T G Q."""
 
-    def __init__(self, optimizer: str, shape: tuple[int, ...], lr: float, betas, eps, weight_decay, update_freq, **_):  # type: ignore[no-untyped-def]
+    def __init__(  # type: ignore[no-untyped-def]
+        self, optimizer: str, shape: tuple[int, ...], lr: float, betas, eps, weight_decay, update_freq, **config
+    ):
         self.sides, self.shape = SIDES[optimizer], shape
         self.lr, (self.b1, self.b2), self.eps, self.wd, self.T = lr, betas, eps, weight_decay, update_freq
+        self.bias_correction = config.get("bias_correction", True)
         a, b = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
         self.transposed, self.matrix = a > b, len(shape) >= 2
+        limit = config.get("max_basis_dim", 8192)  # a side longer than this is not rotated
+        self.sides = 0 if min(a, b) > limit else min(self.sides, 1) if max(a, b) > limit else self.sides
         self.m, self.n = min(a, b), max(a, b)
         self.t, self.M, self.V, self.P, self.Q, self.rank = 0, None, None, None, None, 0
 
@@ -120,6 +125,8 @@ class TorchAdaDiag:
             Gt = torch.where(keep, Gt, torch.zeros_like(Gt))
         b1 = self.b1 * (1 - self.b1 ** (t - 1)) / (1 - self.b1**t)
         b2 = self.b2 * (1 - self.b2 ** (t - 1)) / (1 - self.b2**t)
+        if not self.bias_correction:  # the raw betas
+            b1, b2 = self.b1, self.b2
         self.M = b1 * self.M + (1 - b1) * Gt
         self.V = b2 * self.V + (1 - b2) * Gt * Gt
         D = self.M / (self.V.sqrt() + self.eps)

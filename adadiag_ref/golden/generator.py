@@ -134,6 +134,36 @@ STREAMS: dict[str, Stream] = {
             {5: "repeated", 7: "zero", 9: "rank1"},
             ("wide", "multi_refresh", "repeated_singular_values", "zero_gradient", "rank_deficient"),
         ),
+        # a tall conv kernel: 8 x (1 * 2 * 2), worked on as its 4 x 8 transpose
+        Stream("tallconv", (8, 1, 2, 2), 10, 3, 1009, {}, ("tall", "conv_4d", "multi_refresh")),
+        # rank-deficient refresh gradients, the first at t = 1 (where G~'s zero rows meet empty moments)
+        Stream(
+            "lowrank",
+            (6, 4),
+            12,
+            4,
+            1010,
+            {1: "rank1", 9: "rank1"},
+            ("tall", "multi_refresh", "rank_deficient", "rank_deficient_first_refresh"),
+        ),
+        # 7 refreshes (T = 2): signs and completions re-chosen again and again; the first on a rank-1 gradient,
+        # the fourth on a cluster whose left subspace is not axis-aligned (Hadamard factor, m = 4)
+        Stream(
+            "signs",
+            (4, 6),
+            14,
+            2,
+            1011,
+            {1: "rank1", 7: "repeated"},
+            (
+                "wide",
+                "multi_refresh",
+                "many_refreshes",
+                "rank_deficient",
+                "rank_deficient_first_refresh",
+                "repeated_singular_values",
+            ),
+        ),
     )
 }
 
@@ -157,7 +187,11 @@ class CaseSpec:
 
 
 def case_specs() -> list[CaseSpec]:
-    """The shipped set: every optimizer on every stream (float64), two float32 streams, three variants."""
+    """The shipped set: every optimizer on every float64 stream, two float32 streams, and the variants.
+
+    Each variant is shipped on two streams (``wide`` and ``tallconv``, or as noted) for every optimizer it
+    concerns, so that a bug the variant exposes is caught by at least two cases (``tests/test_mutations.py``).
+    """
     f32_streams = ("wide", "conv32")
     specs = [
         CaseSpec(opt, stream, "float64") for opt in OPTIMIZERS for stream in STREAMS if stream not in f32_streams[1:]
@@ -180,6 +214,42 @@ def case_specs() -> list[CaseSpec]:
             "adadiag", "wide", "float64", "fixed_basis", {"update_freq": None}, "T = infinity: one refresh, t = 1"
         ),
     ]
+    adafactors = [n for n, o in OPTIMIZERS.items() if o.config_type.family == "adafactor"]
+    factored = [n for n, o in OPTIMIZERS.items() if o.config_type.family != "adam"]
+    first_moment = [n for n, o in OPTIMIZERS.items() if o.config_type.family != "adafactor"]
+    rotated = [n for n, o in OPTIMIZERS.items() if o.sides > 0]
+    variants: list[tuple[str, list[str], dict[str, Any], tuple[tuple[str, dict[str, Any]], ...], str]] = [
+        ("nobc", list(OPTIMIZERS), {"bias_correction": False}, (), "raw betas, no bias correction"),
+        ("nomom", first_moment, {"betas": (0.0, 0.999)}, (), "momentum off (beta1 = 0)"),
+        ("noclip", factored, {"clip_threshold": None}, (), "no update clipping"),
+        (
+            "classic_lr1",
+            adafactors,
+            {**classic, "lr": 1.0},
+            (),
+            "the original Adafactor schedules with lr = 1 above the relative-step cap 1/sqrt(t) from t = 2",
+        ),
+        (
+            "long",
+            rotated,
+            {},
+            (("wide", {"max_basis_dim": 2}), ("tallconv", {"max_basis_dim": 3})),
+            "both sides longer than max_basis_dim: no side rotated",
+        ),
+        (
+            "longn",
+            rotated,
+            {},
+            (("wide", {"max_basis_dim": 3}), ("tallconv", {"max_basis_dim": 4})),
+            "max_basis_dim = m < n: P rotated (a side equal to the bound is rotated), Q never",
+        ),
+    ]
+    for variant, optimizers, options, streams, about in variants:
+        for opt in optimizers:
+            for stream, extra in streams or (("wide", {}), ("tallconv", {})):
+                specs.append(
+                    CaseSpec(opt, stream, "float64", variant, {**options, **extra}, f"{opt} on {stream}: {about}")
+                )
     return specs
 
 
