@@ -332,3 +332,16 @@ def test_plugin_fixture_runs_a_test_per_case(pytester: pytest.Pytester) -> None:
     )
     result = pytester.runpytest("-p", "adadiag_ref.pytest_plugin")
     result.assert_outcomes(passed=len(load_cases(optimizer="adamw", dtype="float64")))
+
+
+def test_a_port_may_keep_its_step_count_as_a_python_int() -> None:
+    """A port's ``count`` (or ``step``) returned as a plain int is compared like a 0-d array, not taken as a crash."""
+    case = load_case("adadiag-wide-f64")
+
+    def port(w: np.ndarray, g: np.ndarray, t: int):  # type: ignore[no-untyped-def]
+        state = {k: v for k, v in case.state(t).items() if k != "count"}
+        return case.params[t - 1], {**state, "step": t}
+
+    report = compare(port, case)
+    assert report.error is None and report.passed, str(report)
+    assert "count" in report.state_fields

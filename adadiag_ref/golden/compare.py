@@ -310,6 +310,13 @@ class _Run:
     error_step: int | None = None
 
 
+def _host(value: Any) -> np.ndarray:
+    """A port's value as a host array: an array of any backend, or a Python number (``count`` kept as an int)."""
+    if isinstance(value, int | float):
+        return np.asarray(value)
+    return to_numpy(value)
+
+
 def _state_arrays(state: Any) -> dict[str, np.ndarray]:
     """A step function's state as ``{field: host array}``: a mapping or a NamedTuple; ``step`` means ``count``."""
     items = state._asdict().items() if hasattr(state, "_asdict") else dict(state).items()
@@ -317,7 +324,7 @@ def _state_arrays(state: Any) -> dict[str, np.ndarray]:
     for key, value in items:
         name = "count" if key == "step" else key
         if name in STATE_FIELDS and value is not None:
-            out[name] = np.array(to_numpy(value), copy=True)
+            out[name] = np.array(_host(value), copy=True)
     return out
 
 
@@ -708,7 +715,7 @@ def compare(
         expected_shape = (case.steps, *case.shape)
         if traj.shape != expected_shape:
             raise ValueError(f"trajectory has shape {traj.shape}, the case {case.name!r} expects {expected_shape}")
-        port_states = {("count" if k == "step" else k): np.asarray(to_numpy(v)) for k, v in (states or {}).items()}
+        port_states = {("count" if k == "step" else k): np.asarray(_host(v)) for k, v in (states or {}).items()}
         error, error_step = None, None
     candidate_dtype = str(traj.dtype)
     rtol = case.tolerance.rtol if rtol is None else rtol
