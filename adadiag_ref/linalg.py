@@ -632,11 +632,14 @@ def _torch_cpu_on_numpy(
 
 
 def _shared_tensor(a: np.ndarray) -> Array:
-    """A CPU torch tensor sharing ``a``'s memory (a copy only where ``a`` has a negative stride, a flipped view,
-    which torch cannot share)."""
+    """A C-contiguous CPU torch tensor of ``a``, sharing its memory where ``a`` already is C-contiguous (a copy
+    otherwise: a flipped view, which torch cannot share, or LAPACK's column-major factors).  Contiguous, as the
+    torch adapter stores its bases: a basis of another memory order would make ``P U~`` round differently in
+    :func:`~adadiag_ref.step` than in the adapter (``tests/test_adapter_torch.py`` compares them bit for bit)."""
     import torch
 
-    return torch.from_numpy(a if min(a.strides, default=0) >= 0 else a.copy())
+    shareable = a.flags.c_contiguous and min(a.strides, default=0) >= 0  # size-1 arrays are "contiguous" at any stride
+    return torch.from_numpy(a if shareable else a.copy(order="C"))
 
 
 def _canonical_involved(
