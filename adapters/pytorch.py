@@ -368,10 +368,10 @@ class CoreOptimizer(torch.optim.Optimizer):
                 label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
                 # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
-                if fresh:
-                    flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p, cfg))
-                    flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
                 sharded = _sharded.is_sharded(p)  # FSDP2: its own route (adapters/_sharded.py), never foreach
+                if fresh:
+                    flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
+                    flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index))
         self._check_finite(work)
         if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's state initialisation
