@@ -10,7 +10,9 @@ from .config import OPTIMIZERS, AdafactorConfig, AdamConfig, BaseConfig, HfacCon
 from .linalg import CanonicalSVD, canonical_svd
 from .memory import state_nbytes
 from .optim import (
+    Engine,
     check_inputs,
+    explain_route,
     init,
     layout_for,
     multi_step,
@@ -36,12 +38,14 @@ __all__ = [
     "AdamState",
     "BaseConfig",
     "CanonicalSVD",
+    "Engine",
     "HfacConfig",
     "HfacState",
     "__version__",
     "canonical_svd",
     "check_inputs",
     "default_eps",
+    "explain_route",
     "init",
     "layout_for",
     "make_config",

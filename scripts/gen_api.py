@@ -85,9 +85,12 @@ ENTRY_POINTS = [
     "updated in place | a driver that owns the state (`replay` is one) |",
     "| `refresh_basis`, `update` | the two pure halves of `step` (`update` never refreshes); `update` returns "
     "`(delta, state)` | `jax.jit`, custom schedules, your own refresh policy |",
-    "| `multi_step(states, grads, cfg, params, count=k)` | `step` of every parameter of a model in one call: one "
-    "finiteness read-back, the refreshes batched, the Adam family's arithmetic once per flat group | a whole model "
-    "on a device backend (CuPy, CUDA torch), with the step counter kept on the host |",
+    "| `Engine(params, cfg)`, `engine.step(grads, params)` | a stateful optimizer over a whole model: flat state per "
+    "group, host step counter, one finiteness read-back, batched rotations and refreshes, an entrywise family's "
+    "arithmetic once per flat group; `engine.routes()` says which code runs | a whole model on a device backend "
+    "(CuPy, CUDA torch), or any driver that steps many parameters |",
+    "| `multi_step(states, grads, cfg, params, count=k)` | the engine's one step as a function of states: `step` of "
+    "every parameter of a model in one call | a functional driver that keeps the states itself |",
     "| `refresh_bases(states, grads, cfg)` | `refresh_basis` of many parameters, one stacked decomposition per work "
     "shape | your own multi-parameter driver's refresh steps |",
     "| `update_in_place(state, G, cfg, W)` | `update` followed by `W += delta`, bit for bit, into the caller's "

@@ -30,7 +30,6 @@ import adadiag_ref as ar
 from adadiag_ref import _kernels
 from adadiag_ref._kernels import cupy_kernels as ck
 from adadiag_ref._xp import namespace
-from adadiag_ref.optim import multi
 from adadiag_ref.optim.core import preconditioned_direction, prepare_step
 from adadiag_ref.optim.families import FAMILIES
 from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
@@ -581,17 +580,12 @@ def test_direction_kernels_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
     _assert_states_identical(found["auto"][1], found["reference"][1])
 
 
-def _multi_step_on_the_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """multi_step's path for device arrays (one flat group per dtype and step for an entrywise family) on NumPy."""
-    monkeypatch.setattr(multi, "is_numpy_namespace", lambda xp: False)
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_multi_step_with_the_kernels_evaluated_on_the_cpu_equals_step_bit_for_bit(
-    emulated_cupy: list[Any], name: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+    emulated_cupy: list[Any], name: str, dtype: str
 ) -> None:
-    _multi_step_on_the_device_path(monkeypatch)
+    # multi_step runs through the engine, whose flat groups are the same on NumPy as on a device backend
     shapes = [(6, 9), (9, 6), (7,)]
     for weight_decay, host_count in [(0.05, True), (0.0, False)]:
         before = len(emulated_cupy)
@@ -617,7 +611,6 @@ def test_the_cpu_evaluation_runs_every_kernel(emulated_cupy: list[Any], monkeypa
         for case in _emulated_cases(ar.make_config(name).family):
             if case["shape"] in [(9, 6), (7,)]:
                 _trajectory(np, name, "float32", **case, kernels="auto")
-    _multi_step_on_the_device_path(monkeypatch)
     _multi_trajectory(np, "adamw", "float32", [(7,)], "auto", host_count=True)
     sources = {name for name, *_ in _kernel_sources(monkeypatch)}
     assert {call[0] for call in emulated_cupy} == sources | {"adadiag_sum_of_squares"}

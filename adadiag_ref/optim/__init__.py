@@ -1,13 +1,17 @@
 """Pure functional optimizers: ``init``, ``refresh_basis``, ``update``, ``step``."""
 
 from .core import check_inputs, init, refresh_basis, refresh_due, rotate, step, unrotate, update
+from .engine import Engine, Route, explain_route
 from .inplace import supports_in_place, update_in_place
 from .layout import Layout, from_work, layout_for, to_work
 from .multi import multi_step, refresh_bases
 
 __all__ = [
+    "Engine",
     "Layout",
+    "Route",
     "check_inputs",
+    "explain_route",
     "from_work",
     "init",
     "layout_for",

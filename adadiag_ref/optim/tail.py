@@ -19,7 +19,7 @@ from .._xp import Array, Namespace
 from ..config import BaseConfig
 from .layout import Layout, from_work
 
-__all__ = ["commit", "decays", "parameter_delta"]
+__all__ = ["commit", "decayed_step", "decays", "parameter_delta"]
 
 
 def decays(cfg: BaseConfig) -> bool:
@@ -36,6 +36,13 @@ def parameter_delta(
     overwritten instead of allocating two more arrays of its size; the same products either way (IEEE
     multiplication commutes), so the same bits.
     """
+    return xp.astype(from_work(decayed_step(direction, w, eta, cfg, owned=owned), layout, xp), dtype, copy=False)
+
+
+def decayed_step(direction: Array, w: Array, eta: Any, cfg: BaseConfig, *, owned: bool) -> Array:
+    """``-eta_t (D + lambda W_t)`` entry by entry, in the state dtype, in any frame (``D`` and ``W`` in one order):
+    the expressions of the tail, shared by :func:`parameter_delta` and the engine's flat groups
+    (:class:`adadiag_ref.optim.engine.Engine`).  ``owned`` as in :func:`parameter_delta`."""
     if decays(cfg):
         if owned:
             direction += cfg.weight_decay * w
@@ -45,7 +52,7 @@ def parameter_delta(
         direction *= -eta
     else:
         direction = -eta * direction
-    return xp.astype(from_work(direction, layout, xp), dtype, copy=False)
+    return direction
 
 
 def commit(targets: dict[str, Array | None], values: dict[str, Array | None], *, adopt: bool) -> None:

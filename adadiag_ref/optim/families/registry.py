@@ -77,9 +77,9 @@ class FamilySpec:
         report_lr: the learning rate ``adadiag-ref report`` runs it with.
         entrywise: the moment update and the direction are entrywise (entry ``(i, j)`` of ``U~`` and of every
             new moment depends on entry ``(i, j)`` of ``G~`` and of the old moments alone) and ``step_size``
-            does not read ``W_t``: then :func:`~adadiag_ref.optim.multi.multi_step` runs them once over the
-            concatenation of many parameters (the Adam family; not Adafactor or Hfac, whose factored moments
-            sum rows and columns).
+            does not read ``W_t``: then the engine (:class:`~adadiag_ref.optim.engine.Engine`, and
+            :func:`~adadiag_ref.multi_step` through it) runs them once over a flat group of many parameters (the
+            Adam family; not Adafactor or Hfac, whose factored moments sum rows and columns).
     """
 
     name: str

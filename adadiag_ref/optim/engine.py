@@ -1,0 +1,793 @@
+r"""The multi-parameter engine: one stateful object that steps every parameter of a model (issue 31).
+
+Per parameter it computes what :func:`~adadiag_ref.step` computes (``docs/spec.md``)::
+
+    refresh (t = 1 or (t - 1) mod T == 0):  P, _, Q = canonical_svd(G)
+    G~      = P^T G Q
+    U~, M_t, V_t = family.direction(S_{t-1}, G~, t)
+    W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)
+
+What it adds is the organisation a device backend needs (each call on an array a kernel launch, each value read
+back a synchronisation), decided once, when the engine is built:
+
+* **groups**: the parameters are grouped by (family, state dtype, parameter dtype, device, kind, steps taken).
+  The kind is ``flat`` for a family whose rule is entrywise (:attr:`~adadiag_ref.optim.families.FamilySpec.
+  entrywise`, the Adam family or a registered entrywise family) and ``per-parameter`` otherwise (Adafactor,
+  Hfac: their factored moments sum rows and columns).
+* **flat state**: a flat group owns one flat array per moment field (``M``, ``V``), every parameter's moment a
+  view of its slice, stored in the parameter's memory order (a tall parameter's work-frame moment is the
+  transposed view, as :func:`~adadiag_ref.init` makes it).  Within a group the parameters are ordered by
+  *rotation block*: the rotated ones sharing a memory shape ``a x b`` and rotated sides are adjacent, so that
+  the gradients of a block, sliced from the group's flat gradient, are one contiguous stack of ``k`` matrices
+  (a ``batch_dims`` stack counts its ``prod(B)`` matrices), and the block's bases are one stack ``(k, m, m)``
+  (``(k, n, n)``).  The family's direction function is functional (it returns new moments), so a step
+  *replaces* a group's flat moment arrays by the ones it returns (O(1) per group; nothing is concatenated per
+  step for the state): a state handed out by :meth:`Engine.state` is a snapshot that later steps do not
+  change.
+* **routes resolved once**: the code of each part of a step is chosen per group when the engine is built
+  (:meth:`Engine.routes`, :func:`explain_route`): the family's first applicable direction route for the flat
+  group (numba on NumPy, the CuPy kernels on CuPy; probed once on a one-entry group), else its reference.
+* **a host step counter** per group (a Python int): the refresh schedule and every coefficient come from it,
+  never from a device counter.
+
+One step of a flat group (:meth:`Engine.step`), whatever the number of its parameters:
+
+1. ``G`` and ``W`` gathered into flat arrays (one concatenation each, of reshape views) and cast to the state
+   dtype once;
+2. per rotation block, ``G~ = P^T G Q`` as batched GEMMs over the block's stack (``matmul`` on stacks; on a
+   refresh step set to its exact structure, :func:`~adadiag_ref.optim.core.refresh_step_structure`, per
+   matrix), and ``G~`` of the group assembled by one concatenation;
+3. ``U~, M_t, V_t`` by the group's direction route, once over the flat group, with the step's coefficients
+   computed on the host from the counter (:func:`~adadiag_ref.optim.schedules.host_step`);
+4. per block, ``P U~ Q^T`` by batched GEMMs; the directions assembled by one concatenation;
+5. the tail ``delta = -eta_t (D + lambda W_t)`` once over the group
+   (:func:`~adadiag_ref.optim.tail.decayed_step`, the expressions :func:`~adadiag_ref.optim.tail.parameter_delta`
+   uses) and ``W_{t+1} = W_t + delta`` in the parameter dtype.
+
+A per-parameter group runs :func:`~adadiag_ref.optim.core.update` for each parameter (the family's routes tried
+per call).  The refreshes due at a step are one :func:`~adadiag_ref.refresh_bases` call for every parameter of
+the engine (one stacked decomposition per work shape on a device backend; only singular values go to the host).
+
+**The finiteness check** (``check=True``): one reduced verdict for all parameters (a sum of every gradient per
+group, all of them stacked), read back once: at most one device-to-host conversion per step.  On a step without
+refresh the verdict is read *after* the step's work is queued: everything is computed into new arrays first,
+the verdict read, and only then committed (moments and bases replaced, counters advanced, parameters written).
+A non-finite verdict is examined exactly per gradient (only on that error path) and raises ``ValueError``
+naming the first parameter whose gradient holds NaN or Inf; no state and no parameter has changed.  On a
+refresh step the verdict is read before the decompositions (LAPACK never sees NaN or Inf).  On NumPy (no
+device) it is read first, always.  ``check=False``: nothing is read back on a step without refresh, and a
+non-finite gradient propagates as in :func:`~adadiag_ref.step`.
+
+Backends: any array-API namespace.  NumPy, torch and CuPy parameters are written in place; so are
+``array_api_strict``'s (``x[...] = value``, which its arrays support).  JAX arrays are immutable: the engine
+steps them functionally (``step(..., in_place=False)``, the default for JAX, returns the new parameters).  The
+engine runs one config for all of its parameters.
+
+Results: per parameter those of :func:`~adadiag_ref.step` with the same count, bit for bit where both take the
+reference arithmetic (``kernels="reference"``, and any backend without fused kernels, e.g. ``array_api_strict``
+and CPU torch); to rounding where a fused kernel differs (NumPy with ``kernels="auto"``: ``step`` takes the
+numba kernel of the whole update, the engine the numba direction kernel over the group and the array tail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_namespace
+
+from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace
+from ..config import BaseConfig
+from .batched_refresh import host_counts, refresh_bases
+from .core import _check_static, _where, init, refresh_due, refresh_step_structure, update, work_dtype
+from .families import FamilySpec, State, family_of
+from .layout import Layout, layout_for
+from .rotation import _product
+from .schedules import host_step, learning_rate
+from .tail import decayed_step
+
+__all__ = ["Engine", "Route", "explain_route"]
+
+Key = Any  # a parameter's key: its mapping key, its name, or its index
+
+
+class Route(NamedTuple):
+    """Which code runs each part of one parameter's step (:meth:`Engine.routes`), in words.
+
+    Attributes:
+        group: the parameter's group: its kind (``flat`` or ``per-parameter``), family, dtypes, device, size.
+        refresh: the code of a refresh step's decomposition (batched over a stack, or per parameter), or none.
+        rotate: ``G~ = P^T G Q``: batched GEMMs over the stack of the parameter's rotation block, or none.
+        unrotate: ``P U~ Q^T``: likewise.
+        entrywise: moments, direction and tail: the direction function over the flat group and the shared tail,
+            or the per-parameter ``update``.
+    """
+
+    group: str
+    refresh: str
+    rotate: str
+    unrotate: str
+    entrywise: str
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One parameter of a flat group: where its entries lie in the group's flat arrays."""
+
+    index: int  # its position in the engine's order
+    layout: Layout
+    offset: int  # first entry in the group's flat arrays
+    size: int
+    block: int | None  # its rotation block, None when no side rotates
+    slot: int  # its first matrix in the block's stack
+    matrices: int  # prod(B) of a stack (batch_dims), else 1
+    param_shape: Array | None  # the state's zero-size shape record, kept as given
+
+
+class _Block:
+    """The rotated parameters of a flat group sharing a memory shape ``a x b``, orientation and sides: their
+    gradients are one contiguous stack ``(k, a, b)`` of the group's flat arrays, their bases the stacks
+    ``P`` ``(k, m, m)`` and ``Q`` ``(k, n, n)``."""
+
+    def __init__(self, a: int, b: int, transposed: bool, right: bool, start: int) -> None:
+        self.a, self.b, self.transposed, self.right = a, b, transposed, right
+        self.start = self.stop = start
+        self.matrices = 0
+        self.P: Array | None = None
+        self.Q: Array | None = None
+
+
+class _FlatGroup:
+    """A flat group of an entrywise family (module docstring): its members, blocks, flat moments and counter."""
+
+    def __init__(self, label: str, dtype: Any, param_dtype: Any, device: Any, count: int) -> None:
+        self.label, self.dtype, self.param_dtype, self.device, self.count = label, dtype, param_dtype, device, count
+        self.members: list[_Member] = []
+        self.blocks: list[_Block] = []
+        self.unrotated_start = 0
+        self.size = 0
+        self.moments: dict[str, Array | None] = {}
+        self.direction: Callable[..., Any] = lambda *args: None
+        self.direction_name = ""
+        self.counter: tuple[int, Array] | None = None  # (count, the 0-d device counter made for it)
+
+
+class _ParamGroup:
+    """A per-parameter group (a family that is not entrywise): the members' core states and their counter."""
+
+    def __init__(self, label: str, count: int) -> None:
+        self.label, self.count = label, count
+        self.indices: list[int] = []
+        self.states: dict[int, State] = {}
+
+
+class _Pending(NamedTuple):
+    """A step computed but not committed: the new flat moments per flat group, the new core states per
+    per-parameter member, the new bases per block, and the new parameters (flat per group, or per member)."""
+
+    moments: list[dict[str, Array | None]]
+    flat_params: list[Array]
+    states: dict[int, State]
+    params: dict[int, Array]
+    bases: dict[tuple[int, int], tuple[Array, Array | None]]
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _memory_shape(layout: Layout) -> tuple[int, int]:
+    """``(a, b)``: one matrix of the parameter in its own memory order (the work frame's transpose when tall)."""
+    return (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+
+
+def _work_view(flat: Array, layout: Layout, xp: Namespace) -> Array:
+    """The work-frame view ``(*B, m, n)`` of a parameter's slice of a flat array (kept in memory order)."""
+    a, b = _memory_shape(layout)
+    matrix = xp.reshape(flat, (*layout.batch, a, b))
+    return xp.matrix_transpose(matrix) if layout.transposed else matrix
+
+
+def _flatten(x: Array, layout: Layout, xp: Namespace) -> Array:
+    """:func:`_work_view` undone: a work-frame state array's entries in the parameter's memory order."""
+    return xp.reshape(xp.matrix_transpose(x) if layout.transposed else x, (-1,))
+
+
+def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None) -> Array:
+    """``G~ = P^T G Q`` of every matrix of a block's stack ``(k, a, b)``, in memory order: ``Q^T (G P)`` for a
+    tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched)."""
+    if block.transposed:
+        g = _product(g, P)
+        return g if Q is None else _product(_transpose(Q), g)
+    g = _product(_transpose(P), g)
+    return g if Q is None else _product(g, Q)
+
+
+def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None) -> Array:
+    """``P U~ Q^T`` of every matrix of a block's stack, in memory order (:func:`~adadiag_ref.optim.rotation.
+    unrotate`'s products, batched)."""
+    if block.transposed:
+        u = _product(u, _transpose(P))
+        return u if Q is None else _product(Q, u)
+    u = _product(P, u)
+    return u if Q is None else _product(u, _transpose(Q))
+
+
+def _transpose(x: Array) -> Array:
+    """The transposed view of every matrix of a stack (``matrix_transpose``, without the namespace look-up)."""
+    return x.mT if hasattr(x, "mT") else x.swapaxes(-1, -2)
+
+
+def _as_ordered(values: Any, keys: list[Key], what: str) -> list[Any]:
+    """``values`` (a mapping with the engine's keys, or a sequence in its order) as a list in the engine's order."""
+    if isinstance(values, Mapping):
+        if set(values) != set(keys):
+            raise ValueError(f"{what} must have the engine's keys {keys}, got {list(values)}")
+        return [values[k] for k in keys]
+    if not isinstance(values, Sequence):
+        raise TypeError(f"{what} must be a sequence (list, tuple) or a mapping of arrays")
+    if len(values) != len(keys):
+        raise ValueError(f"{what} has {len(values)} entries for the engine's {len(keys)} parameters")
+    return list(values)
+
+
+def _keys_of(params: Any, names: Sequence[str | None] | None) -> tuple[list[Key], list[Any], list[str | None]]:
+    """``(keys, params, names)``: a mapping's keys name its parameters; a sequence's are ``names`` or indices."""
+    if isinstance(params, Mapping):
+        keys = list(params)
+        return keys, [params[k] for k in keys], [str(k) for k in keys]
+    if not isinstance(params, Sequence):
+        raise TypeError("the engine takes a sequence (list, tuple) or a mapping of parameters")
+    names_l: list[str | None] = [None] * len(params) if names is None else list(names)
+    if len(names_l) != len(params):
+        raise ValueError(f"names has {len(names_l)} entries for {len(params)} parameters")
+    keys = [i if nm is None else nm for i, nm in enumerate(names_l)]
+    return keys, list(params), names_l
+
+
+class Engine:
+    """A stateful optimizer over many parameters of one config (module docstring: groups, flat state, routes
+    resolved once, host counter, one reduced finiteness verdict).
+
+    ``Engine(params, cfg)``: zero moments, identity bases, no step taken (:func:`~adadiag_ref.init` of each
+    parameter).  ``params`` is a sequence (keys: ``names`` where given, else the indices) or a mapping (keys: its
+    keys, which name the parameters in messages).  :meth:`from_states` builds it from existing core states.
+    """
+
+    def __init__(
+        self, params: Any, cfg: BaseConfig, *, names: Sequence[str | None] | None = None, xp: Namespace | None = None
+    ) -> None:
+        keys, params_l, names_l = _keys_of(params, names)
+        xp = namespace(*params_l, xp=xp)
+        self._build(keys, names_l, params_l, [init(p, cfg, xp=xp) for p in params_l], cfg, [0] * len(params_l), xp)
+
+    @classmethod
+    def from_states(
+        cls,
+        states: Any,
+        params: Any,
+        cfg: BaseConfig,
+        *,
+        names: Sequence[str | None] | None = None,
+        count: int | Sequence[int] | None = None,
+        xp: Namespace | None = None,
+    ) -> Engine:
+        """An engine holding existing core states (one per parameter, like ``params``: a sequence or a mapping
+        with the same keys), each checked against its parameter and ``cfg`` (``ValueError``).  ``count`` (host
+        ints, the steps taken): one for all, or one per parameter; ``None`` reads each state's counter once,
+        here.  The states' moments and bases are copied into the engine's flat arrays (the states themselves
+        are never modified)."""
+        keys, params_l, names_l = _keys_of(params, names)
+        states_l = _as_ordered(states, keys, "states")
+        xp = namespace(*params_l, xp=xp)
+        for s, p in zip(states_l, params_l, strict=True):
+            _check_static(s, p, p, layout_for(tuple(p.shape), cfg), cfg)
+        engine = cls.__new__(cls)
+        engine._build(keys, names_l, params_l, states_l, cfg, host_counts(count, states_l, len(states_l)), xp)
+        return engine
+
+    # ------------------------------------------------------------------------------------------------ building
+
+    def _build(
+        self,
+        keys: list[Key],
+        names: list[str | None],
+        params: list[Array],
+        states: list[State],
+        cfg: BaseConfig,
+        counts: list[int],
+        xp: Namespace,
+    ) -> None:
+        self.cfg, self.xp = cfg, xp
+        self._keys, self._names = keys, names
+        self._shapes = [tuple(int(d) for d in p.shape) for p in params]
+        self._param_dtypes = [p.dtype for p in params]
+        self._family = family = family_of(cfg)
+        self._immutable = is_jax_namespace(xp)
+        kind = "flat" if family.entrywise else "per-parameter"
+        grouped: dict[tuple[Any, ...], list[int]] = {}
+        for i, (p, s) in enumerate(zip(params, states, strict=True)):
+            device = creation_device(p)
+            key = (family.name, str(work_dtype(s)), str(p.dtype), str(device), kind, counts[i])
+            grouped.setdefault(key, []).append(i)
+        self._flat: list[_FlatGroup] = []
+        self._per_param: list[_ParamGroup] = []
+        self._home: dict[int, tuple[str, int, int]] = {}  # index -> (kind, group, member position)
+        for number, (key, indices) in enumerate(grouped.items()):
+            state_name = float_dtype_name(work_dtype(states[indices[0]]), xp)
+            label = (
+                f"{kind} group {number}: family {key[0]}, state {state_name}, parameters "
+                f"{float_dtype_name(params[indices[0]].dtype, xp)}, device {key[3]}, "
+                f"{len(indices)} parameter{'s' if len(indices) > 1 else ''}"
+            )
+            if family.entrywise:
+                group = self._flat_group(label, indices, params, states, counts[indices[0]], family)
+                self._home.update({m.index: ("flat", len(self._flat), j) for j, m in enumerate(group.members)})
+                self._flat.append(group)
+            else:
+                pgroup = _ParamGroup(label, counts[indices[0]])
+                pgroup.indices = indices
+                pgroup.states = {i: states[i] for i in indices}
+                self._home.update({i: ("per-parameter", len(self._per_param), j) for j, i in enumerate(indices)})
+                self._per_param.append(pgroup)
+
+    def _flat_group(
+        self, label: str, indices: list[int], params: list[Array], states: list[State], count: int, family: FamilySpec
+    ) -> _FlatGroup:
+        """A flat group over ``indices``: members ordered by rotation block, then the unrotated ones; the states'
+        moments and bases copied into the flat arrays and the block stacks; the direction route resolved."""
+        xp, cfg = self.xp, self.cfg
+        first = params[indices[0]]
+        group = _FlatGroup(label, work_dtype(states[indices[0]]), first.dtype, creation_device(first), count)
+        layouts = {i: layout_for(self._shapes[i], cfg) for i in indices}
+        blocks: dict[tuple[int, int, bool, bool], list[int]] = {}
+        for i in indices:
+            lay = layouts[i]
+            if lay.rotate_left:
+                blocks.setdefault((*_memory_shape(lay), lay.transposed, lay.rotate_right), []).append(i)
+        offset = 0
+        for (a, b, transposed, right), members in blocks.items():
+            block = _Block(a, b, transposed, right, offset)
+            for i in members:
+                lay = layouts[i]
+                k = math.prod(lay.batch)
+                member = _Member(i, lay, offset, k * a * b, len(group.blocks), block.matrices, k,
+                                 states[i].param_shape)  # fmt: skip
+                group.members.append(member)
+                offset += member.size
+                block.matrices += k
+            block.stop = offset
+            m, n = _memory_shape(layouts[members[0]])[:: -1 if transposed else 1]
+            block.P = xp.concat([xp.reshape(states[i].P, (-1, m, m)) for i in members])
+            if right:
+                block.Q = xp.concat([xp.reshape(states[i].Q, (-1, n, n)) for i in members])
+            group.blocks.append(block)
+        group.unrotated_start = offset
+        for i in indices:
+            lay = layouts[i]
+            if not lay.rotate_left:
+                size = math.prod(self._shapes[i]) if self._shapes[i] else 1
+                group.members.append(_Member(i, lay, offset, size, None, 0, 1, states[i].param_shape))
+                offset += size
+        group.size = offset
+        for field in family.moment_fields:
+            values = [getattr(states[m.index], field) for m in group.members]
+            group.moments[field] = (
+                None if values[0] is None else
+                xp.concat([_flatten(v, m.layout, xp) for v, m in zip(values, group.members, strict=True)])
+            )  # fmt: skip
+        group.direction, group.direction_name = self._resolve_direction(group, family)
+        return group
+
+    def _resolve_direction(self, group: _FlatGroup, family: FamilySpec) -> tuple[Callable[..., Any], str]:
+        """The group's direction code, chosen once: the family's first direction route that applies to a
+        one-entry group of the group's dtype and device (routes decide by backend, dtype and ``cfg.kernels``,
+        never by values), else the reference."""
+        xp = self.xp
+        probe = {f: None if v is None else xp.zeros((1, 1), dtype=group.dtype, device=group.device)
+                 for f, v in group.moments.items()}  # fmt: skip
+        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **probe)
+        g = xp.zeros((1, 1), dtype=group.dtype, device=group.device)
+        t = host_step(0, group.dtype, xp)
+        for route in family.routes.direction:
+            if route(state, g, t, self.cfg, xp) is not None:
+                return route, _describe(route)
+        return family.direction, f"{_describe(family.direction)} (the family's reference)"
+
+    # ------------------------------------------------------------------------------------------------ inspection
+
+    @property
+    def keys(self) -> list[Key]:
+        """The parameters' keys, in the engine's order (a mapping's keys, or the names or indices given)."""
+        return list(self._keys)
+
+    def count(self, key: Key) -> int:
+        """The steps taken by parameter ``key`` (the host counter of its group)."""
+        kind, number, _ = self._home[self._index(key)]
+        return (self._flat[number] if kind == "flat" else self._per_param[number]).count
+
+    def _index(self, key: Key) -> int:
+        if key in self._keys:
+            return self._keys.index(key)
+        if isinstance(key, int) and 0 <= key < len(self._keys):
+            return key
+        raise KeyError(f"no parameter {key!r} in this engine (keys: {self._keys})")
+
+    def state(self, key: Key) -> State:
+        """Parameter ``key``'s core state (the family's NamedTuple), as :func:`~adadiag_ref.step` would hold it:
+        moments and bases are views of the engine's arrays (a snapshot: later steps replace those arrays, they do
+        not write into them), ``count`` a 0-d int32 array shared by the group."""
+        i = self._index(key)
+        kind, number, position = self._home[i]
+        if kind == "per-parameter":
+            return self._per_param[number].states[i]
+        group = self._flat[number]
+        member = group.members[position]
+        xp = self.xp
+        P = Q = None
+        if member.block is not None:
+            block = group.blocks[member.block]
+            P, Q = self._member_bases(member, block.P, block.Q)
+        span = slice(member.offset, member.offset + member.size)
+        moments = {f: None if v is None else _work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
+        if group.counter is None or group.counter[0] != group.count:
+            group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
+        state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
+                                               param_shape=member.param_shape)  # fmt: skip
+        return state
+
+    def _member_bases(self, member: _Member, P: Any, Q: Any) -> tuple[Any, Any]:
+        """A member's ``P`` (and ``Q``) as views of its block's stacks: ``(m, m)``, or ``(*B, m, m)`` for a stack."""
+        lay, xp = member.layout, self.xp
+        pick = slice(member.slot, member.slot + member.matrices)
+
+        def view(stack: Any, side: int) -> Any:
+            if stack is None:
+                return None
+            if not lay.batch:
+                return stack[member.slot, ...]
+            return xp.reshape(stack[pick, ...], (*lay.batch, side, side))
+
+        return view(P, lay.rows), view(Q, lay.cols) if lay.rotate_right else None
+
+    def states(self) -> Any:
+        """Every parameter's :meth:`state`: a dict by key when the engine was built from a mapping or with names,
+        else a list in the engine's order."""
+        values = [self.state(i) for i in range(len(self._keys))]
+        if all(isinstance(k, int) for k in self._keys):
+            return values
+        return dict(zip(self._keys, values, strict=True))
+
+    def routes(self) -> dict[Key, Route]:
+        """Which code runs each part of a step, per parameter key (:class:`Route`; decided when the engine was
+        built, never per step)."""
+        out: dict[Key, Route] = {}
+        numpy = is_numpy_namespace(self.xp)
+        refresh_members: dict[tuple[Any, ...], int] = {}
+        layouts = {i: layout_for(s, self.cfg) for i, s in enumerate(self._shapes)}
+        for i, lay in layouts.items():
+            if lay.rotate_left and not lay.batch:
+                dtype = self._state_dtype(i)
+                key = ((lay.rows, lay.cols), str(dtype), lay.rotate_right)
+                refresh_members[key] = refresh_members.get(key, 0) + 1
+        for i, lay in layouts.items():
+            out[self._keys[i]] = Route(*self._route_parts(i, lay, numpy, refresh_members))
+        return out
+
+    def _state_dtype(self, i: int) -> Any:
+        kind, number, _ = self._home[i]
+        if kind == "flat":
+            return self._flat[number].dtype
+        return work_dtype(self._per_param[number].states[i])
+
+    def _route_parts(
+        self, i: int, lay: Layout, numpy: bool, refresh_members: dict[tuple[Any, ...], int]
+    ) -> tuple[str, str, str, str, str]:
+        kind, number, position = self._home[i]
+        sides = "P and Q" if lay.rotate_right else "P"
+        if not lay.rotate_left:
+            refresh = rotate = unrotate = "none: no side rotates (P = I)"
+        else:
+            method = self.cfg.basis_method
+            peers = refresh_members.get(((lay.rows, lay.cols), str(self._state_dtype(i)), lay.rotate_right), 0)
+            if lay.batch:
+                refresh = (f"refresh_basis: one canonical_svd_batch over the parameter's {math.prod(lay.batch)} "
+                           f"matrices {lay.rows} x {lay.cols} (basis_method={method})")  # fmt: skip
+            elif numpy or peers < 2:
+                why = "NumPy: LAPACK per matrix" if numpy else "the only matrix of its work shape"
+                refresh = f"refresh_basis per parameter ({why}; basis_method={method}), {sides}"
+            else:
+                refresh = (
+                    f"refresh_bases: one stacked decomposition of the {peers} {lay.rows} x {lay.cols} matrices of "
+                    f"this work shape (basis_method={method}), {sides}; singular values to the host"
+                )
+            if kind == "flat":
+                member = self._flat[number].members[position]
+                block = self._flat[number].blocks[member.block] if member.block is not None else None
+                k = block.matrices if block is not None else 1
+                how = "numpy.matmul per matrix into BLAS" if numpy else "xp.matmul on the stack"
+                rotate = f"batched GEMM: G~ = P^T G{' Q' if lay.rotate_right else ''} over {k} {lay.rows} x {lay.cols} matrices ({how})"  # noqa: E501
+                unrotate = f"batched GEMM: P U~{' Q^T' if lay.rotate_right else ''} over the same {k} matrices ({how})"
+            else:
+                rotate = f"per parameter: rotation.rotate ({sides}), inside core.update"
+                unrotate = f"per parameter: rotation.unrotate ({sides}), inside core.update"
+        if kind == "flat":
+            group = self._flat[number]
+            entrywise = (f"{group.direction_name} once over the flat group ({group.size} entries), then "
+                         "adadiag_ref.optim.tail.decayed_step over the group")  # fmt: skip
+            label = f"{group.label}, {group.size} entries"
+        else:
+            entrywise = ("per parameter: adadiag_ref.optim.core.update (the family's update and direction routes "
+                         "tried per call, else its reference; the tail tail.parameter_delta)")  # fmt: skip
+            label = self._per_param[number].label
+        return label, refresh, rotate, unrotate, entrywise
+
+    # ------------------------------------------------------------------------------------------------ stepping
+
+    def step(self, grads: Any, params: Any, *, lr: Any = None, check: bool = True, in_place: bool | None = None) -> Any:
+        """One step of every parameter: ``W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)`` (a refresh first where
+        due), the counters advanced by one.
+
+        ``grads`` and ``params``: sequences in the engine's order or mappings with its keys; each parameter of the
+        shape and dtype the engine was built for, each gradient of its parameter's shape and dtype (``ValueError``
+        otherwise, before any work).  ``lr`` overrides ``cfg.lr`` (a number or an array).  ``check`` (module
+        docstring): one reduced finiteness verdict read back; a non-finite gradient raises ``ValueError`` naming
+        its parameter, and then no state and no parameter has changed.
+
+        ``in_place`` (default: every backend but JAX): ``W_{t+1}`` is written into the given parameter arrays
+        (``x[...] = value``; torch under ``no_grad``).  Returns the new parameters in the form of ``params`` (a
+        list, or a dict): the very arrays given when in place, new arrays otherwise.
+        """
+        if in_place is None:
+            in_place = not self._immutable
+        elif in_place and self._immutable:
+            raise TypeError("JAX arrays are immutable: step them with in_place=False (the new parameters returned)")
+        grads_l, params_l = self._inputs(grads, params)
+        new = self._advance(grads_l, params_l, lr, check)
+        out = list(params_l) if in_place else new
+        if in_place:
+            with self._writable():
+                for target, value in zip(params_l, new, strict=True):
+                    target[...] = value
+        if isinstance(params, Mapping):
+            return dict(zip(self._keys, out, strict=True))
+        return out
+
+    def _writable(self) -> Any:
+        """``torch.no_grad()`` for torch (a leaf parameter that requires grad is written in place), else nothing."""
+        if is_torch_namespace(self.xp):
+            import torch
+
+            return torch.no_grad()
+        return contextlib.nullcontext()
+
+    def _inputs(self, grads: Any, params: Any) -> tuple[list[Array], list[Array]]:
+        """The gradients and parameters in the engine's order, checked against it (shapes, dtypes; no values)."""
+        grads_l = _as_ordered(grads, self._keys, "grads")
+        params_l = _as_ordered(params, self._keys, "params")
+        xp = self.xp
+        for i, (g, p) in enumerate(zip(grads_l, params_l, strict=True)):
+            shape, gshape = tuple(int(d) for d in p.shape), tuple(int(d) for d in g.shape)
+            if shape != self._shapes[i] or p.dtype != self._param_dtypes[i]:
+                raise ValueError(
+                    f"parameter {self._keys[i]!r} has shape {shape} and dtype {p.dtype}; the engine was built for "
+                    f"shape {self._shapes[i]} and dtype {self._param_dtypes[i]}"
+                )
+            if gshape != shape:
+                raise ValueError(f"gradient shape {gshape} does not match parameter shape {shape}")
+            pname, gname = float_dtype_name(p.dtype, xp), float_dtype_name(g.dtype, xp)
+            if pname != gname:
+                raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+        return grads_l, params_l
+
+    def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool) -> list[Array]:
+        """One step, committed: the new parameters (views of the groups' flat results, or per member)."""
+        xp = self.xp
+        flats = [self._gather(group, grads) for group in self._flat]
+        due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
+            refresh_due(g.count, self.cfg) for g in self._per_param
+        ]
+        verdict_first = check and (any(due) or is_numpy_namespace(xp))
+        if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
+            self._raise_if_nonfinite(flats, grads)
+        bases, refreshed, fresh_states = self._refresh(grads, due)
+        quiet = check and not verdict_first and not is_numpy_namespace(xp)
+        with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
+            pending = self._compute(flats, grads, params, lr, bases, refreshed, fresh_states)
+        if check and not verdict_first:  # the work is queued: now the one read-back
+            self._raise_if_nonfinite(flats, grads)
+        return self._commit(pending, bases)
+
+    def _gather(self, group: _FlatGroup, grads: list[Array]) -> Array:
+        """The group's gradients as one flat array of the state dtype (memory order, the members' order)."""
+        xp = self.xp
+        flat = xp.concat([xp.reshape(grads[m.index], (-1,)) for m in group.members])
+        return xp.astype(flat, group.dtype, copy=False)
+
+    def _raise_if_nonfinite(self, flats: list[Array], grads: list[Array]) -> None:
+        """One verdict for every gradient, read back once: per flat group the sum of its flat gradient, per
+        per-parameter member its gradient's sum, stacked.  A sum is NaN or Inf whenever an entry is (and may
+        overflow on finite entries): a non-finite verdict is settled exactly, gradient by gradient."""
+        xp = self.xp
+        sums = [xp.astype(xp.sum(f), xp.float32) for f in flats]
+        sums += [xp.astype(xp.sum(grads[i]), xp.float32) for g in self._per_param for i in g.indices]
+        if not sums:
+            return
+        finite = xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums)))
+        with np.errstate(all="ignore"):
+            if bool(finite):  # the one host conversion of the check
+                return
+        for i in range(len(self._keys)):
+            bad = count_nonfinite(grads[i], xp)
+            if bad:
+                raise ValueError(
+                    f"non-finite gradient: {bad} NaN or Inf entr{'y' if bad == 1 else 'ies'} in the gradient of "
+                    f"{_where(self._names[i], None, self._shapes[i], self.count(i))}; no parameter "  # type: ignore[arg-type]
+                    "and no optimizer state was changed"
+                )
+
+    def _refresh(
+        self, grads: list[Array], due: list[bool]
+    ) -> tuple[dict[tuple[int, int], tuple[Array, Array | None]], dict[tuple[int, int], Any], dict[int, State]]:
+        """The refreshes due, in one :func:`~adadiag_ref.refresh_bases` call: the new stacks per block
+        ``(group, block)``, per block whether each matrix's basis was computed from this gradient (``True`` for
+        all, or a boolean ``(k, 1, 1)`` array), and the new states of per-parameter members."""
+        xp = self.xp
+        n_flat = len(self._flat)
+        work: list[tuple[int, State]] = []
+        for number, group in enumerate(self._flat):
+            if due[number]:
+                work += [(m.index, self.state(m.index)) for m in group.members if m.block is not None]
+        for number, pgroup in enumerate(self._per_param):
+            if due[n_flat + number]:
+                rotating = [i for i in pgroup.indices if layout_for(self._shapes[i], self.cfg).rotate_left]
+                work += [(i, pgroup.states[i]) for i in rotating]
+        if not work:
+            return {}, {}, {}
+        indices = [i for i, _ in work]
+        names, counts = [self._names[i] for i in indices], [self.count(i) for i in indices]
+        new = refresh_bases(
+            [s for _, s in work], [grads[i] for i in indices], self.cfg, names=names, count=counts, xp=xp
+        )
+        done = {i: (old, fresh) for (i, old), fresh in zip(work, new, strict=True)}
+        bases: dict[tuple[int, int], tuple[Array, Array | None]] = {}
+        refreshed: dict[tuple[int, int], Any] = {}
+        for number, group in enumerate(self._flat):
+            for b, block in enumerate(group.blocks):
+                members = [m for m in group.members if m.block == b and m.index in done]
+                if not members:
+                    continue
+                flags = [done[m.index][1].P is not done[m.index][0].P for m in members for _ in range(m.matrices)]
+                if not any(flags):
+                    continue
+                m_side, n_side = members[0].layout.rows, members[0].layout.cols
+                fresh = [done[m.index][1] for m in members]
+                P = xp.concat([xp.reshape(s.P, (-1, m_side, m_side)) for s in fresh])
+                Q = xp.concat([xp.reshape(s.Q, (-1, n_side, n_side)) for s in fresh]) if block.right else None
+                bases[(number, b)] = (P, Q)
+                refreshed[(number, b)] = True if all(flags) else xp.reshape(
+                    xp.asarray(flags, dtype=xp.bool, device=group.device), (-1, 1, 1))  # fmt: skip
+        fresh_states = {i: fresh for i, (old, fresh) in done.items() if self._home[i][0] == "per-parameter"}
+        return bases, refreshed, fresh_states
+
+    def _compute(
+        self,
+        flats: list[Array],
+        grads: list[Array],
+        params: list[Array],
+        lr: Any,
+        bases: dict[tuple[int, int], tuple[Array, Array | None]],
+        refreshed: dict[tuple[int, int], Any],
+        fresh_states: dict[int, State],
+    ) -> _Pending:
+        """Every group's step into new arrays (nothing of the engine or the parameters written)."""
+        xp, cfg, family = self.xp, self.cfg, self._family
+        eta = learning_rate(cfg, lr)
+        moments_out, flat_params = [], []
+        for number, (group, g) in enumerate(zip(self._flat, flats, strict=True)):
+            w_param = xp.concat([xp.reshape(params[m.index], (-1,)) for m in group.members])
+            w = xp.astype(w_param, group.dtype, copy=False)
+            stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
+            g_rot = self._rotated(group, number, g, stacks, refreshed)
+            t = host_step(group.count, group.dtype, xp)
+            u_rot, moments = self._direction(group, g_rot, t)
+            direction = self._unrotated(group, u_rot, stacks)
+            eta_t = family.step_size(cfg, t, w, eta, xp)
+            delta = xp.astype(decayed_step(direction, w, eta_t, cfg, owned=False), group.param_dtype, copy=False)
+            moments_out.append(moments)
+            flat_params.append(w_param + delta)
+        new_states: dict[int, State] = {}
+        new_params: dict[int, Array] = {}
+        for pgroup in self._per_param:
+            for i in pgroup.indices:
+                state = fresh_states.get(i, pgroup.states[i])
+                was_refreshed = i in fresh_states and state.P is not pgroup.states[i].P
+                delta, new_states[i] = update(state, grads[i], cfg, params[i], lr=lr, refreshed=was_refreshed,
+                                              count=pgroup.count, xp=xp)  # fmt: skip
+                new_params[i] = params[i] + delta
+        return _Pending(moments_out, flat_params, new_states, new_params, bases)
+
+    def _direction(self, group: _FlatGroup, g_rot: Array, t: Any) -> tuple[Array, dict[str, Array | None]]:
+        """``U~, M_t, V_t`` of the whole flat group by its route (the routes take matrices: the group is handed
+        over as one ``1 x N`` matrix, a view), flat again."""
+        xp, family, shape = self.xp, self._family, (1, group.size)
+        as_row = {f: None if v is None else xp.reshape(v, shape) for f, v in group.moments.items()}
+        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **as_row)
+        g_row = xp.reshape(g_rot, shape)
+        found = group.direction(state, g_row, t, self.cfg, xp)
+        u_rot, moments = found if found is not None else family.direction(state, g_row, t, self.cfg, xp)
+        flat = {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
+        return xp.reshape(u_rot, (-1,)), flat
+
+    def _rotated(
+        self, group: _FlatGroup, number: int, g: Array, stacks: list[tuple[Any, Any]], refreshed: dict[Any, Any]
+    ) -> Array:
+        """``G~`` of the whole group, flat: per block the batched rotation of its stack (on a refresh step set to
+        its exact structure, matrix by matrix), then the unrotated entries as they are."""
+        if not group.blocks:
+            return g
+        xp = self.xp
+        pieces = []
+        for b, (block, (P, Q)) in enumerate(zip(group.blocks, stacks, strict=True)):
+            stack = xp.reshape(g[block.start : block.stop], (block.matrices, block.a, block.b))
+            r = _rotate_stack(stack, block, P, Q)
+            flags = refreshed.get((number, b), False)
+            if flags is not False:
+                work = _transpose(r) if block.transposed else r
+                work = refresh_step_structure(work, block.right, flags, xp)
+                r = _transpose(work) if block.transposed else work
+            pieces.append(xp.reshape(r, (-1,)))
+        if group.unrotated_start < group.size:
+            pieces.append(g[group.unrotated_start :])
+        return xp.concat(pieces)
+
+    def _unrotated(self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]]) -> Array:
+        """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
+        if not group.blocks:
+            return u_rot
+        xp = self.xp
+        pieces = []
+        for block, (P, Q) in zip(group.blocks, stacks, strict=True):
+            stack = xp.reshape(u_rot[block.start : block.stop], (block.matrices, block.a, block.b))
+            pieces.append(xp.reshape(_unrotate_stack(stack, block, P, Q), (-1,)))
+        if group.unrotated_start < group.size:
+            pieces.append(u_rot[group.unrotated_start :])
+        return xp.concat(pieces)
+
+    def _commit(self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]]) -> list[Array]:
+        """Make a computed step the engine's (moments and bases replaced, counters advanced); returns the new
+        parameters, in the engine's order (views of the flat results)."""
+        xp = self.xp
+        out: list[Any] = [None] * len(self._keys)
+        for number, (group, moments, w_new) in enumerate(zip(self._flat, pending.moments, pending.flat_params,
+                                                             strict=True)):  # fmt: skip
+            group.moments = {f: moments.get(f, group.moments[f]) for f in group.moments}
+            for b, block in enumerate(group.blocks):
+                if (number, b) in bases:
+                    block.P, block.Q = bases[(number, b)]
+            group.count += 1
+            for m in group.members:
+                out[m.index] = xp.reshape(w_new[m.offset : m.offset + m.size], self._shapes[m.index])
+        for pgroup in self._per_param:
+            pgroup.states.update({i: pending.states[i] for i in pgroup.indices})
+            pgroup.count += 1
+            for i in pgroup.indices:
+                out[i] = pending.params[i]
+        return out
+
+
+def explain_route(cfg: BaseConfig, shape: Sequence[int], dtype: Any = None, *, xp: Namespace | None = None) -> Route:
+    """The :class:`Route` a parameter of ``shape`` and ``dtype`` (default float32) on namespace ``xp`` (default
+    NumPy) takes through an :class:`Engine` of ``cfg`` where it is alone in its group: a one-parameter engine
+    over zeros, built and asked."""
+    if xp is None:
+        import array_api_compat.numpy as compat_numpy
+
+        xp = compat_numpy
+    param = xp.zeros(tuple(shape), dtype=xp.float32 if dtype is None else dtype)
+    route: Route = Engine([param], cfg, xp=xp).routes()[0]
+    return route
