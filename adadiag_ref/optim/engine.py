@@ -613,12 +613,12 @@ class Engine:
         per-parameter member its gradient's sum, stacked.  A sum is NaN or Inf whenever an entry is (and may
         overflow on finite entries): a non-finite verdict is settled exactly, gradient by gradient."""
         xp = self.xp
-        sums = [xp.astype(xp.sum(f), xp.float32) for f in flats]
-        sums += [xp.astype(xp.sum(grads[i]), xp.float32) for g in self._per_param for i in g.indices]
-        if not sums:
-            return
-        finite = xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums)))
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"):  # a sum that overflows is a suspicion, settled below (NumPy would warn)
+            sums = [xp.astype(xp.sum(f), xp.float32) for f in flats]
+            sums += [xp.astype(xp.sum(grads[i]), xp.float32) for g in self._per_param for i in g.indices]
+            if not sums:
+                return
+            finite = xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums)))
             if bool(finite):  # the one host conversion of the check
                 return
         for i in range(len(self._keys)):

@@ -10,8 +10,9 @@ Non-refresh step (every row: one optimizer step of the whole parameter set, afte
 two device synchronisations, divided by ``inner``):
 
 * ``cupy_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``, ``adafacdiag``, ``hfacdiag``: the core on CuPy
-  arrays, ``ar.multi_step(states, grads, cfg, params, count=t - 1, check=False)`` (one call for the rotated
-  parameters, one for the AdamW ones; a host step counter, so a step reads nothing back from the device);
+  arrays through the engine, ``engine.step(grads, params, check=False)`` (:class:`adadiag_ref.Engine`: one
+  engine for the rotated parameters, one for the AdamW ones; its host step counter, so a step reads nothing
+  back from the device; the parameters updated in place);
 * ``torch_fused_adamw``: ``torch.optim.AdamW(fused=True)`` on CUDA;
 * ``torch_direct_adadiag``: AdaDiag written directly in torch ops (:func:`torch_direct_adadiag`:
   ``G~ = P^T G``, Adam moments, ``U~ = M / (sqrt(V) + eps)``, ``W -= lr P U~``; ``P`` fixed);
@@ -35,7 +36,7 @@ Refresh of the rotated matrices (gradients with ``sigma_i = 1/i``,
 :func:`~adadiag_ref.perf.params.gradient_with_spectrum`; a median over ``reps``): ``cupy_refresh_<method>``,
 ``ar.refresh_basis`` one matrix at a time with ``basis_method`` ``svd``/``gram``/``auto``;
 ``cupy_refresh_batched_<method>``, ``ar.refresh_bases`` over all of them (one stacked decomposition per work
-shape, as ``multi_step`` refreshes); ``torch_adapter_refresh_step``, the
+shape, as the engine refreshes); ``torch_adapter_refresh_step``, the
 adapter's first ``opt.step()`` (a refresh and a step); ``torch_svd``, ``torch.linalg.svd`` one matrix at a
 time; ``cupy_eigh_float32``/``float64`` and ``torch_eigh_float32``/``float64``, the bare ``eigh`` of the stack
 of Gram matrices ``G G^T`` (one batched call per distinct ``m``).  Each row's ``share`` is its time amortised
@@ -153,33 +154,32 @@ def copy_bandwidth(cp: Any, n: int, reps: int) -> float:
 
 
 class _CupySteps:
-    """The core stepping ``specs`` on CuPy arrays through ``ar.multi_step`` with a host counter; one call, one
-    step of every parameter (rotated ones under ``name``, the others under ``adamw``)."""
+    """The core stepping ``specs`` on CuPy arrays through the engine (:class:`adadiag_ref.Engine`): one engine for
+    the parameters rotated under ``name``, one for the others under ``adamw``; a call is one ``engine.step`` of
+    each, ``check=False`` (the engine's host counter: a step without refresh reads nothing back from the device),
+    the parameters updated in place.  ``cp`` is the array module (CuPy; a test passes a NumPy stand-in)."""
 
     def __init__(self, cp: Any, name: str, specs: list[ParamSpec], rule: str, seed: int = 1) -> None:
         import adadiag_ref as ar
 
-        self.ar = ar
         cfg = ar.make_config(name, update_freq=None)
         base = ar.make_config("adamw", update_freq=None)
         rs = cp.random.RandomState(seed)
         split: dict[int, tuple[Any, list[ParamSpec]]] = {0: (cfg, []), 1: (base, [])}
         for s in specs:
             split[0 if (name != "adamw" and is_rotated(s, rule)) else 1][1].append(s)
-        self.groups: list[list[Any]] = []
+        self.groups: list[tuple[Any, list[Any], list[Any]]] = []
         for c, group in split.values():
             if not group:
                 continue
             params = [rs.standard_normal(s.shape, dtype=cp.float32) for s in group]
             grads = [rs.standard_normal(s.shape, dtype=cp.float32) for s in group]
-            self.groups.append([c, params, grads, [ar.init(w, c) for w in params]])
-        self.count = 0  # steps taken: the first call is t = 1, the refresh; the later ones are not refreshes
+            self.groups.append((ar.Engine(params, c), params, grads))
+        # the first call is t = 1, the refresh; the later ones are not refreshes
 
     def __call__(self) -> None:
-        for group in self.groups:
-            cfg, params, grads, states = group
-            group[1], group[3] = self.ar.multi_step(states, grads, cfg, params, count=self.count, check=False)
-        self.count += 1
+        for engine, params, grads in self.groups:
+            engine.step(grads, params, check=False)
 
 
 def _gemm_ms(cp: Any, shapes: list[tuple[int, int]], sides: int, reps: int) -> float:
@@ -317,7 +317,7 @@ def _refresh_rows(cp: Any, torch: Any, specs: list[ParamSpec], reps: int) -> dic
         cfg = ar.make_config("adadiag", basis_method=method)
         grads = [cp.asarray(h) for h in host]
         states = [ar.init(g, cfg) for g in grads]
-        if batched:  # as multi_step refreshes: one stacked decomposition per work shape
+        if batched:  # as the engine refreshes: one stacked decomposition per work shape
             return _median_ms(lambda: ar.refresh_bases(states, grads, cfg, count=0), sync, reps, warmup=1)
         pairs = list(zip(states, grads, strict=True))
         return _median_ms(lambda: [ar.refresh_basis(st, g, cfg, count=0) for st, g in pairs], sync, reps, warmup=1)
@@ -509,7 +509,7 @@ def run(
                     del steps
                     cp.get_default_memory_pool().free_all_blocks()
 
-            step[f"cupy_{name}"] = _row(f"cupy_{name}", f"{name}, CuPy core ar.multi_step", core, bar)
+            step[f"cupy_{name}"] = _row(f"cupy_{name}", f"{name}, CuPy core ar.Engine", core, bar)
 
         torch_rows = {
             "torch_fused_adamw": "torch.optim.AdamW(fused=True)",

@@ -1,0 +1,378 @@
+"""The multi-parameter engine (``adadiag_ref.Engine``, issue 31) against per-parameter ``ar.step``, and its device
+proxies on ``array_api_strict`` (:mod:`adadiag_ref.perf.traffic`: a host conversion is a synchronisation on a GPU,
+a namespace call a kernel launch).
+
+* every optimizer, float64 and float32, on NumPy, ``array_api_strict`` and CPU torch, over a LLaMA-like set of
+  shapes (wide, tall, square, 1-D, conv, 0-D; two of each matrix shape, so that the rotation stacks hold
+  several matrices), refreshes at t = 1 and t = 4: the parameters and states of ``ar.step``;
+* a step without refresh converts at most once (the finiteness verdict) with the defaults, never with
+  ``check=False``;
+* the namespace calls of a step without refresh do not depend on the number of layers for an entrywise family;
+* a non-finite gradient names its parameter and leaves every state and parameter as it was;
+* ``routes()`` says which code runs; ``from_states`` takes states over; ``bench --gpu``'s CuPy rows run the engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import adadiag_ref as ar
+from adadiag_ref._xp import to_numpy
+from adadiag_ref.perf.traffic import count_traffic
+
+xs = pytest.importorskip("array_api_strict")
+
+OPTIMIZERS = list(ar.OPTIMIZERS)
+ENTRYWISE = [name for name in OPTIMIZERS if ar.make_config(name).family == "adam"]
+# one LLaMA block in miniature: attention (square), up (wide), down (tall), a norm (1-D), a conv kernel, a scalar
+BLOCK = [(8, 8), (8, 20), (20, 8), (20,), (4, 2, 3, 3), ()]
+SHAPES = BLOCK + BLOCK[:3]  # a second layer's matrices: stacks of two per work shape
+VIEW_CALLS = {"reshape", "__getitem__", "astype", "matrix_transpose"}  # no kernel: views or same-dtype no-ops
+
+
+def _strict(a: np.ndarray) -> Any:
+    return xs.asarray(a.copy())  # its own memory: array_api_strict wraps a NumPy array without copying it
+
+
+def _torch(a: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(a.copy())
+
+
+BACKENDS = {"numpy": lambda a: a.copy(), "strict": _strict, "torch": _torch}
+
+
+def _stream(shapes: list[tuple[int, ...]], dtype: Any, steps: int, seed: int = 0) -> tuple[list, list]:
+    """Parameters and ``steps`` gradient lists (host arrays); the third step's gradients zero."""
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(steps)]
+    grads[2] = [np.zeros_like(g) for g in grads[2]]
+    return params, grads
+
+
+def _assert_close(got: Any, want: Any, exact: bool, dtype: Any) -> None:
+    got, want = to_numpy(got), to_numpy(want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:  # a fused kernel's rounding (float32: a few ulps of the moments carried through U~ and the GEMMs)
+        rtol = 1e-12 if np.dtype(dtype) == np.float64 else 1e-5
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(float(np.max(np.abs(want), initial=0)), 1e-30))
+
+
+def _assert_states(got: Any, want: Any, exact: bool, dtype: Any) -> None:
+    assert type(got) is type(want)
+    assert int(got.count) == int(want.count)
+    for field in got._fields[1:-1]:
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert tuple(a.shape) == tuple(b.shape), field
+            _assert_close(a, b, exact, dtype)
+
+
+# ----------------------------------------------------------------------------- the results of ar.step
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_engine_equals_step_per_parameter(name: str, dtype: Any, backend: str) -> None:
+    if backend == "torch":
+        pytest.importorskip("torch")
+    convert = BACKENDS[backend]
+    kernels = "auto" if backend == "numpy" else "reference"  # NumPy: the numba kernels on both sides
+    cfg = ar.make_config(name, update_freq=3, weight_decay=0.1, kernels=kernels)
+    host_params, stream = _stream(SHAPES, dtype, steps=5)
+    engine_params = [convert(p) for p in host_params]
+    engine = ar.Engine(engine_params, cfg)
+    singles = [convert(p) for p in host_params]
+    states = [ar.init(w, cfg) for w in singles]
+    for k, grads in enumerate(stream):
+        returned = engine.step([convert(g) for g in grads], engine_params)
+        assert all(r is p for r, p in zip(returned, engine_params, strict=True))  # in place
+        pairs = [ar.step(s, convert(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    # bit for bit on NumPy and array_api_strict: the same expressions on the same entries (the numba direction
+    # kernel over the flat group computes each entry as the fused update kernel does, and NumPy's matmul over a
+    # stack calls BLAS per matrix); to rounding on torch, whose batched GEMMs (bmm) and stacked decompositions
+    # round otherwise than its single-matrix ones
+    exact = backend != "torch"
+    for i, (w, want) in enumerate(zip(engine_params, singles, strict=True)):
+        _assert_close(w, want, exact, dtype)
+        _assert_states(engine.state(i), states[i], exact, dtype)
+        assert engine.count(i) == 5
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp", "adafactor", "hfacdiag"])
+def test_multi_step_equals_step_on_every_layout(name: str) -> None:
+    """``multi_step`` (through the engine) with mappings, per-parameter counts and low-precision parameters."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config(name, update_freq=2, weight_decay=0.05)
+    gen = torch.Generator().manual_seed(3)
+    params = {f"p{i}": torch.randn(s, generator=gen, dtype=torch.bfloat16) for i, s in enumerate(SHAPES)}
+    states = {k: ar.init(v, cfg) for k, v in params.items()}
+    singles = dict(params)
+    single_states = dict(states)
+    for k in range(3):
+        grads = {key: torch.randn(v.shape, generator=gen, dtype=torch.bfloat16) for key, v in params.items()}
+        params, states = ar.multi_step(states, grads, cfg, params, count=k)
+        for key in singles:
+            singles[key], single_states[key] = ar.step(single_states[key], grads[key], cfg, singles[key], count=k)
+    exact = name in ("adamw", "adafactor")  # no batched torch GEMM or stacked decomposition (see above)
+    for key in singles:
+        assert params[key].dtype == torch.bfloat16
+        got, want = params[key].float().numpy(), singles[key].float().numpy()
+        if exact:
+            np.testing.assert_array_equal(got, want)
+        else:  # a float32 rounding difference in delta may move W_{t+1} by one bfloat16 ulp (2^-8 relative)
+            np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * float(np.abs(want).max()))
+        _assert_states(states[key], single_states[key], exact, np.float32)
+
+
+@given(
+    rows=st.integers(1, 7),
+    cols=st.integers(1, 7),
+    copies=st.integers(1, 3),
+    beta2=st.sampled_from([0.9, 0.999]),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+    name=st.sampled_from(["adamw", "adadiag", "adadiag_pp", "adafacdiag"]),
+)
+def test_engine_equals_step_for_any_shapes_and_hyperparameters(rows, cols, copies, beta2, weight_decay, name):
+    cfg = ar.make_config(name, update_freq=2, betas=(0.9, beta2), weight_decay=weight_decay, kernels="reference")
+    shapes = [(rows, cols)] * copies + [(cols, rows), (cols,)]
+    host_params, stream = _stream(shapes, np.float64, steps=3, seed=rows * 10 + cols)
+    params = [_strict(p) for p in host_params]
+    engine = ar.Engine(params, cfg)
+    singles, states = [_strict(p) for p in host_params], [ar.init(_strict(p), cfg) for p in host_params]
+    for k, grads in enumerate(stream):
+        engine.step([_strict(g) for g in grads], params)
+        pairs = [ar.step(s, _strict(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for i, want in enumerate(singles):
+        _assert_close(params[i], want, True, np.float64)
+        _assert_states(engine.state(i), states[i], True, np.float64)
+
+
+# ----------------------------------------------------------------------------- the device proxies
+
+
+def _warm_engine(name: str, layers: int, seed: int = 1) -> tuple[Any, list, list]:
+    """An engine over ``layers`` copies of :data:`BLOCK` (float32, array_api_strict), after its refresh step."""
+    rng = np.random.default_rng(seed)
+    shapes = BLOCK * layers
+    params = [_strict(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    engine = ar.Engine(params, ar.make_config(name, update_freq=10, weight_decay=0.1))
+    engine.step([_strict(rng.standard_normal(s).astype(np.float32)) for s in shapes], params)
+    grads = [_strict(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    return engine, params, grads
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_step_without_refresh_converts_once_with_the_check_and_never_without(name: str) -> None:
+    engine, params, grads = _warm_engine(name, layers=2)
+    with count_traffic() as checked:
+        engine.step(grads, params)
+    with count_traffic() as unchecked:
+        engine.step(grads, params, check=False)
+    assert checked.host_conversions == 1, dict(checked.conversions)  # the one reduced verdict
+    assert checked.bytes_to_host == 1  # a boolean
+    assert unchecked.host_conversions == 0, dict(unchecked.conversions)
+    assert engine.count(0) == 3
+
+
+def _step_calls(name: str, layers: int, check: bool, in_place: bool) -> Counter:
+    engine, params, grads = _warm_engine(name, layers)
+    with count_traffic() as traffic:
+        engine.step(grads, params, check=check, in_place=in_place)
+    return Counter({k: v for k, v in traffic.calls.items() if k not in VIEW_CALLS})
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
+@pytest.mark.parametrize("name", ENTRYWISE)
+def test_an_entrywise_step_makes_as_many_calls_for_2_layers_as_for_8(name: str, check: bool) -> None:
+    """Every call but views is the same for 2 and 8 layers of the same shapes: one gather, batched GEMMs per work
+    shape, the family's direction and the tail once per group, one verdict.  Written in place, each parameter
+    takes one ``x[...] = value`` more (the write into the caller's array; nothing else grows)."""
+    few, many = _step_calls(name, 2, check, in_place=False), _step_calls(name, 8, check, in_place=False)
+    assert many == few, (many - few, few - many)
+    few_in_place, many_in_place = _step_calls(name, 2, check, True), _step_calls(name, 8, check, True)
+    assert many_in_place - few_in_place == Counter({"__setitem__": 6 * len(BLOCK)})
+    assert few_in_place - few == Counter({"__setitem__": 2 * len(BLOCK)})
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ENTRYWISE])
+def test_a_factored_step_grows_by_one_update_per_parameter(name: str) -> None:
+    """Adafactor and Hfac (factored moments: not entrywise) run ``core.update`` per parameter: their calls grow
+    by the same count per layer, and the check is still one verdict."""
+    calls = {layers: sum(_step_calls(name, layers, True, False).values()) for layers in (2, 4, 8)}
+    assert calls[8] - calls[4] == 2 * (calls[4] - calls[2]) > 0, calls
+
+
+# ----------------------------------------------------------------------------- failure leaves everything as it was
+
+
+def _snapshot(engine: Any, params: list) -> list:
+    arrays = [to_numpy(p).copy() for p in params]
+    for i in range(len(params)):
+        state = engine.state(i)
+        arrays += [to_numpy(getattr(state, f)).copy() for f in state._fields if getattr(state, f) is not None]
+    return arrays
+
+
+@pytest.mark.parametrize("backend", ["numpy", "strict"])
+@pytest.mark.parametrize("refresh", [False, True], ids=["plain", "refresh"])
+@pytest.mark.parametrize("name", ["adamw", "adadiag_pp", "hfacdiag"])
+def test_a_non_finite_gradient_names_its_parameter_and_changes_nothing(name: str, refresh: bool, backend: str) -> None:
+    convert = BACKENDS[backend]
+    cfg = ar.make_config(name, update_freq=2)
+    host_params, stream = _stream(SHAPES, np.float32, steps=3)
+    params = {f"layer.{i}": convert(p) for i, p in enumerate(host_params)}
+    engine = ar.Engine(params, cfg)
+    engine.step({k: convert(g) for k, g in zip(params, stream[0], strict=True)}, params)  # t = 1 (a refresh)
+    if refresh:
+        engine.step({k: convert(g) for k, g in zip(params, stream[1], strict=True)}, params)  # t = 3 refreshes
+    bad = [g.copy() for g in stream[1]]
+    bad[2][1, 3] = np.nan
+    bad[4][0, 0, 0, 0] = np.inf
+    before = _snapshot(engine, list(params.values()))
+    message = r"1 NaN or Inf entry in the gradient of parameter 'layer\.2' \(shape \(20, 8\)\)"
+    with pytest.raises(ValueError, match=message):
+        engine.step({k: convert(g) for k, g in zip(params, bad, strict=True)}, params)
+    after = _snapshot(engine, list(params.values()))
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert engine.count("layer.0") == (2 if refresh else 1)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # G~^2 overflows, as in ar.step
+def test_a_huge_finite_gradient_is_no_error() -> None:
+    """The verdict is a sum: one that overflows on finite entries is settled exactly, and the step proceeds."""
+    cfg = ar.make_config("adamw")
+    params = [_strict(np.ones((4, 4), np.float32))]
+    engine = ar.Engine(params, cfg)
+    engine.step([_strict(np.full((4, 4), 3e38, np.float32))], params)
+    assert engine.count(0) == 1
+
+
+def test_shapes_and_dtypes_are_refused_before_any_work() -> None:
+    cfg = ar.make_config("adadiag")
+    params = [np.ones((4, 6)), np.ones((3,))]
+    engine = ar.Engine(params, cfg)
+    with pytest.raises(ValueError, match=r"gradient shape \(6, 4\) does not match parameter shape \(4, 6\)"):
+        engine.step([np.ones((6, 4)), np.ones(3)], params)
+    with pytest.raises(ValueError, match="gradient dtype float32 does not match parameter dtype float64"):
+        engine.step([np.ones((4, 6), np.float32), np.ones(3)], params)
+    with pytest.raises(ValueError, match="engine was built for shape"):
+        engine.step([np.ones((4, 6)), np.ones(3)], [np.ones((4, 6)), np.ones(4)])
+    with pytest.raises(ValueError, match="2 parameters"):
+        engine.step([np.ones((4, 6))], params)
+    assert engine.count(0) == 0
+
+
+# ----------------------------------------------------------------------------- routes, states, adapters of the engine
+
+
+def test_routes_say_which_code_runs_each_part() -> None:
+    cfg = ar.make_config("adadiag_pp")
+    params = {"q": _strict(np.zeros((8, 8), np.float32)), "k": _strict(np.zeros((8, 8), np.float32)),
+              "down": _strict(np.zeros((20, 8), np.float32)), "norm": _strict(np.zeros((20,), np.float32))}  # fmt: skip
+    routes = ar.Engine(params, cfg).routes()
+    assert set(routes) == set(params)
+    assert routes["q"].group == routes["norm"].group  # one flat group: family, dtypes and device are shared
+    assert routes["q"].group.startswith("flat group 0: family adam, state float32, parameters float32")
+    assert "refresh_bases: one stacked decomposition of the 2 8 x 8 matrices" in routes["q"].refresh
+    assert "over 2 8 x 8 matrices (xp.matmul on the stack)" in routes["q"].rotate
+    assert "G~ = P^T G Q over 1 8 x 20 matrices" in routes["down"].rotate
+    assert "refresh_basis per parameter (the only matrix of its work shape" in routes["down"].refresh
+    assert "G~ = P^T G over 1 1 x 20 matrices" in routes["norm"].rotate  # a vector's P = [1]: one side, 1 x 1
+    assert "adam.reference.direction" in routes["q"].entrywise and "tail.decayed_step" in routes["q"].entrywise
+    assert ar.explain_route(ar.make_config("adamw"), (20, 8)).rotate.startswith("none")
+
+    numpy_route = ar.explain_route(ar.make_config("adadiag"), (8, 20))
+    assert "numba_route.direction once over the flat group (160 entries)" in numpy_route.entrywise
+    assert "NumPy: LAPACK per matrix" in numpy_route.refresh
+    reference = ar.explain_route(ar.make_config("adadiag", kernels="reference"), (8, 20), np.float64)
+    assert "reference" in reference.entrywise and "float64" in reference.group
+    factored = ar.explain_route(ar.make_config("hfacdiag"), (8, 20))
+    assert factored.group.startswith("per-parameter") and "core.update" in factored.entrywise
+
+
+def test_from_states_takes_the_states_over_unchanged() -> None:
+    cfg = ar.make_config("adadiag", update_freq=2)
+    host_params, stream = _stream(SHAPES, np.float64, steps=3)
+    params, states = [_strict(p) for p in host_params], [ar.init(_strict(p), cfg) for p in host_params]
+    for k in range(3):
+        pairs = [ar.step(s, _strict(g), cfg, w, count=k) for s, g, w in zip(states, stream[k], params, strict=True)]
+        params, states = [w for w, _ in pairs], [s for _, s in pairs]
+    engine = ar.Engine.from_states(states, params, cfg, count=3)
+    for i, state in enumerate(states):
+        _assert_states(engine.state(i), state, True, np.float64)
+    assert isinstance(engine.states(), list) and engine.count(0) == 3
+    with pytest.raises(ValueError, match="state field 'M' has shape"):
+        ar.Engine.from_states(states[::-1], params, cfg, count=3)
+
+
+def test_jax_steps_functionally() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    cfg = ar.make_config("adadiag", update_freq=2)
+    host_params, stream = _stream(BLOCK, np.float32, steps=3)
+    params = [jnp.asarray(p) for p in host_params]
+    engine = ar.Engine(params, cfg)
+    with pytest.raises(TypeError, match="immutable"):
+        engine.step([jnp.asarray(g) for g in stream[0]], params, in_place=True)
+    singles, states = list(params), [ar.init(w, cfg) for w in params]
+    for k, grads in enumerate(stream):
+        params = engine.step([jnp.asarray(g) for g in grads], params)
+        pairs = [ar.step(s, jnp.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for w, want in zip(params, singles, strict=True):
+        _assert_close(w, want, False, np.float32)
+
+
+def test_torch_leaf_parameters_are_written_in_place() -> None:
+    torch = pytest.importorskip("torch")
+    params = [torch.nn.Parameter(torch.ones(4, 6)), torch.nn.Parameter(torch.ones(6))]
+    engine = ar.Engine([p.detach() for p in params], ar.make_config("adamw"))
+    engine.step([torch.ones(4, 6), torch.ones(6)], params)
+    assert all(bool((p < 1).all()) for p in params) and all(p.requires_grad for p in params)
+
+
+def test_bench_gpu_cupy_rows_run_the_engine_with_numpy_standing_in() -> None:
+    """``bench --gpu``'s CuPy rows (``perf.gpu._CupySteps``) run here with NumPy in CuPy's place: the engine's
+    host counter, the parameters updated in place, the results of ``ar.step``."""
+    from types import SimpleNamespace
+
+    from adadiag_ref.memory import llama_parameters
+    from adadiag_ref.perf.gpu import _CupySteps
+    from adadiag_ref.perf.params import QUICK
+
+    class RandomState:
+        def __init__(self, seed: int) -> None:
+            self.rng = np.random.default_rng(seed)
+
+        def standard_normal(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            return self.rng.standard_normal(shape).astype(dtype)
+
+    fake_cupy = SimpleNamespace(random=SimpleNamespace(RandomState=RandomState), float32=np.float32)
+    specs = llama_parameters(QUICK)[:6]
+    steps = _CupySteps(fake_cupy, "adadiag", specs, "all")
+    initial = [[p.copy() for p in params] for _, params, _ in steps.groups]
+    for _ in range(3):
+        steps()
+    for (engine, params, grads), start in zip(steps.groups, initial, strict=True):
+        assert engine.count(0) == 3
+        cfg = engine.cfg
+        for w0, w, g in zip(start, params, grads, strict=True):
+            state, want = ar.init(w0, cfg), w0
+            for k in range(3):
+                want, state = ar.step(state, g, cfg, want, count=k)
+            np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6)
