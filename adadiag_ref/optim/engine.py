@@ -32,8 +32,9 @@ back a synchronisation), decided once, when the engine is built:
 
 One step of a flat group (:meth:`Engine.step`), whatever the number of its parameters:
 
-1. ``G`` and ``W`` gathered into flat arrays (one concatenation each, of reshape views) and cast to the state
-   dtype once;
+1. ``G`` and ``W`` gathered into flat arrays by one concatenation each (of reshape views): into the group's
+   scratch, allocated once, where the backend's ``concatenate`` writes into ``out=`` (NumPy, CuPy, torch), a new
+   array of ``xp.concat`` otherwise (``array_api_strict``, JAX: no such call); cast to the state dtype once;
 2. per rotation block, ``G~ = P^T G Q`` as batched GEMMs over the block's stack (``matmul`` on stacks; on a
    refresh step set to its exact structure, :func:`~adadiag_ref.optim.core.refresh_step_structure`, per
    matrix), and ``G~`` of the group assembled by one concatenation;
@@ -80,7 +81,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_namespace
 
-from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace
+from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, native_module
 from ..config import BaseConfig
 from .batched_refresh import host_counts, refresh_bases
 from .core import _check_static, _where, init, refresh_due, refresh_step_structure, update, work_dtype
@@ -154,6 +155,7 @@ class _FlatGroup:
         self.direction: Callable[..., Any] = lambda *args: None
         self.direction_name = ""
         self.counter: tuple[int, Array] | None = None  # (count, the 0-d device counter made for it)
+        self.scratch: dict[str, Array] = {}  # "G", "W": the gathered gradients and parameters (mutable backends)
 
 
 class _ParamGroup:
@@ -174,6 +176,17 @@ class _Pending(NamedTuple):
     states: dict[int, State]
     params: dict[int, Array]
     bases: dict[tuple[int, int], tuple[Array, Array | None]]
+
+
+def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
+    """The backend's ``concatenate`` that writes into ``out=`` (NumPy, CuPy, torch), or ``None`` (``array_api_strict``,
+    JAX: no such call; the engine then gathers with ``xp.concat``, a new array per step)."""
+    try:
+        module = native_module(xp)
+    except TypeError:
+        return None
+    concatenate: Callable[..., Any] = getattr(module, "cat", None) or module.concatenate
+    return concatenate
 
 
 def _describe(fn: Callable[..., Any]) -> str:
@@ -308,6 +321,7 @@ class Engine:
         self._param_dtypes = [p.dtype for p in params]
         self._family = family = family_of(cfg)
         self._immutable = is_jax_namespace(xp)
+        self._native = _native_concatenate(xp)
         kind = "flat" if family.entrywise else "per-parameter"
         grouped: dict[tuple[Any, ...], list[int]] = {}
         for i, (p, s) in enumerate(zip(params, states, strict=True)):
@@ -381,6 +395,8 @@ class Engine:
                 xp.concat([_flatten(v, m.layout, xp) for v, m in zip(values, group.members, strict=True)])
             )  # fmt: skip
         group.direction, group.direction_name = self._resolve_direction(group, family)
+        if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
+            group.scratch = {name: xp.empty((offset,), dtype=group.param_dtype, device=group.device) for name in "GW"}
         return group
 
     def _resolve_direction(self, group: _FlatGroup, family: FamilySpec) -> tuple[Callable[..., Any], str]:
@@ -604,9 +620,20 @@ class Engine:
 
     def _gather(self, group: _FlatGroup, grads: list[Array]) -> Array:
         """The group's gradients as one flat array of the state dtype (memory order, the members' order)."""
+        return self.xp.astype(self._gathered(group, "G", grads), group.dtype, copy=False)
+
+    def _gathered(self, group: _FlatGroup, which: str, arrays: list[Array]) -> Array:
+        """The members' ``arrays`` one after another (memory order, the members' order): written by one call into
+        the group's scratch where the backend's ``concatenate`` takes ``out=`` (NumPy, CuPy, torch), else a new
+        array of ``xp.concat`` (``array_api_strict``, JAX)."""
         xp = self.xp
-        flat = xp.concat([xp.reshape(grads[m.index], (-1,)) for m in group.members])
-        return xp.astype(flat, group.dtype, copy=False)
+        pieces = [xp.reshape(arrays[m.index], (-1,)) for m in group.members]
+        if self._native is None:
+            return xp.concat(pieces)
+        out = group.scratch[which]
+        with self._writable():  # torch: cat(out=) refuses inputs that require grad outside no_grad
+            self._native(pieces, out=out)
+        return out
 
     def _raise_if_nonfinite(self, flats: list[Array], grads: list[Array]) -> None:
         """One verdict for every gradient, read back once: per flat group the sum of its flat gradient, per
@@ -689,7 +716,7 @@ class Engine:
         eta = learning_rate(cfg, lr)
         moments_out, flat_params = [], []
         for number, (group, g) in enumerate(zip(self._flat, flats, strict=True)):
-            w_param = xp.concat([xp.reshape(params[m.index], (-1,)) for m in group.members])
+            w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             g_rot = self._rotated(group, number, g, stacks, refreshed)
