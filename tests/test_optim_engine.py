@@ -321,6 +321,27 @@ def test_from_states_takes_the_states_over_unchanged() -> None:
         ar.Engine.from_states(states[::-1], params, cfg, count=3)
 
 
+def test_parameters_at_different_steps_form_groups_of_their_own() -> None:
+    """``multi_step`` with one count per parameter: each count its own group, its own refresh schedule."""
+    cfg = ar.make_config("adadiag", update_freq=2, kernels="reference")
+    host_params, stream = _stream([(6, 9), (6, 9), (9,)], np.float64, steps=4)
+    params, states = [_strict(p) for p in host_params], [ar.init(_strict(p), cfg) for p in host_params]
+    params[0], states[0] = ar.step(states[0], _strict(stream[3][0]), cfg, params[0], count=0)  # one step ahead
+    counts = [1, 0, 0]
+    for k in range(3):
+        grads = [_strict(g) for g in stream[k]]
+        new_params, new_states = ar.multi_step(states, grads, cfg, params, count=counts)
+        pairs = [ar.step(s, g, cfg, w, count=c) for s, g, w, c in zip(states, grads, params, counts, strict=True)]
+        for got, got_state, (want, want_state) in zip(new_params, new_states, pairs, strict=True):
+            _assert_close(got, want, True, np.float64)
+            _assert_states(got_state, want_state, True, np.float64)
+        params, states, counts = new_params, new_states, [c + 1 for c in counts]
+    engine = ar.Engine.from_states(states, params, cfg, count=counts)
+    assert len({r.group for r in engine.routes().values()}) == 2
+    with pytest.raises(ValueError, match="at least one parameter"):
+        ar.Engine([], cfg)
+
+
 def test_jax_steps_functionally() -> None:
     jnp = pytest.importorskip("jax.numpy")
     cfg = ar.make_config("adadiag", update_freq=2)

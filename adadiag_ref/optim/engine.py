@@ -275,6 +275,8 @@ class Engine:
         self, params: Any, cfg: BaseConfig, *, names: Sequence[str | None] | None = None, xp: Namespace | None = None
     ) -> None:
         keys, params_l, names_l = _keys_of(params, names)
+        if not params_l:
+            raise ValueError("an engine needs at least one parameter")
         xp = namespace(*params_l, xp=xp)
         self._build(keys, names_l, params_l, [init(p, cfg, xp=xp) for p in params_l], cfg, [0] * len(params_l), xp)
 
@@ -295,6 +297,8 @@ class Engine:
         here.  The states' moments and bases are copied into the engine's flat arrays (the states themselves
         are never modified)."""
         keys, params_l, names_l = _keys_of(params, names)
+        if not params_l:
+            raise ValueError("an engine needs at least one parameter")
         states_l = _as_ordered(states, keys, "states")
         xp = namespace(*params_l, xp=xp)
         for s, p in zip(states_l, params_l, strict=True):
