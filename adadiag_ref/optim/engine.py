@@ -728,7 +728,10 @@ class Engine:
             u_rot, moments = self._direction(group, g_rot, t)
             direction = self._unrotated(group, u_rot, stacks)
             eta_t = family.step_size(cfg, t, w, eta, xp)
-            delta = xp.astype(decayed_step(direction, w, eta_t, cfg, owned=False), group.param_dtype, copy=False)
+            # with rotation blocks the direction is the fresh concatenation of _unrotated: the tail may overwrite
+            # it (the same bits, tail.parameter_delta); without, it is the family's U~, which may share a moment
+            owned = bool(group.blocks) and not self._immutable
+            delta = xp.astype(decayed_step(direction, w, eta_t, cfg, owned=owned), group.param_dtype, copy=False)
             moments_out.append(moments)
             flat_params.append(w_param + delta)
         new_states: dict[int, State] = {}
