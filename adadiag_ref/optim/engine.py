@@ -263,12 +263,25 @@ def _keys_of(params: Any, names: Sequence[str | None] | None) -> tuple[list[Key]
 
 
 class Engine:
-    """A stateful optimizer over many parameters of one config (module docstring: groups, flat state, routes
-    resolved once, host counter, one reduced finiteness verdict).
+    """A stateful optimizer over many parameters of one config: per parameter ``G~ = P^T G Q``,
+    ``U~, M_t, V_t = direction(S_{t-1}, G~, t)``, ``W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)``, the bases
+    refreshed at ``t = 1`` and every ``T`` steps, as :func:`~adadiag_ref.step` computes them.
 
     ``Engine(params, cfg)``: zero moments, identity bases, no step taken (:func:`~adadiag_ref.init` of each
     parameter).  ``params`` is a sequence (keys: ``names`` where given, else the indices) or a mapping (keys: its
     keys, which name the parameters in messages).  :meth:`from_states` builds it from existing core states.
+
+    Built once (``adadiag_ref/optim/engine.py``'s module docstring has the whole design): the parameters grouped by
+    (family, state dtype, parameter dtype, device, kind, steps taken); an entrywise family's group keeps one flat
+    array per moment field and steps all of its parameters at once (one gather, batched GEMMs per work shape, the
+    direction and the tail once); Adafactor and Hfac step per parameter; the step counter is a host int per group.
+
+    * :meth:`step` ``(grads, params, *, lr=None, check=True, in_place=None)``: one step of every parameter,
+      written into ``params`` (in place; JAX: returned); with ``check`` one value read back for all gradients,
+      and a non-finite gradient raises ``ValueError`` naming its parameter with nothing changed;
+    * :meth:`state` ``(key)``, :meth:`states` ``()``: the core states (NamedTuples), as ``step`` would hold them;
+    * :meth:`count` ``(key)``: the steps taken; :attr:`keys`: the parameters' keys;
+    * :meth:`routes` ``()``: per key, the :class:`Route` (which code runs each part of a step).
     """
 
     def __init__(
