@@ -392,7 +392,7 @@ class Engine:
                 offset += member.size
                 block.matrices += k
             block.stop = offset
-            m, n = _memory_shape(layouts[members[0]])[:: -1 if transposed else 1]
+            m, n = layouts[members[0]].rows, layouts[members[0]].cols  # the work frame: P is m x m, Q n x n
             block.P = xp.concat([xp.reshape(states[i].P, (-1, m, m)) for i in members])
             if right:
                 block.Q = xp.concat([xp.reshape(states[i].Q, (-1, n, n)) for i in members])
@@ -401,7 +401,7 @@ class Engine:
         for i in indices:
             lay = layouts[i]
             if not lay.rotate_left:
-                size = math.prod(self._shapes[i]) if self._shapes[i] else 1
+                size = math.prod(self._shapes[i])  # 1 for a 0-d parameter
                 group.members.append(_Member(i, lay, offset, size, None, 0, 1, states[i].param_shape))
                 offset += size
         group.size = offset
