@@ -45,14 +45,18 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+import numpy
+
 import adadiag_ref as ar
 from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.core import _check_static, prepare_step
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch
-from adadiag_ref.optim.rotation import unrotate
+from adadiag_ref.optim.families.adam import group_route
+from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
+from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch, to_work
+from adadiag_ref.optim.rotation import rotate, unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
 
@@ -247,6 +251,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
+        self._host_plan: _HostPlan | None = None  # the routes resolved once (:meth:`_resolve_routes`)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
@@ -278,6 +283,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.split_refresh = bool(state.get("split_refresh", False))
         self._configs = {}
         self._frames = {}
+        self._host_plan = None
         for group in self.param_groups:
             group.setdefault("foreach", None)
         self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
@@ -294,6 +300,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        self._host_plan = None  # a new group: the routes are resolved again
         self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
     # ------------------------------------------------------------------ config
@@ -339,7 +346,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
             _foreach_traced(_step_on_host_outside_graph(self, True))
-        else:
+        elif not self._host_route_step():
             self._step_on_host(deferred=False)
         return loss
 
@@ -418,7 +425,133 @@ class CoreOptimizer(torch.optim.Optimizer):
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
+        self._host_plan = None  # states may be new or have new storage (Tensor.set_): resolved again next step
         return plans
+
+    # ------------------------------------------------------------------ routes resolved once
+
+    def _resolve_routes(self) -> _HostPlan:
+        """Decide, once, which code steps each parameter (:class:`_HostPlan`); :meth:`step` and :meth:`routes`
+        both read this decision.  Kept until something it depends on changes (:meth:`_HostPlan.still_valid`;
+        ``add_param_group``, ``load_state_dict`` and any step through the per-parameter route drop it)."""
+        xp = torch_namespace()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        split = self.split_refresh and distributed and torch.distributed.get_world_size() > 1
+        snapshots: list[tuple[Any, ...]] = []
+        routes: dict[str, dict[str, str]] = {}
+        lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
+        idle: list[torch.Tensor] = []
+        eligible = True
+        for group_index, group in enumerate(self.param_groups):
+            cfg = self._build_config(group)
+            snapshots.append(_snapshot(group))
+            foreach = _foreach_on(group, cfg)
+            names = group.get("param_names")
+            for index, p in enumerate(group["params"]):
+                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+                if p.grad is None:
+                    idle.append(p)
+                    routes[label] = {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
+                    continue
+                flat = self.state.get(p) or {}
+                layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
+                rotated = layout is None or layout.rotate_left or layout.rotate_right
+                sharded = _sharded.is_sharded(p)
+                reason = _host_route_refusal(p, flat, cfg, foreach, sharded, layout, xp)
+                if sharded:
+                    moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
+                elif foreach:
+                    moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
+                elif reason is None:
+                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)"
+                else:
+                    moments = "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                if not rotated:
+                    refresh = "none (no basis)"
+                elif sharded:
+                    refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
+                elif split:
+                    refresh = "split over ranks (owner per matrix, bases broadcast)"
+                else:
+                    refresh = "batched stack (ar.refresh_bases per config and shape), per-parameter route that step"
+                routes[label] = {
+                    "refresh": refresh,
+                    "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
+                    "moments": moments,
+                    **({} if reason is None else {"why_not_group_kernels": reason}),
+                }
+                if reason is not None:
+                    eligible = False
+                    continue
+                assert layout is not None
+                lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
+                lane.add(p, flat, layout, _where(names, index, group_index))
+        lanes = [lane.finish() for lane in lanes_by_key.values()] if eligible and lanes_by_key else None
+        return _HostPlan(snapshots, routes, lanes, idle)
+
+    def routes(self) -> dict[str, dict[str, str]]:
+        """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
+        given them, else ``"param_groups[i].params[j]"``): a mapping with
+
+        * ``"refresh"``: the basis refresh (``"batched stack ..."``, ``"sharded owner ..."``, ``"split over
+          ranks ..."``, ``"none (no basis)"``); a refresh step runs every parameter through the per-parameter
+          route;
+        * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T`` (``"GEMM ..."`` or ``"none"``);
+        * ``"moments"``: moments, direction and tail of a step without refresh: ``"numba group kernels ..."``
+          (the default CPU route, :mod:`adadiag_ref.optim.families.adam.group_route`), ``"foreach
+          multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or ``"sharded ..."``;
+        * ``"why_not_group_kernels"`` (only where the default CPU route does not take the parameter): why.
+
+        Read from the very decision :meth:`step` uses (resolved once and cached, :class:`_HostPlan`), for the
+        gradients present now: a parameter without a gradient is skipped.  The group kernels run only when every
+        parameter with a gradient qualifies (otherwise the whole step takes the per-parameter routes, and the
+        entries say so).
+        """
+        plan = self._host_plan
+        if plan is None or not plan.still_valid(self):
+            plan = self._host_plan = self._resolve_routes()
+        routes = {label: dict(entry) for label, entry in plan.routes.items()}
+        if plan.lanes is None:
+            for entry in routes.values():
+                if entry["moments"].startswith("numba group"):
+                    entry["moments"] = (
+                        "per parameter: update_in_place (another parameter of the step is not "
+                        "eligible for the group kernels)"
+                    )
+        return routes
+
+    def _host_route_step(self) -> bool:
+        """A step through the group kernels (:mod:`adadiag_ref.optim.families.adam.group_route`) when the cached
+        decision (:meth:`_resolve_routes`) puts every parameter with a gradient there and no refresh is due;
+        ``False``, having changed nothing, otherwise (the caller then takes :meth:`_step_on_host`).
+
+        The same checks as the per-parameter route, in the same order of effects: every gradient is validated
+        (dtype, shape, layout; finiteness counted exactly by the first kernel, which writes only scratch) before
+        the first write, and a non-finite gradient raises ``ValueError`` naming the parameter with nothing changed.
+        """
+        plan = self._host_plan
+        if plan is None or not plan.still_valid(self):
+            plan = self._host_plan = self._resolve_routes()
+        if plan.lanes is None:
+            return False
+        xp = torch_namespace()
+        ready = []
+        for lane in plan.lanes:  # phase 1: validation and scratch only
+            group = self.param_groups[lane.group_index]
+            step_in = lane.prepare(group, xp)
+            if step_in is None:
+                return False
+            ready.append(step_in)
+        for lane, step_in in zip(plan.lanes, ready, strict=True):
+            if step_in.bad.any():
+                i = int(step_in.bad.argmax())
+                raise ValueError(
+                    f"gradient of {lane.wheres[i]} contains NaN or Inf at step {step_in.taken + 1}; "
+                    "no parameter and no optimizer state was changed"
+                )
+        for lane, step_in in zip(plan.lanes, ready, strict=True):  # phase 2: the writes
+            lane.apply(step_in, xp)
+        return True
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -569,6 +702,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p in loaded:
                     self.state[p] = loaded[p]
+        self._host_plan = None  # new state tensors: the routes are resolved again
 
 
 _step_on_host_outside_graph = torch.compiler.disable(
@@ -580,6 +714,221 @@ _step_on_host_outside_graph = torch.compiler.disable(
     ),
 )
 """:meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
+
+
+def _order(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of the dimensions longer than 1: two dense tensors of one shape with equal orders hold entry
+    ``(i, j)`` at the same offset (the strides of length-1 dimensions are arbitrary)."""
+    return tuple(s for s, n in zip(x.stride(), x.shape, strict=True) if n > 1)
+
+
+def _snapshot(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A group's hyperparameters but ``lr`` (read at every step) as comparable values: a cached route decision
+    holds while the snapshot is equal."""
+    return tuple((k, _hashable(_number(v))) for k, v in group.items() if k not in ("params", "lr", "param_names"))
+
+
+def _host_route_refusal(
+    p: torch.Tensor,
+    flat: Mapping[str, torch.Tensor],
+    cfg: BaseConfig,
+    foreach: bool,
+    sharded: bool,
+    layout: Layout | None,
+    xp: Any,
+) -> str | None:
+    """Why the group kernels cannot step ``p`` (a clause), or ``None`` when they can."""
+    if not flat:
+        return "no state yet (the first step creates it through the per-parameter route)"
+    if sharded:
+        return "a sharded (DTensor) parameter"
+    if foreach:
+        return "the group's foreach route"
+    if family_of(cfg) is not ADAM_FAMILY:
+        return f"family {family_of(cfg).name!r} has no group kernels"
+    if cfg.kernels == "reference":
+        return "kernels='reference'"
+    if not group_route.AVAILABLE:
+        return "numba is not installed"
+    if layout is None:
+        return "batch_dims > 0"
+    if (
+        p.device.type != "cpu"
+        or p.dtype not in (torch.float32, torch.float64)
+        or type(p) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return f"a {p.dtype} tensor on {p.device} (the kernels take plain float32/float64 CPU tensors)"
+    if not p.is_contiguous():
+        return "a non-contiguous parameter"
+    try:
+        state = to_core_state(flat, cfg)
+    except ValueError:
+        return "a state of another optimizer"
+    M, V = state.M, state.V
+    if (
+        M.dtype != p.dtype
+        or V.dtype != p.dtype
+        or any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in (M, V))
+    ):
+        return f"state dtype {M.dtype} differs from the parameter's {p.dtype}"
+    try:
+        _check_static(state, p, p, layout, cfg)
+    except ValueError:
+        return "a state whose shapes do not fit the parameter"
+    if state.P is None and state.Q is None:
+        if any(_order(from_work(x, layout, xp)) != _order(p) for x in (M, V)):
+            return "moments not in the parameter's memory order"
+    elif _order(M) != _order(V) or not (M.is_contiguous() or M.mT.is_contiguous()):
+        return "moments not dense in one memory order"
+    return None
+
+
+class _LaneStep(NamedTuple):
+    """One lane's step after validation: what :meth:`_Lane.apply` writes from."""
+
+    taken: int  # the steps taken (the host counters' value)
+    bad: Any  # NaN/Inf count per member
+    scalars: tuple[Any, ...]  # b1, c1, b2, c2, eps, -eta, lambda, decay
+    grads: list[torch.Tensor]  # unrotated members' gradients
+    rotated: list[torch.Tensor]  # rotated members' G~ (this step's GEMM outputs)
+
+
+class _Lane:
+    """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
+    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
+    unrotated members first."""
+
+    def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
+        self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
+        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] = []
+
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
+        self.members.append((p, flat, layout, where))
+
+    def finish(self) -> _Lane:
+        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
+        self.params = [m[0] for m in members]
+        self.flats = [m[1] for m in members]
+        self.wheres = [m[3] for m in members]
+        self.n_unrot = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
+        rot = members[self.n_unrot :]
+        self.layouts = [m[2] for m in rot]
+        self.bases = [(m[1].get("P"), m[1].get("Q")) for m in rot]
+        self.m_strides = [_order(m[1]["M"]) for m in rot]
+        self.w_strides = [_order(to_work(m[0], m[2], torch_namespace())) for m in rot]
+        self.counters = [f["step"] for f in self.flats]
+        self.moments = [f["M"] for f in self.flats]
+        self.seconds = [f["V"] for f in self.flats]
+        self.w_at = group_route.addresses(self.params)
+        self.m_at = group_route.addresses(self.moments)
+        self.v_at = group_route.addresses(self.seconds)
+        sizes = [p.numel() for p in self.params]
+        self.sizes = numpy.array(sizes, dtype=numpy.int64)
+        self.offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64)
+        k, split = self.n_unrot, int(sum(sizes[: self.n_unrot]))
+        self.rot_offsets = self.offsets[k:] - split
+        self.scratch = torch.empty((2, int(sum(sizes))), dtype=self.dtype)  # V_t and sqrt(V_t)
+        self.vt, self.root = self.scratch.numpy()
+        self.split = split
+        self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
+        self.np_dtype = self.vt.dtype
+        return self
+
+    def still_valid(self) -> bool:
+        """The parameters and moments still own the memory the addresses point to (``p.data = ...``,
+        ``Tensor.set_`` or a replaced state tensor change it)."""
+        return (
+            numpy.array_equal(group_route.addresses(self.params), self.w_at)
+            and all(f.get("M") is m and f.get("V") is v for f, m, v in zip(self.flats, self.moments, self.seconds))
+            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)
+            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+        )
+
+    def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
+        """Validate this step's gradients and run the first kernel (scratch only); ``None``: not this route."""
+        grads = []
+        dtype = self.dtype
+        for p in self.params:
+            g = p.grad
+            if g is None or g.layout is not torch.strided or g.dtype != dtype or not g.is_cpu or g.shape != p.shape \
+                    or not g.is_contiguous() or type(g) is not torch.Tensor or g.is_neg():  # fmt: skip
+                return None
+            grads.append(g)
+        if group["maximize"]:
+            grads = list(torch._foreach_neg(grads))
+        counts = torch.stack(self.counters).numpy()
+        count = int(counts[0])
+        if (counts != count).any():
+            return None
+        rotated = []
+        if self.n_unrot < len(self.params):
+            if ar.refresh_due(count, self.cfg):
+                return None
+            for g, layout, (P, Q), strides in zip(grads[self.n_unrot :], self.layouts, self.bases, self.m_strides,
+                                                  strict=True):  # fmt: skip
+                g_rot = rotate(to_work(g, layout, xp), P, Q, xp, transposed=layout.transposed)
+                if _order(g_rot) != strides or g_rot.data_ptr() == g.data_ptr() or (not g_rot.is_contiguous() and \
+                        not g_rot.mT.is_contiguous()):  # fmt: skip
+                    return None
+                rotated.append(g_rot)
+        lr = _number(group["lr"])
+        if not _finite_at_least(lr, 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        cfg = self.cfg
+        t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), self.params[0].dtype)  # prepare_step's t
+        b1_t, b2_t = beta_hats(cfg, t, xp)
+        b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
+        scalars = kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), self.np_dtype)
+        b2, c2 = scalars[2], scalars[3]
+        group_route.second_moment(group_route.addresses(grads), group_route.addresses(grads[: self.n_unrot] + rotated),
+                                  self.v_at, self.sizes, self.offsets, b2, c2, self.vt, self.bad)  # fmt: skip
+        return _LaneStep(count, self.bad, scalars, grads, rotated)
+
+    def apply(self, step_in: _LaneStep, xp: Any) -> None:
+        """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
+        b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
+        torch.sqrt(self.scratch[0], out=self.scratch[1])
+        k, split = self.n_unrot, self.split
+        if step_in.rotated:
+            vt, mr = self.vt[split:], self.root[split:]
+            sizes, offsets = self.sizes[k:], self.rot_offsets
+            group_route.direction_rotated(self.m_at[k:], group_route.addresses(step_in.rotated), sizes, offsets,
+                                          b1, c1, eps, mr)  # fmt: skip
+            directions: list[torch.Tensor] = []
+            for u, layout, (P, Q), strides in zip(step_in.rotated, self.layouts, self.bases, self.w_strides,
+                                                  strict=True):  # fmt: skip
+                d = unrotate(u, P, Q, xp, transposed=layout.transposed)
+                if _order(d) != strides or (not d.is_contiguous() and not d.mT.is_contiguous()):  # pragma: no cover
+                    d = torch.empty_like(w := to_work(self.params[k + len(directions)], layout, xp)).copy_(d)
+                    assert _order(d) == _order(w)  # GEMM outputs keep the parameter's order; else its copy
+                directions.append(d)
+            group_route.apply_rotated(self.w_at[k:], group_route.addresses(directions), self.m_at[k:], self.v_at[k:],
+                                      sizes, offsets, neg_lr, wd, decay, mr, vt)  # fmt: skip
+        if k:
+            group_route.apply_unrotated(self.w_at[:k], group_route.addresses(step_in.grads[:k]), self.m_at[:k],
+                                        self.v_at[:k], self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd,
+                                        decay, self.vt, self.root)  # fmt: skip
+        torch._foreach_add_(self.counters, 1)
+
+
+class _HostPlan:
+    """The routes of a step, resolved once (:meth:`CoreOptimizer._resolve_routes`): per parameter the mapping
+    :meth:`CoreOptimizer.routes` reports, and the group-kernel lanes (``None``: the per-parameter route)."""
+
+    def __init__(self, snapshots: list[tuple[Any, ...]], routes: dict[str, dict[str, str]],
+                 lanes: list[_Lane] | None, idle: list[torch.Tensor]) -> None:  # fmt: skip
+        self.snapshots, self.routes, self.lanes, self.idle = snapshots, routes, lanes, idle
+
+    def still_valid(self, opt: CoreOptimizer) -> bool:
+        """The decision holds: the same groups with the same hyperparameters (``lr`` aside), no gradient on a
+        parameter that had none (and every lane's gradients are checked at each step), the same memory."""
+        groups = opt.param_groups
+        return (
+            len(groups) == len(self.snapshots)
+            and all(_snapshot(g) == s for g, s in zip(groups, self.snapshots, strict=True))
+            and all(p.grad is None for p in self.idle)
+            and (self.lanes is None or all(lane.still_valid() for lane in self.lanes))
+        )
 
 
 class _Work(NamedTuple):
