@@ -56,7 +56,7 @@ from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 from adadiag_ref.optim.families.adam import group_route
 from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
 from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch, to_work
-from adadiag_ref.optim.rotation import rotate, unrotate
+from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
 
@@ -486,8 +486,16 @@ class CoreOptimizer(torch.optim.Optimizer):
                 assert layout is not None
                 lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
                 lane.add(p, flat, layout, _where(names, index, group_index))
-        lanes = [lane.finish() for lane in lanes_by_key.values()] if eligible and lanes_by_key else None
-        return _HostPlan(snapshots, routes, lanes, idle)
+        finished = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
+        lanes = [lane for lane in finished if lane is not None]
+        if len(lanes) != len(finished) or not lanes:
+            for entry in routes.values():
+                if entry["moments"].startswith("numba group"):
+                    entry["moments"] = (
+                        "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                    )
+                    entry["why_not_group_kernels"] = "another parameter of the step cannot take the group kernels"
+        return _HostPlan(snapshots, routes, lanes or None, idle)
 
     def routes(self) -> dict[str, dict[str, str]]:
         """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
@@ -510,15 +518,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         plan = self._host_plan
         if plan is None or not plan.still_valid(self):
             plan = self._host_plan = self._resolve_routes()
-        routes = {label: dict(entry) for label, entry in plan.routes.items()}
-        if plan.lanes is None:
-            for entry in routes.values():
-                if entry["moments"].startswith("numba group"):
-                    entry["moments"] = (
-                        "per parameter: update_in_place (another parameter of the step is not "
-                        "eligible for the group kernels)"
-                    )
-        return routes
+        return {label: dict(entry) for label, entry in plan.routes.items()}
 
     def _host_route_step(self) -> bool:
         """A step through the group kernels (:mod:`adadiag_ref.optim.families.adam.group_route`) when the cached
@@ -550,7 +550,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                     "no parameter and no optimizer state was changed"
                 )
         for lane, step_in in zip(plan.lanes, ready, strict=True):  # phase 2: the writes
-            lane.apply(step_in, xp)
+            lane.apply(step_in)
         return True
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
@@ -789,14 +789,58 @@ class _LaneStep(NamedTuple):
     taken: int  # the steps taken (the host counters' value)
     bad: Any  # NaN/Inf count per member
     scalars: tuple[Any, ...]  # b1, c1, b2, c2, eps, -eta, lambda, decay
-    grads: list[torch.Tensor]  # unrotated members' gradients
-    rotated: list[torch.Tensor]  # rotated members' G~ (this step's GEMM outputs)
+    grads: list[torch.Tensor]  # the gradients (negated under maximize): kept alive while the kernels read them
+    g_at: Any  # their addresses
+
+
+_GEMM_ALIGNMENT = 64
+"""Bytes: the alignment of torch's CPU allocations, kept by the group route's GEMM buffers (:class:`_Lane`)."""
+
+
+class _Rotation(NamedTuple):
+    """One rotated member's GEMMs, the core's :func:`~adadiag_ref.optim.rotation.rotate` and ``unrotate`` written
+    out as the very ``torch.mm`` calls they make (``a @ b`` of 2-D operands is ``mm``; the same operands, the
+    same bits), the last product of each into this lane's persistent buffers (``out=``): ``G~`` (later ``U~``)
+    and ``D`` keep fixed addresses, in the memory order of ``M`` and of ``W`` (both the parameter's)."""
+
+    matrix: tuple[int, int]  # the parameter as a matrix (to_work's reshape, before its transposition)
+    transposed: bool
+    P: torch.Tensor | None
+    Q: torch.Tensor | None
+    g_out: torch.Tensor  # G~'s memory: (m, n) C-order, or (n, m) C-order for a transposed work frame
+    d_out: torch.Tensor  # D's memory, likewise
+
+    def rotate(self, grad: torch.Tensor) -> None:
+        """``G~ = P^T G Q`` (:func:`~adadiag_ref.optim.rotation.rotate`) into ``g_out``."""
+        P, Q, x = self.P, self.Q, grad.view(self.matrix)
+        if self.transposed:  # (Q^T G^T P)^T: x is G^T
+            if Q is None:
+                torch.mm(x, P, out=self.g_out)  # type: ignore[arg-type]
+            else:
+                torch.mm(Q.mT, x if P is None else torch.mm(x, P), out=self.g_out)
+        elif Q is None:
+            torch.mm(P.mT, x, out=self.g_out)  # type: ignore[union-attr]
+        else:
+            torch.mm(x if P is None else torch.mm(P.mT, x), Q, out=self.g_out)
+
+    def unrotate(self) -> None:
+        """``D = P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) of ``U~`` in ``g_out``, into ``d_out``."""
+        P, Q, u = self.P, self.Q, self.g_out
+        if self.transposed:  # u is U~^T
+            if Q is None:
+                torch.mm(u, P.mT, out=self.d_out)  # type: ignore[union-attr]
+            else:
+                torch.mm(Q, u if P is None else torch.mm(u, P.mT), out=self.d_out)
+        elif Q is None:
+            torch.mm(P, u, out=self.d_out)  # type: ignore[arg-type]
+        else:
+            torch.mm(u if P is None else torch.mm(P, u), Q.mT, out=self.d_out)
 
 
 class _Lane:
     """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
     the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
-    unrotated members first."""
+    unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
 
     def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
         self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
@@ -805,29 +849,56 @@ class _Lane:
     def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
         self.members.append((p, flat, layout, where))
 
-    def finish(self) -> _Lane:
+    def finish(self) -> _Lane | None:
+        """Fix the lane's buffers and addresses; ``None`` when a rotated member's moments are not in the order
+        its GEMM outputs take (then the per-parameter route)."""
         members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
         self.params = [m[0] for m in members]
         self.flats = [m[1] for m in members]
         self.wheres = [m[3] for m in members]
-        self.n_unrot = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
-        rot = members[self.n_unrot :]
-        self.layouts = [m[2] for m in rot]
-        self.bases = [(m[1].get("P"), m[1].get("Q")) for m in rot]
-        self.m_strides = [_order(m[1]["M"]) for m in rot]
-        self.w_strides = [_order(to_work(m[0], m[2], torch_namespace())) for m in rot]
+        self.n_unrot = k = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
+        sizes = [p.numel() for p in self.params]
+        split = int(sum(sizes[:k]))
+        total = int(sum(sizes))
+        self.scratch = torch.empty((2, total), dtype=self.dtype)  # V_t and sqrt(V_t) (later M_t, rotated)
+        # G~ (later U~) and D of the rotated members, each at a 64-byte boundary as a fresh tensor is: BLAS may
+        # round otherwise on operands at other alignments (measured: a GEMM of a 7 x 5 float64 operand 280 bytes
+        # into a buffer differed in the last bit from the same GEMM of a fresh copy)
+        align = max(1, _GEMM_ALIGNMENT // self.scratch.element_size())
+        starts = []
+        offset = 0
+        for size in sizes[k:]:
+            starts.append(offset)
+            offset += -(-size // align) * align
+        self.rot_scratch = torch.empty((2, offset + align), dtype=self.dtype)
+        skip = (-self.rot_scratch.data_ptr() // self.rot_scratch.element_size()) % align  # the first boundary
+        row = self.rot_scratch.shape[1] * self.rot_scratch.element_size()
+        if row % _GEMM_ALIGNMENT:  # pragma: no cover - offset + align is a multiple of align
+            return None
+        xp = torch_namespace()
+        self.rotations = []
+        for (p, flat, layout, _), start in zip(members[k:], starts, strict=True):
+            m, n, size = layout.rows, layout.cols, p.numel()
+            shape = (n, m) if layout.transposed else (m, n)
+            g_out, d_out = (self.rot_scratch[j, skip + start : skip + start + size].view(shape) for j in (0, 1))
+            g_work, d_work = (x.mT if layout.transposed else x for x in (g_out, d_out))
+            if _order(g_work) != _order(flat["M"]) or _order(d_work) != _order(to_work(p, layout, xp)):
+                return None
+            matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+            self.rotations.append(_Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out))
         self.counters = [f["step"] for f in self.flats]
         self.moments = [f["M"] for f in self.flats]
         self.seconds = [f["V"] for f in self.flats]
+        self.bases = [(f.get("P"), f.get("Q")) for f in self.flats[k:]]
         self.w_at = group_route.addresses(self.params)
         self.m_at = group_route.addresses(self.moments)
         self.v_at = group_route.addresses(self.seconds)
-        sizes = [p.numel() for p in self.params]
         self.sizes = numpy.array(sizes, dtype=numpy.int64)
         self.offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64)
-        k, split = self.n_unrot, int(sum(sizes[: self.n_unrot]))
         self.rot_offsets = self.offsets[k:] - split
-        self.scratch = torch.empty((2, int(sum(sizes))), dtype=self.dtype)  # V_t and sqrt(V_t)
+        self.u_at = group_route.addresses([r.g_out for r in self.rotations])
+        self.d_at = group_route.addresses([r.d_out for r in self.rotations])
+        self.x_tail = self.u_at  # the second-moment kernel reads G~ there
         self.vt, self.root = self.scratch.numpy()
         self.split = split
         self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
@@ -835,79 +906,79 @@ class _Lane:
         return self
 
     def still_valid(self) -> bool:
-        """The parameters and moments still own the memory the addresses point to (``p.data = ...``,
+        """The parameters, moments and bases still own the memory the addresses point to (``p.data = ...``,
         ``Tensor.set_`` or a replaced state tensor change it)."""
         return (
             numpy.array_equal(group_route.addresses(self.params), self.w_at)
             and all(f.get("M") is m and f.get("V") is v for f, m, v in zip(self.flats, self.moments, self.seconds))
             and numpy.array_equal(group_route.addresses(self.moments), self.m_at)
             and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+            and all(
+                (f.get("P"), f.get("Q")) == (r.P, r.Q)
+                for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
+            )
         )
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
-        """Validate this step's gradients and run the first kernel (scratch only); ``None``: not this route."""
+        """Validate this step's gradients, rotate, run the first kernel (scratch only); ``None``: not this route."""
         grads = []
         dtype = self.dtype
         for p in self.params:
             g = p.grad
-            if g is None or g.layout is not torch.strided or g.dtype != dtype or not g.is_cpu or g.shape != p.shape \
-                    or not g.is_contiguous() or type(g) is not torch.Tensor or g.is_neg():  # fmt: skip
+            if (
+                g is None
+                or g.layout is not torch.strided
+                or g.dtype != dtype
+                or not g.is_cpu
+                or g.shape != p.shape
+                or not g.is_contiguous()
+                or type(g) is not torch.Tensor
+                or g.is_neg()
+            ):
                 return None
             grads.append(g)
-        if group["maximize"]:
-            grads = list(torch._foreach_neg(grads))
         counts = torch.stack(self.counters).numpy()
         count = int(counts[0])
         if (counts != count).any():
             return None
-        rotated = []
-        if self.n_unrot < len(self.params):
-            if ar.refresh_due(count, self.cfg):
-                return None
-            for g, layout, (P, Q), strides in zip(grads[self.n_unrot :], self.layouts, self.bases, self.m_strides,
-                                                  strict=True):  # fmt: skip
-                g_rot = rotate(to_work(g, layout, xp), P, Q, xp, transposed=layout.transposed)
-                if _order(g_rot) != strides or g_rot.data_ptr() == g.data_ptr() or (not g_rot.is_contiguous() and \
-                        not g_rot.mT.is_contiguous()):  # fmt: skip
-                    return None
-                rotated.append(g_rot)
+        k = self.n_unrot
+        if k < len(self.params) and ar.refresh_due(count, self.cfg):
+            return None
         lr = _number(group["lr"])
         if not _finite_at_least(lr, 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
+        if group["maximize"]:
+            grads = list(torch._foreach_neg(grads))
+        for g, rotation in zip(grads[k:], self.rotations, strict=True):
+            rotation.rotate(g)
         cfg = self.cfg
-        t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), self.params[0].dtype)  # prepare_step's t
+        t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
         b1_t, b2_t = beta_hats(cfg, t, xp)
         b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
         scalars = kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), self.np_dtype)
-        b2, c2 = scalars[2], scalars[3]
-        group_route.second_moment(group_route.addresses(grads), group_route.addresses(grads[: self.n_unrot] + rotated),
-                                  self.v_at, self.sizes, self.offsets, b2, c2, self.vt, self.bad)  # fmt: skip
-        return _LaneStep(count, self.bad, scalars, grads, rotated)
+        g_at = group_route.addresses(grads)
+        x_at = numpy.concatenate([g_at[:k], self.x_tail]) if k < len(grads) else g_at
+        group_route.second_moment(g_at, x_at, self.v_at, self.sizes, self.offsets, scalars[2], scalars[3], self.vt,
+                                  self.bad)  # fmt: skip
+        return _LaneStep(count, self.bad, scalars, grads, g_at)
 
-    def apply(self, step_in: _LaneStep, xp: Any) -> None:
+    def apply(self, step_in: _LaneStep) -> None:
         """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
         b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
         torch.sqrt(self.scratch[0], out=self.scratch[1])
         k, split = self.n_unrot, self.split
-        if step_in.rotated:
+        if k < len(self.params):
             vt, mr = self.vt[split:], self.root[split:]
             sizes, offsets = self.sizes[k:], self.rot_offsets
-            group_route.direction_rotated(self.m_at[k:], group_route.addresses(step_in.rotated), sizes, offsets,
-                                          b1, c1, eps, mr)  # fmt: skip
-            directions: list[torch.Tensor] = []
-            for u, layout, (P, Q), strides in zip(step_in.rotated, self.layouts, self.bases, self.w_strides,
-                                                  strict=True):  # fmt: skip
-                d = unrotate(u, P, Q, xp, transposed=layout.transposed)
-                if _order(d) != strides or (not d.is_contiguous() and not d.mT.is_contiguous()):  # pragma: no cover
-                    d = torch.empty_like(w := to_work(self.params[k + len(directions)], layout, xp)).copy_(d)
-                    assert _order(d) == _order(w)  # GEMM outputs keep the parameter's order; else its copy
-                directions.append(d)
-            group_route.apply_rotated(self.w_at[k:], group_route.addresses(directions), self.m_at[k:], self.v_at[k:],
-                                      sizes, offsets, neg_lr, wd, decay, mr, vt)  # fmt: skip
+            group_route.direction_rotated(self.m_at[k:], self.u_at, sizes, offsets, b1, c1, eps, mr)
+            for rotation in self.rotations:
+                rotation.unrotate()
+            group_route.apply_rotated(self.w_at[k:], self.d_at, self.m_at[k:], self.v_at[k:], sizes, offsets,
+                                      neg_lr, wd, decay, mr, vt)  # fmt: skip
         if k:
-            group_route.apply_unrotated(self.w_at[:k], group_route.addresses(step_in.grads[:k]), self.m_at[:k],
-                                        self.v_at[:k], self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd,
-                                        decay, self.vt, self.root)  # fmt: skip
+            group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
+                                        self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
+                                        self.root)  # fmt: skip
         torch._foreach_add_(self.counters, 1)
 
 
