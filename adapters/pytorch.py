@@ -50,7 +50,8 @@ import numpy
 import adadiag_ref as ar
 from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim.core import _check_static, prepare_step
+from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
+from adadiag_ref.optim.dispatch import direction as family_direction
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 from adadiag_ref.optim.families.adam import group_route
@@ -168,14 +169,18 @@ class CoreOptimizer(torch.optim.Optimizer):
             result is bit-identical to every rank decomposing every matrix.  Ignored
             when no process group is initialised.  FSDP2 (DTensor) parameters are always
             refreshed this way, over their mesh's ranks.
-        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for the
-            Adam family (AdamW, AdaDiag, AdaDiag++): the moments, the direction and the tail of all parameters of
-            a group run as a fixed number of ``torch._foreach_*`` calls (one launch each per device and dtype on
-            CUDA) instead of a chain of kernels per parameter; only the rotations (GEMMs) stay per parameter.
-            ``None`` (default): on when every parameter of the group with a gradient is on a device with
-            foreach kernels (CUDA), off on the CPU.  ``True`` forces it on the CPU too, where it is bit-identical
-            to ``False``.  The other families ignore it (their per-parameter route).  A group may set it;
-            ``load_state_dict`` keeps this optimizer's choice (the state is the same either way).
+        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for every
+            entrywise family (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`: the Adam family, and a
+            registered family that declares it): the moments, the direction and the tail of all parameters of a
+            group run as a fixed number of calls (one launch each per device and dtype on CUDA) instead of a chain
+            of kernels per parameter; only the rotations (GEMMs) stay per parameter.  The Adam family's arithmetic
+            is written as ``torch._foreach_*`` calls; another entrywise family's direction function runs once over
+            the concatenation of the group's ``G~`` and moments.  ``None`` (default): on when every parameter of
+            the group with a gradient is on a device with foreach kernels (CUDA), off on the CPU, where the default
+            route is the faster one (the group kernels: :meth:`routes`, docs/adapters.md).  ``True`` forces it on
+            the CPU too, where it is bit-identical to ``False``.  Adafactor and Hfac (factored moments, not
+            entrywise) ignore it (their per-parameter route).  A group may set it; ``load_state_dict`` keeps this
+            optimizer's choice (the state is the same either way).
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -400,7 +405,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 state = state._replace(**new_bases)
             if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
                 _check_static(state, item.grad, item.p, layout_for(tuple(item.p.shape), item.cfg), item.cfg)
-                key = (item.group_index, item.p.device, item.p.dtype, state.M.dtype, count)
+                key = (item.group_index, item.p.device, item.p.dtype, work_dtype(state), count)
                 batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
                 continue
             if _sharded.is_sharded(item.p):
@@ -416,10 +421,14 @@ class CoreOptimizer(torch.optim.Optimizer):
         frames: dict[int, _Frame] = {}
         plans = []
         for key, batch in batches.items():
-            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
+            adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
+            if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
-            _foreach_adam(batch, key[-1], self._frames, frames)
+            if adam:
+                _foreach_adam(batch, key[-1], self._frames, frames)
+            else:
+                _foreach_flat(batch, key[-1])
             for entry in batch:
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
@@ -460,8 +469,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                 reason = _host_route_refusal(p, flat, cfg, foreach, sharded, layout, xp)
                 if sharded:
                     moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-                elif foreach:
+                elif foreach and family_of(cfg) is ADAM_FAMILY:
                     moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
+                elif foreach:
+                    moments = (
+                        "flat multi-tensor (one torch.cat per array, the family's direction once over it, "
+                        "torch._foreach_* tail)"
+                    )
                 elif reason is None:
                     moments = "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)"
                 else:
@@ -1136,9 +1150,10 @@ def _foreach_devices() -> tuple[str, ...]:
 
 
 def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
-    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam`): the Adam family
-    only; ``foreach=None`` resolves to on when every parameter with a gradient is on a foreach device (CUDA)."""
-    if family_of(cfg) is not ADAM_FAMILY:
+    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam` for the Adam family,
+    :func:`_foreach_flat` for any other entrywise family, a registered one too); ``foreach=None`` resolves to on
+    when every parameter with a gradient is on a foreach device (CUDA)."""
+    if not family_of(cfg).entrywise:
         return False  # Adafactor and Hfac families: their per-parameter route (documented in docs/adapters.md)
     foreach = group.get("foreach")
     if foreach is None:
@@ -1255,6 +1270,64 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
     own tensors (``state_dict()`` references stay live)."""
     _foreach_math(_foreach_plan(batch, count, cache, frames))
+
+
+def _foreach_flat(batch: list[_Batched], count: int) -> None:
+    r"""The step of every parameter of ``batch`` (one group, device, dtype pair and step) for an entrywise family
+    other than Adam's (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, e.g. a registered one): the
+    family's own direction function runs **once**, over the concatenation of the parameters' ``G~`` and moments
+    (one ``torch.cat`` per array, each parameter in its memory order), and the tail as ``torch._foreach_*``
+    calls::
+
+        G~ = P^T G Q                                   (per parameter; G itself without a basis)
+        U~, moments = family.direction(S, cat(G~), t)  (once for the batch)
+        D = P U~ Q^T                                   (per parameter; U~'s view itself without a basis)
+        W <- W + (-eta_t) (D + lambda W)
+
+    Entry by entry the operations of the per-parameter route (``update_prepared``), so the same bits.  All or
+    nothing: everything is computed into new tensors before ``W`` and the moments are written."""
+    first = batch[0]
+    cfg, xp = first.item.cfg, torch_namespace()
+    family = family_of(cfg)
+    # G~ with the refresh-step structure (its t, from the host count, is not used: no torch op per parameter)
+    prepared = [prepare_step(e.state, e.item.grad, cfg, e.item.p, e.refreshed, xp, count) for e in batch]
+    layouts = [s.layout for s in prepared]
+    ordered = lambda x, lay: (x.mT if lay.transposed else x).reshape(-1)  # noqa: E731  (memory order, flat)
+    g_flat = torch.cat([ordered(s.g_rot, lay) for s, lay in zip(prepared, layouts, strict=True)])
+    old = {
+        name: torch.cat([ordered(getattr(e.state, name), lay) for e, lay in zip(batch, layouts, strict=True)])
+        for name in family.moment_fields
+    }
+    t = xp.astype(first.state.count + 1, g_flat.dtype)  # the per-parameter route's t, made once
+    flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
+    u_flat, moments = family_direction(flat_state, g_flat, t, cfg, xp)
+    sizes = [s.g_rot.numel() for s in prepared]
+
+    def pieces(flat_array: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for x, lay in zip(torch.split(flat_array, sizes), layouts, strict=True):
+            shape = (lay.cols, lay.rows) if lay.transposed else (lay.rows, lay.cols)
+            piece = x.view(shape)
+            out.append(piece.mT if lay.transposed else piece)
+        return out
+
+    directions: list[torch.Tensor] = [
+        unrotate(u, e.state.P, e.state.Q, xp, transposed=lay.transposed)
+        for u, e, lay in zip(pieces(u_flat), batch, layouts, strict=True)
+    ]
+    eta_t = family.step_size(cfg, t, prepared[0].w, learning_rate(cfg, first.item.lr), xp)
+    weights = [s.w for s in prepared]
+    if decays(cfg):
+        directions = list(torch._foreach_add(directions, torch._foreach_mul(weights, cfg.weight_decay)))
+    deltas = list(torch._foreach_mul(directions, -eta_t))  # -eta_t (D + lambda W), as tail.parameter_delta
+    params = [to_work(e.item.p, lay, xp) for e, lay in zip(batch, layouts, strict=True)]
+    if params[0].dtype != deltas[0].dtype:
+        deltas = [d.to(params[0].dtype) for d in deltas]
+    new = {name: pieces(value) for name, value in moments.items() if value is not None}
+    # commit: copies and adds between tensors of equal shapes and dtypes, nothing allocated
+    torch._foreach_add_(params, deltas)
+    for name, values in new.items():
+        torch._foreach_copy_([getattr(e.state, name) for e in batch], values)
 
 
 class _ForeachPlan(NamedTuple):

@@ -185,3 +185,48 @@ def test_routes_report_each_part_per_parameter():
         p.grad = torch.randn_like(p)
     fe.step()
     assert all(r["moments"].startswith("foreach") for r in fe.routes().values())
+
+
+@pytest.fixture
+def entrywise_heavyball():
+    """The heavy-ball family of ``tests/test_extending.py`` registered as entrywise (restored afterwards)."""
+    import dataclasses
+
+    import test_extending as ext
+
+    import adadiag_ref as ar
+    from adadiag_ref.optim.families import FAMILIES, register_family
+
+    register_family(dataclasses.replace(ext.SPEC, entrywise=True), ext.OPTIMIZERS)
+    yield
+    del FAMILIES["heavyball"]
+    for name in ext.OPTIMIZERS:
+        del ar.OPTIMIZERS[name]
+
+
+@pytest.mark.parametrize("name", ["heavyball", "heavyballdiag"])
+@pytest.mark.usefixtures("entrywise_heavyball")
+def test_foreach_serves_every_entrywise_family(name):
+    """A registered entrywise family takes the multi-tensor route (before: only the Adam family did), bit for bit
+    the per-parameter route, refresh steps included, with ops per step independent of the parameter count."""
+    runs = []
+    for foreach in (False, True):
+        params = _params()
+        opt = at.CoreOptimizer(params, name=name, lr=0.01, weight_decay=0.1, update_freq=3, foreach=foreach)
+        runs.append((params, opt))
+    _steps(runs, range(7))
+    _assert_same(runs)
+    assert all(r["moments"].startswith("flat multi-tensor") for r in runs[1][1].routes().values())
+
+    from test_adapter_torch_foreach import _CountOps
+
+    def ops(n):
+        params = [torch.nn.Parameter(torch.randn(SHAPES[k % 3], dtype=torch.float64)) for k in range(n)]
+        opt = at.CoreOptimizer(params, name=name, lr=0.01, update_freq=None, foreach=True)
+        _steps([(params, opt)], range(2))
+        _grads(params, 2)
+        with _CountOps() as counter:
+            opt.step()
+        return {k: v for k, v in counter.ops.items() if k not in ("aten.mm.default", "aten.empty.memory_format")}
+
+    assert ops(3) == ops(12)
