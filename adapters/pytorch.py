@@ -901,6 +901,10 @@ class _Lane:
             matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
             self.rotations.append(_Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out))
         self.counters = [f["step"] for f in self.flats]
+        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
+            return None
+        self.c_at = group_route.addresses(self.counters)
+        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
         self.moments = [f["M"] for f in self.flats]
         self.seconds = [f["V"] for f in self.flats]
         self.bases = [(f.get("P"), f.get("Q")) for f in self.flats[k:]]
@@ -920,15 +924,18 @@ class _Lane:
         return self
 
     def still_valid(self) -> bool:
-        """The parameters, moments and bases still own the memory the addresses point to (``p.data = ...``,
-        ``Tensor.set_`` or a replaced state tensor change it)."""
+        """The parameters still own the memory the addresses point to (``p.data = ...`` changes it) and the state
+        dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded state).  The
+        state tensors' own memory is not re-read: only this adapter moves it (``Tensor.set_`` in the
+        per-parameter route, which drops the decision)."""
         return (
             numpy.array_equal(group_route.addresses(self.params), self.w_at)
-            and all(f.get("M") is m and f.get("V") is v for f, m, v in zip(self.flats, self.moments, self.seconds))
-            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)
-            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
             and all(
-                (f.get("P"), f.get("Q")) == (r.P, r.Q)
+                f.get("M") is m and f.get("V") is v and f.get("step") is c
+                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
+            )
+            and all(
+                f.get("P") is r.P and f.get("Q") is r.Q
                 for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
             )
         )
@@ -951,10 +958,9 @@ class _Lane:
             ):
                 return None
             grads.append(g)
-        counts = torch.stack(self.counters).numpy()
-        count = int(counts[0])
-        if (counts != count).any():
+        if not group_route.read_counters(self.c_at, self.counts):
             return None
+        count = int(self.counts[0])
         k = self.n_unrot
         if k < len(self.params) and ar.refresh_due(count, self.cfg):
             return None
@@ -993,7 +999,7 @@ class _Lane:
             group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
                                         self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
                                         self.root)  # fmt: skip
-        torch._foreach_add_(self.counters, 1)
+        group_route.advance_counters(self.c_at, self.counts)
 
 
 class _HostPlan:
