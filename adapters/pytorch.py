@@ -450,6 +450,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         routes: dict[str, dict[str, str]] = {}
         lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
         idle: list[torch.Tensor] = []
+        singles: dict[int, _Singles] = {}
         eligible = True
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
@@ -498,9 +499,18 @@ class CoreOptimizer(torch.optim.Optimizer):
                     eligible = False
                     continue
                 assert layout is not None
+                if p.numel() > _GROUP_MAX_ENTRIES:  # the torch route's blocks (one parameter at a time) are faster
+                    routes[label]["moments"] = (
+                        f"per parameter: update_in_place (more than {_GROUP_MAX_ENTRIES} entries: the torch CPU "
+                        "route's blocks)"
+                    )
+                    single = singles.setdefault(group_index, _Singles(group_index, cfg))
+                    single.add(p, flat, rotated, _where(names, index, group_index))
+                    continue
                 lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
                 lane.add(p, flat, layout, _where(names, index, group_index))
-        finished = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
+        finished: list[Any] = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
+        finished += list(singles.values()) if eligible else []
         lanes = [lane for lane in finished if lane is not None]
         if len(lanes) != len(finished) or not lanes:
             for entry in routes.values():
@@ -557,12 +567,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                 return False
             ready.append(step_in)
         for lane, step_in in zip(plan.lanes, ready, strict=True):
-            if step_in.bad.any():
-                i = int(step_in.bad.argmax())
-                raise ValueError(
-                    f"gradient of {lane.wheres[i]} contains NaN or Inf at step {step_in.taken + 1}; "
-                    "no parameter and no optimizer state was changed"
-                )
+            if (where := lane.failure(step_in)) is not None:
+                raise ValueError(f"gradient of {where}; no parameter and no optimizer state was changed")
         for lane, step_in in zip(plan.lanes, ready, strict=True):  # phase 2: the writes
             lane.apply(step_in)
         return True
@@ -982,6 +988,12 @@ class _Lane:
                                   self.bad)  # fmt: skip
         return _LaneStep(count, self.bad, scalars, grads, g_at)
 
+    def failure(self, step_in: _LaneStep) -> str | None:
+        """``"parameter ... contains NaN or Inf at step t"`` for the first member with a non-finite gradient."""
+        if not step_in.bad.any():
+            return None
+        return f"{self.wheres[int(step_in.bad.argmax())]} contains NaN or Inf at step {step_in.taken + 1}"
+
     def apply(self, step_in: _LaneStep) -> None:
         """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
         b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
@@ -1002,12 +1014,68 @@ class _Lane:
         group_route.advance_counters(self.c_at, self.counts)
 
 
+_GROUP_MAX_ENTRIES = 1 << 14
+"""Parameters with more entries leave the group kernels for the per-parameter torch CPU route (its block
+kernels keep ``V_t`` and ``sqrt(V_t)`` of one block in cache: fewer memory passes where they count, and
+``torch.sqrt`` of a whole large array would wake torch's thread pool); the group kernels are for the many small
+ones, whose cost is the calls."""
+
+
+class _SinglesStep(NamedTuple):
+    lr: Any
+    grads: list[torch.Tensor]
+    sums: list[torch.Tensor]
+    taken: list[int]
+
+
+class _Singles:
+    """The large parameters of a group on the group route's step (:data:`_GROUP_MAX_ENTRIES`): each through
+    ``ar.update_in_place`` as the per-parameter route runs it, validated with the rest before any write."""
+
+    def __init__(self, group_index: int, cfg: BaseConfig) -> None:
+        self.group_index, self.cfg = group_index, cfg
+        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], bool, str]] = []
+
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], rotated: bool, where: str) -> None:
+        self.members.append((p, flat, rotated, where))
+
+    def still_valid(self) -> bool:
+        return True  # the state is read at every step (to_core_state)
+
+    def prepare(self, group: Mapping[str, Any], xp: Any) -> _SinglesStep | None:
+        lr = _number(group["lr"])
+        if not _finite_at_least(lr, 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        grads, taken = [], []
+        for p, flat, rotated, _ in self.members:
+            g = p.grad
+            if g is None or g.layout is not torch.strided or g.dtype != p.dtype or g.shape != p.shape:
+                return None
+            count = int(flat["step"])
+            if rotated and ar.refresh_due(count, self.cfg):
+                return None
+            grads.append(-g if group["maximize"] else g)
+            taken.append(count)
+        return _SinglesStep(lr, grads, [_finiteness_sum(g) for g in grads], taken)
+
+    def failure(self, step_in: _SinglesStep) -> str | None:
+        for (_, _, _, where), g, total, count in zip(self.members, step_in.grads, step_in.sums, step_in.taken):
+            if not bool(torch.isfinite(total)) and not _sharded.all_finite(g):
+                return f"{where} contains NaN or Inf at step {count + 1}"
+        return None
+
+    def apply(self, step_in: _SinglesStep) -> None:
+        for (p, flat, _, _), g in zip(self.members, step_in.grads, strict=True):
+            ar.update_in_place(to_core_state(flat, self.cfg), g, self.cfg, p, lr=step_in.lr, refreshed=False)
+            flat["step"] += 1
+
+
 class _HostPlan:
     """The routes of a step, resolved once (:meth:`CoreOptimizer._resolve_routes`): per parameter the mapping
     :meth:`CoreOptimizer.routes` reports, and the group-kernel lanes (``None``: the per-parameter route)."""
 
     def __init__(self, snapshots: list[tuple[Any, ...]], routes: dict[str, dict[str, str]],
-                 lanes: list[_Lane] | None, idle: list[torch.Tensor]) -> None:  # fmt: skip
+                 lanes: list[Any] | None, idle: list[torch.Tensor]) -> None:  # fmt: skip
         self.snapshots, self.routes, self.lanes, self.idle = snapshots, routes, lanes, idle
 
     def still_valid(self, opt: CoreOptimizer) -> bool:

@@ -230,3 +230,34 @@ def test_foreach_serves_every_entrywise_family(name):
         return {k: v for k, v in counter.ops.items() if k not in ("aten.mm.default", "aten.empty.memory_format")}
 
     assert ops(3) == ops(12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch):
+    """A parameter of more than 16384 entries takes the per-parameter torch CPU route (its cache-sized blocks)
+    inside a group-route step; the small ones take the group kernels; bit for bit the reference, and a NaN in the
+    large one's gradient still changes nothing."""
+    from adadiag_ref.optim.families.adam import group_route
+
+    calls = []
+    original = group_route.second_moment
+    monkeypatch.setattr(group_route, "second_moment", lambda *a: calls.append(1) or original(*a))
+    runs = []
+    for kernels in ("auto", "reference"):
+        big = torch.randn(130, 300, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        params = [*_params(), torch.nn.Parameter(big)]
+        runs.append((params, at.OPTIMIZER_CLASSES[name](params, kernels=kernels, lr=0.01, weight_decay=0.1)))
+    _steps(runs, range(4))
+    _assert_same(runs)
+    assert len(calls) == 3
+    routes = runs[0][1].routes()
+    assert "more than 16384 entries" in routes["param_groups[0].params[6]"]["moments"]
+    assert routes["param_groups[0].params[0]"]["moments"].startswith("numba group kernels")
+    params, opt = runs[0]
+    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
+    _grads(params, 9)
+    params[6].grad[3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"parameter 6 of param_groups\[0\] contains NaN or Inf at step 5"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
+    assert all(torch.equal(v, opt.state_dict()["state"][i][k]) for i, s in before[1].items() for k, v in s.items())
