@@ -544,6 +544,21 @@ class CoreOptimizer(torch.optim.Optimizer):
             plan = self._host_plan = self._resolve_routes()
         return {label: dict(entry) for label, entry in plan.routes.items()}
 
+    def _refresh_due_somewhere(self) -> bool:
+        """Whether the first parameter with a state and a gradient of some rotating group is due for a refresh (a
+        cheap look before resolving the routes: a refresh step takes the per-parameter route anyway)."""
+        for group in self.param_groups:
+            cfg = self._build_config(group)
+            if not cfg.sides:
+                continue
+            for p in group["params"]:
+                flat = self.state.get(p)
+                if flat and p.grad is not None:
+                    if ar.refresh_due(int(flat["step"]), cfg):
+                        return True
+                    break
+        return False
+
     def _host_route_step(self) -> bool:
         """A step through the group kernels (:mod:`adadiag_ref.optim.families.adam.group_route`) when the cached
         decision (:meth:`_resolve_routes`) puts every parameter with a gradient there and no refresh is due;
@@ -554,6 +569,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         the first write, and a non-finite gradient raises ``ValueError`` naming the parameter with nothing changed.
         """
         plan = self._host_plan
+        if plan is None and self._refresh_due_somewhere():
+            return False  # a refresh step takes the per-parameter route: resolve after it, not before
         if plan is None or not plan.still_valid(self):
             plan = self._host_plan = self._resolve_routes()
         if plan.lanes is None:
