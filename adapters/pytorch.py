@@ -434,7 +434,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
-        self._host_plan = None  # states may be new or have new storage (Tensor.set_): resolved again next step
+        plan = self._host_plan
+        if plan is None or plan.lanes is not None or any(item.fresh for item in work):
+            # states may be new or have new storage (Tensor.set_): the group kernels' addresses are resolved again
+            # next step; a decision without group kernels (foreach, another family, bfloat16) names no address
+            self._host_plan = None
         return plans
 
     # ------------------------------------------------------------------ routes resolved once
