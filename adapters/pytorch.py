@@ -951,10 +951,9 @@ class _Lane:
         return self
 
     def still_valid(self) -> bool:
-        """The parameters still own the memory the addresses point to (``p.data = ...`` changes it) and the state
-        dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded state).  The
-        state tensors' own memory is not re-read: only this adapter moves it (``Tensor.set_`` in the
-        per-parameter route, which drops the decision)."""
+        """The parameters and moments still own the memory the addresses point to (``p.data = ...`` or
+        ``Tensor.set_`` change it) and the state dicts still hold the tensors the addresses were taken of (a
+        replaced state tensor, a loaded state): the kernels never write memory a tensor gave up."""
         return (
             numpy.array_equal(group_route.addresses(self.params), self.w_at)
             and all(
@@ -965,6 +964,8 @@ class _Lane:
                 f.get("P") is r.P and f.get("Q") is r.Q
                 for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
             )
+            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)  # storage moved (Tensor.set_)
+            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
         )
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:

@@ -261,3 +261,16 @@ def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch
         opt.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
     assert all(torch.equal(v, opt.state_dict()["state"][i][k]) for i, s in before[1].items() for k, v in s.items())
+
+
+def test_moment_storage_moved_by_hand_is_followed():
+    """``Tensor.set_`` on a moment (the same tensor object, new memory): the kernels write the new memory."""
+
+    def edit(params, opt, k):
+        if k == 3:
+            M = opt.state[params[0]]["M"]
+            M.set_(M.clone())
+
+    runs = _pair("adamw", lr=0.01, update_freq=None)
+    _steps(runs, range(6), edit)
+    _assert_same(runs)
