@@ -45,13 +45,18 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+import numpy
+
 import adadiag_ref as ar
 from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim.core import _check_static, prepare_step
+from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
+from adadiag_ref.optim.dispatch import direction as family_direction
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch
+from adadiag_ref.optim.families.adam import group_route
+from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
+from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch, to_work
 from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
@@ -164,14 +169,18 @@ class CoreOptimizer(torch.optim.Optimizer):
             result is bit-identical to every rank decomposing every matrix.  Ignored
             when no process group is initialised.  FSDP2 (DTensor) parameters are always
             refreshed this way, over their mesh's ranks.
-        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for the
-            Adam family (AdamW, AdaDiag, AdaDiag++): the moments, the direction and the tail of all parameters of
-            a group run as a fixed number of ``torch._foreach_*`` calls (one launch each per device and dtype on
-            CUDA) instead of a chain of kernels per parameter; only the rotations (GEMMs) stay per parameter.
-            ``None`` (default): on when every parameter of the group with a gradient is on a device with
-            foreach kernels (CUDA), off on the CPU.  ``True`` forces it on the CPU too, where it is bit-identical
-            to ``False``.  The other families ignore it (their per-parameter route).  A group may set it;
-            ``load_state_dict`` keeps this optimizer's choice (the state is the same either way).
+        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for every
+            entrywise family (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`: the Adam family, and a
+            registered family that declares it): the moments, the direction and the tail of all parameters of a
+            group run as a fixed number of calls (one launch each per device and dtype on CUDA) instead of a chain
+            of kernels per parameter; only the rotations (GEMMs) stay per parameter.  The Adam family's arithmetic
+            is written as ``torch._foreach_*`` calls; another entrywise family's direction function runs once over
+            the concatenation of the group's ``G~`` and moments.  ``None`` (default): on when every parameter of
+            the group with a gradient is on a device with foreach kernels (CUDA), off on the CPU, where the default
+            route is the faster one (the group kernels: :meth:`routes`, docs/adapters.md).  ``True`` forces it on
+            the CPU too, where it is bit-identical to ``False``.  Adafactor and Hfac (factored moments, not
+            entrywise) ignore it (their per-parameter route).  A group may set it; ``load_state_dict`` keeps this
+            optimizer's choice (the state is the same either way).
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -247,6 +256,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
+        self._host_plan: _HostPlan | None = None  # the routes resolved once (:meth:`_resolve_routes`)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
@@ -278,6 +288,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.split_refresh = bool(state.get("split_refresh", False))
         self._configs = {}
         self._frames = {}
+        self._host_plan = None
         for group in self.param_groups:
             group.setdefault("foreach", None)
         self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
@@ -294,6 +305,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        self._host_plan = None  # a new group: the routes are resolved again
         self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
     # ------------------------------------------------------------------ config
@@ -339,7 +351,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
             _foreach_traced(_step_on_host_outside_graph(self, True))
-        else:
+        elif not self._host_route_step():
             self._step_on_host(deferred=False)
         return loss
 
@@ -393,7 +405,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 state = state._replace(**new_bases)
             if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
                 _check_static(state, item.grad, item.p, layout_for(tuple(item.p.shape), item.cfg), item.cfg)
-                key = (item.group_index, item.p.device, item.p.dtype, state.M.dtype, count)
+                key = (item.group_index, item.p.device, item.p.dtype, work_dtype(state), count)
                 batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
                 continue
             if _sharded.is_sharded(item.p):
@@ -409,16 +421,178 @@ class CoreOptimizer(torch.optim.Optimizer):
         frames: dict[int, _Frame] = {}
         plans = []
         for key, batch in batches.items():
-            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
+            adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
+            if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
-            _foreach_adam(batch, key[-1], self._frames, frames)
+            if adam:
+                _foreach_adam(batch, key[-1], self._frames, frames)
+            else:
+                _foreach_flat(batch, key[-1])
             for entry in batch:
                 self._commit(entry.item, entry.new_bases)
             torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
+        plan = self._host_plan
+        if plan is None or plan.lanes is not None or any(item.fresh for item in work):
+            # states may be new or have new storage (Tensor.set_): the group kernels' addresses are resolved again
+            # next step; a decision without group kernels (foreach, another family, bfloat16) names no address
+            self._host_plan = None
         return plans
+
+    # ------------------------------------------------------------------ routes resolved once
+
+    def _resolve_routes(self) -> _HostPlan:
+        """Decide, once, which code steps each parameter (:class:`_HostPlan`); :meth:`step` and :meth:`routes`
+        both read this decision.  Kept until something it depends on changes (:meth:`_HostPlan.still_valid`;
+        ``add_param_group``, ``load_state_dict`` and any step through the per-parameter route drop it)."""
+        xp = torch_namespace()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        split = self.split_refresh and distributed and torch.distributed.get_world_size() > 1
+        snapshots: list[tuple[Any, ...]] = []
+        routes: dict[str, dict[str, str]] = {}
+        lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
+        idle: list[torch.Tensor] = []
+        singles: dict[int, _Singles] = {}
+        eligible = True
+        for group_index, group in enumerate(self.param_groups):
+            cfg = self._build_config(group)
+            snapshots.append(_snapshot(group))
+            foreach = _foreach_on(group, cfg)
+            names = group.get("param_names")
+            for index, p in enumerate(group["params"]):
+                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+                if p.grad is None:
+                    idle.append(p)
+                    routes[label] = {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
+                    continue
+                flat = self.state.get(p) or {}
+                layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
+                rotated = layout is None or layout.rotate_left or layout.rotate_right
+                sharded = _sharded.is_sharded(p)
+                reason = _host_route_refusal(p, flat, cfg, foreach, sharded, layout, xp)
+                if sharded:
+                    moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
+                elif foreach and family_of(cfg) is ADAM_FAMILY:
+                    moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
+                elif foreach:
+                    moments = (
+                        "flat multi-tensor (one torch.cat per array, the family's direction once over it, "
+                        "torch._foreach_* tail)"
+                    )
+                elif reason is None:
+                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)"
+                else:
+                    moments = "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                if not rotated:
+                    refresh = "none (no basis)"
+                elif sharded:
+                    refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
+                elif split:
+                    refresh = "split over ranks (owner per matrix, bases broadcast)"
+                else:
+                    refresh = "batched stack (ar.refresh_bases per config and shape), per-parameter route that step"
+                routes[label] = {
+                    "refresh": refresh,
+                    "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
+                    "moments": moments,
+                    **({} if reason is None else {"why_not_group_kernels": reason}),
+                }
+                if reason is not None:
+                    eligible = False
+                    continue
+                assert layout is not None
+                if p.numel() > _GROUP_MAX_ENTRIES:  # the torch route's blocks (one parameter at a time) are faster
+                    routes[label]["moments"] = (
+                        f"per parameter: update_in_place (more than {_GROUP_MAX_ENTRIES} entries: the torch CPU "
+                        "route's blocks)"
+                    )
+                    single = singles.setdefault(group_index, _Singles(group_index, cfg))
+                    single.add(p, flat, rotated, _where(names, index, group_index))
+                    continue
+                lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
+                lane.add(p, flat, layout, _where(names, index, group_index))
+        finished: list[Any] = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
+        finished += list(singles.values()) if eligible else []
+        lanes = [lane for lane in finished if lane is not None]
+        if len(lanes) != len(finished) or not lanes:
+            for entry in routes.values():
+                if entry["moments"].startswith("numba group"):
+                    entry["moments"] = (
+                        "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                    )
+                    entry["why_not_group_kernels"] = "another parameter of the step cannot take the group kernels"
+        return _HostPlan(snapshots, routes, lanes or None, idle)
+
+    def routes(self) -> dict[str, dict[str, str]]:
+        """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
+        given them, else ``"param_groups[i].params[j]"``): a mapping with
+
+        * ``"refresh"``: the basis refresh (``"batched stack ..."``, ``"sharded owner ..."``, ``"split over
+          ranks ..."``, ``"none (no basis)"``); a refresh step runs every parameter through the per-parameter
+          route;
+        * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T`` (``"GEMM ..."`` or ``"none"``);
+        * ``"moments"``: moments, direction and tail of a step without refresh: ``"numba group kernels ..."``
+          (the default CPU route, :mod:`adadiag_ref.optim.families.adam.group_route`), ``"foreach
+          multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or ``"sharded ..."``;
+        * ``"why_not_group_kernels"`` (only where the default CPU route does not take the parameter): why.
+
+        Read from the very decision :meth:`step` uses (resolved once and cached, :class:`_HostPlan`), for the
+        gradients present now: a parameter without a gradient is skipped.  The group kernels run only when every
+        parameter with a gradient qualifies (otherwise the whole step takes the per-parameter routes, and the
+        entries say so).
+        """
+        plan = self._host_plan
+        if plan is None or not plan.still_valid(self):
+            plan = self._host_plan = self._resolve_routes()
+        return {label: dict(entry) for label, entry in plan.routes.items()}
+
+    def _refresh_due_somewhere(self) -> bool:
+        """Whether the first parameter with a state and a gradient of some rotating group is due for a refresh (a
+        cheap look before resolving the routes: a refresh step takes the per-parameter route anyway)."""
+        for group in self.param_groups:
+            cfg = self._build_config(group)
+            if not cfg.sides:
+                continue
+            for p in group["params"]:
+                flat = self.state.get(p)
+                if flat and p.grad is not None:
+                    if ar.refresh_due(int(flat["step"]), cfg):
+                        return True
+                    break
+        return False
+
+    def _host_route_step(self) -> bool:
+        """A step through the group kernels (:mod:`adadiag_ref.optim.families.adam.group_route`) when the cached
+        decision (:meth:`_resolve_routes`) puts every parameter with a gradient there and no refresh is due;
+        ``False``, having changed nothing, otherwise (the caller then takes :meth:`_step_on_host`).
+
+        The same checks as the per-parameter route, in the same order of effects: every gradient is validated
+        (dtype, shape, layout; finiteness counted exactly by the first kernel, which writes only scratch) before
+        the first write, and a non-finite gradient raises ``ValueError`` naming the parameter with nothing changed.
+        """
+        plan = self._host_plan
+        if plan is None and self._refresh_due_somewhere():
+            return False  # a refresh step takes the per-parameter route: resolve after it, not before
+        if plan is None or not plan.still_valid(self):
+            plan = self._host_plan = self._resolve_routes()
+        if plan.lanes is None:
+            return False
+        xp = torch_namespace()
+        ready = []
+        for lane in plan.lanes:  # phase 1: validation and scratch only
+            group = self.param_groups[lane.group_index]
+            step_in = lane.prepare(group, xp)
+            if step_in is None:
+                return False
+            ready.append(step_in)
+        for lane, step_in in zip(plan.lanes, ready, strict=True):
+            if (where := lane.failure(step_in)) is not None:
+                raise ValueError(f"gradient of {where}; no parameter and no optimizer state was changed")
+        for lane, step_in in zip(plan.lanes, ready, strict=True):  # phase 2: the writes
+            lane.apply(step_in)
+        return True
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -569,6 +743,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p in loaded:
                     self.state[p] = loaded[p]
+        self._host_plan = None  # new state tensors: the routes are resolved again
 
 
 _step_on_host_outside_graph = torch.compiler.disable(
@@ -580,6 +755,361 @@ _step_on_host_outside_graph = torch.compiler.disable(
     ),
 )
 """:meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
+
+
+def _order(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of the dimensions longer than 1: two dense tensors of one shape with equal orders hold entry
+    ``(i, j)`` at the same offset (the strides of length-1 dimensions are arbitrary)."""
+    return tuple(s for s, n in zip(x.stride(), x.shape, strict=True) if n > 1)
+
+
+def _snapshot(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A group's hyperparameters but ``lr`` (read at every step) as comparable values: a cached route decision
+    holds while the snapshot is equal."""
+    return tuple((k, _hashable(_number(v))) for k, v in group.items() if k not in ("params", "lr", "param_names"))
+
+
+def _host_route_refusal(
+    p: torch.Tensor,
+    flat: Mapping[str, torch.Tensor],
+    cfg: BaseConfig,
+    foreach: bool,
+    sharded: bool,
+    layout: Layout | None,
+    xp: Any,
+) -> str | None:
+    """Why the group kernels cannot step ``p`` (a clause), or ``None`` when they can."""
+    if not flat:
+        return "no state yet (the first step creates it through the per-parameter route)"
+    if sharded:
+        return "a sharded (DTensor) parameter"
+    if foreach:
+        return "the group's foreach route"
+    if family_of(cfg) is not ADAM_FAMILY:
+        return f"family {family_of(cfg).name!r} has no group kernels"
+    if cfg.kernels == "reference":
+        return "kernels='reference'"
+    if not group_route.AVAILABLE:
+        return "numba is not installed"
+    if layout is None:
+        return "batch_dims > 0"
+    if (
+        p.device.type != "cpu"
+        or p.dtype not in (torch.float32, torch.float64)
+        or type(p) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return f"a {p.dtype} tensor on {p.device} (the kernels take plain float32/float64 CPU tensors)"
+    if not p.is_contiguous():
+        return "a non-contiguous parameter"
+    try:
+        state = to_core_state(flat, cfg)
+    except ValueError:
+        return "a state of another optimizer"
+    M, V = state.M, state.V
+    if (
+        M.dtype != p.dtype
+        or V.dtype != p.dtype
+        or any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in (M, V))
+    ):
+        return f"state dtype {M.dtype} differs from the parameter's {p.dtype}"
+    try:
+        _check_static(state, p, p, layout, cfg)
+    except ValueError:
+        return "a state whose shapes do not fit the parameter"
+    if state.P is None and state.Q is None:
+        if any(_order(from_work(x, layout, xp)) != _order(p) for x in (M, V)):
+            return "moments not in the parameter's memory order"
+    elif _order(M) != _order(V) or not (M.is_contiguous() or M.mT.is_contiguous()):
+        return "moments not dense in one memory order"
+    return None
+
+
+class _LaneStep(NamedTuple):
+    """One lane's step after validation: what :meth:`_Lane.apply` writes from."""
+
+    taken: int  # the steps taken (the host counters' value)
+    bad: Any  # NaN/Inf count per member
+    scalars: tuple[Any, ...]  # b1, c1, b2, c2, eps, -eta, lambda, decay
+    grads: list[torch.Tensor]  # the gradients (negated under maximize): kept alive while the kernels read them
+    g_at: Any  # their addresses
+
+
+_GEMM_ALIGNMENT = 64
+"""Bytes: the alignment of torch's CPU allocations, kept by the group route's GEMM buffers (:class:`_Lane`)."""
+
+
+class _Rotation(NamedTuple):
+    """One rotated member's GEMMs, the core's :func:`~adadiag_ref.optim.rotation.rotate` and ``unrotate`` written
+    out as the very ``torch.mm`` calls they make (``a @ b`` of 2-D operands is ``mm``; the same operands, the
+    same bits), the last product of each into this lane's persistent buffers (``out=``): ``G~`` (later ``U~``)
+    and ``D`` keep fixed addresses, in the memory order of ``M`` and of ``W`` (both the parameter's)."""
+
+    matrix: tuple[int, int]  # the parameter as a matrix (to_work's reshape, before its transposition)
+    transposed: bool
+    P: torch.Tensor | None
+    Q: torch.Tensor | None
+    g_out: torch.Tensor  # G~'s memory: (m, n) C-order, or (n, m) C-order for a transposed work frame
+    d_out: torch.Tensor  # D's memory, likewise
+
+    def rotate(self, grad: torch.Tensor) -> None:
+        """``G~ = P^T G Q`` (:func:`~adadiag_ref.optim.rotation.rotate`) into ``g_out``."""
+        P, Q, x = self.P, self.Q, grad.view(self.matrix)
+        if self.transposed:  # (Q^T G^T P)^T: x is G^T
+            if Q is None:
+                torch.mm(x, P, out=self.g_out)  # type: ignore[arg-type]
+            else:
+                torch.mm(Q.mT, x if P is None else torch.mm(x, P), out=self.g_out)
+        elif Q is None:
+            torch.mm(P.mT, x, out=self.g_out)  # type: ignore[union-attr]
+        else:
+            torch.mm(x if P is None else torch.mm(P.mT, x), Q, out=self.g_out)
+
+    def unrotate(self) -> None:
+        """``D = P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) of ``U~`` in ``g_out``, into ``d_out``."""
+        P, Q, u = self.P, self.Q, self.g_out
+        if self.transposed:  # u is U~^T
+            if Q is None:
+                torch.mm(u, P.mT, out=self.d_out)  # type: ignore[union-attr]
+            else:
+                torch.mm(Q, u if P is None else torch.mm(u, P.mT), out=self.d_out)
+        elif Q is None:
+            torch.mm(P, u, out=self.d_out)  # type: ignore[arg-type]
+        else:
+            torch.mm(u if P is None else torch.mm(P, u), Q.mT, out=self.d_out)
+
+
+class _Lane:
+    """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
+    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
+    unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
+
+    def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
+        self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
+        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] = []
+
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
+        self.members.append((p, flat, layout, where))
+
+    def finish(self) -> _Lane | None:
+        """Fix the lane's buffers and addresses; ``None`` when a rotated member's moments are not in the order
+        its GEMM outputs take (then the per-parameter route)."""
+        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
+        self.params = [m[0] for m in members]
+        self.flats = [m[1] for m in members]
+        self.wheres = [m[3] for m in members]
+        self.n_unrot = k = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
+        sizes = [p.numel() for p in self.params]
+        split = int(sum(sizes[:k]))
+        total = int(sum(sizes))
+        self.scratch = torch.empty((2, total), dtype=self.dtype)  # V_t and sqrt(V_t) (later M_t, rotated)
+        # G~ (later U~) and D of the rotated members, each at a 64-byte boundary as a fresh tensor is: BLAS may
+        # round otherwise on operands at other alignments (measured: a GEMM of a 7 x 5 float64 operand 280 bytes
+        # into a buffer differed in the last bit from the same GEMM of a fresh copy)
+        align = max(1, _GEMM_ALIGNMENT // self.scratch.element_size())
+        starts = []
+        offset = 0
+        for size in sizes[k:]:
+            starts.append(offset)
+            offset += -(-size // align) * align
+        self.rot_scratch = torch.empty((2, offset + align), dtype=self.dtype)
+        skip = (-self.rot_scratch.data_ptr() // self.rot_scratch.element_size()) % align  # the first boundary
+        row = self.rot_scratch.shape[1] * self.rot_scratch.element_size()
+        if row % _GEMM_ALIGNMENT:  # pragma: no cover - offset + align is a multiple of align
+            return None
+        xp = torch_namespace()
+        self.rotations = []
+        for (p, flat, layout, _), start in zip(members[k:], starts, strict=True):
+            m, n, size = layout.rows, layout.cols, p.numel()
+            shape = (n, m) if layout.transposed else (m, n)
+            g_out, d_out = (self.rot_scratch[j, skip + start : skip + start + size].view(shape) for j in (0, 1))
+            g_work, d_work = (x.mT if layout.transposed else x for x in (g_out, d_out))
+            if _order(g_work) != _order(flat["M"]) or _order(d_work) != _order(to_work(p, layout, xp)):
+                return None
+            matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+            self.rotations.append(_Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out))
+        self.counters = [f["step"] for f in self.flats]
+        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
+            return None
+        self.c_at = group_route.addresses(self.counters)
+        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
+        self.moments = [f["M"] for f in self.flats]
+        self.seconds = [f["V"] for f in self.flats]
+        self.bases = [(f.get("P"), f.get("Q")) for f in self.flats[k:]]
+        self.w_at = group_route.addresses(self.params)
+        self.m_at = group_route.addresses(self.moments)
+        self.v_at = group_route.addresses(self.seconds)
+        self.sizes = numpy.array(sizes, dtype=numpy.int64)
+        self.offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64)
+        self.rot_offsets = self.offsets[k:] - split
+        self.u_at = group_route.addresses([r.g_out for r in self.rotations])
+        self.d_at = group_route.addresses([r.d_out for r in self.rotations])
+        self.x_tail = self.u_at  # the second-moment kernel reads G~ there
+        self.vt, self.root = self.scratch.numpy()
+        self.split = split
+        self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
+        self.np_dtype = self.vt.dtype
+        return self
+
+    def still_valid(self) -> bool:
+        """The parameters and moments still own the memory the addresses point to (``p.data = ...`` or
+        ``Tensor.set_`` change it) and the state dicts still hold the tensors the addresses were taken of (a
+        replaced state tensor, a loaded state): the kernels never write memory a tensor gave up."""
+        return (
+            numpy.array_equal(group_route.addresses(self.params), self.w_at)
+            and all(
+                f.get("M") is m and f.get("V") is v and f.get("step") is c
+                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
+            )
+            and all(
+                f.get("P") is r.P and f.get("Q") is r.Q
+                for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
+            )
+            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)  # storage moved (Tensor.set_)
+            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+        )
+
+    def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
+        """Validate this step's gradients, rotate, run the first kernel (scratch only); ``None``: not this route."""
+        grads = []
+        dtype = self.dtype
+        for p in self.params:
+            g = p.grad
+            if (
+                g is None
+                or g.layout is not torch.strided
+                or g.dtype != dtype
+                or not g.is_cpu
+                or g.shape != p.shape
+                or not g.is_contiguous()
+                or type(g) is not torch.Tensor
+                or g.is_neg()
+            ):
+                return None
+            grads.append(g)
+        if not group_route.read_counters(self.c_at, self.counts):
+            return None
+        count = int(self.counts[0])
+        k = self.n_unrot
+        if k < len(self.params) and ar.refresh_due(count, self.cfg):
+            return None
+        lr = _number(group["lr"])
+        if not _finite_at_least(lr, 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if group["maximize"]:
+            grads = list(torch._foreach_neg(grads))
+        for g, rotation in zip(grads[k:], self.rotations, strict=True):
+            rotation.rotate(g)
+        cfg = self.cfg
+        t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
+        b1_t, b2_t = beta_hats(cfg, t, xp)
+        b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
+        scalars = kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), self.np_dtype)
+        g_at = group_route.addresses(grads)
+        x_at = numpy.concatenate([g_at[:k], self.x_tail]) if k < len(grads) else g_at
+        group_route.second_moment(g_at, x_at, self.v_at, self.sizes, self.offsets, scalars[2], scalars[3], self.vt,
+                                  self.bad)  # fmt: skip
+        return _LaneStep(count, self.bad, scalars, grads, g_at)
+
+    def failure(self, step_in: _LaneStep) -> str | None:
+        """``"parameter ... contains NaN or Inf at step t"`` for the first member with a non-finite gradient."""
+        if not step_in.bad.any():
+            return None
+        return f"{self.wheres[int(step_in.bad.argmax())]} contains NaN or Inf at step {step_in.taken + 1}"
+
+    def apply(self, step_in: _LaneStep) -> None:
+        """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
+        b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
+        torch.sqrt(self.scratch[0], out=self.scratch[1])
+        k, split = self.n_unrot, self.split
+        if k < len(self.params):
+            vt, mr = self.vt[split:], self.root[split:]
+            sizes, offsets = self.sizes[k:], self.rot_offsets
+            group_route.direction_rotated(self.m_at[k:], self.u_at, sizes, offsets, b1, c1, eps, mr)
+            for rotation in self.rotations:
+                rotation.unrotate()
+            group_route.apply_rotated(self.w_at[k:], self.d_at, self.m_at[k:], self.v_at[k:], sizes, offsets,
+                                      neg_lr, wd, decay, mr, vt)  # fmt: skip
+        if k:
+            group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
+                                        self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
+                                        self.root)  # fmt: skip
+        group_route.advance_counters(self.c_at, self.counts)
+
+
+_GROUP_MAX_ENTRIES = 1 << 14
+"""Parameters with more entries leave the group kernels for the per-parameter torch CPU route (its block
+kernels keep ``V_t`` and ``sqrt(V_t)`` of one block in cache: fewer memory passes where they count, and
+``torch.sqrt`` of a whole large array would wake torch's thread pool); the group kernels are for the many small
+ones, whose cost is the calls."""
+
+
+class _SinglesStep(NamedTuple):
+    lr: Any
+    grads: list[torch.Tensor]
+    sums: list[torch.Tensor]
+    taken: list[int]
+
+
+class _Singles:
+    """The large parameters of a group on the group route's step (:data:`_GROUP_MAX_ENTRIES`): each through
+    ``ar.update_in_place`` as the per-parameter route runs it, validated with the rest before any write."""
+
+    def __init__(self, group_index: int, cfg: BaseConfig) -> None:
+        self.group_index, self.cfg = group_index, cfg
+        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], bool, str]] = []
+
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], rotated: bool, where: str) -> None:
+        self.members.append((p, flat, rotated, where))
+
+    def still_valid(self) -> bool:
+        return True  # the state is read at every step (to_core_state)
+
+    def prepare(self, group: Mapping[str, Any], xp: Any) -> _SinglesStep | None:
+        lr = _number(group["lr"])
+        if not _finite_at_least(lr, 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        grads, taken = [], []
+        for p, flat, rotated, _ in self.members:
+            g = p.grad
+            if g is None or g.layout is not torch.strided or g.dtype != p.dtype or g.shape != p.shape:
+                return None
+            count = int(flat["step"])
+            if rotated and ar.refresh_due(count, self.cfg):
+                return None
+            grads.append(-g if group["maximize"] else g)
+            taken.append(count)
+        return _SinglesStep(lr, grads, [_finiteness_sum(g) for g in grads], taken)
+
+    def failure(self, step_in: _SinglesStep) -> str | None:
+        for (_, _, _, where), g, total, count in zip(self.members, step_in.grads, step_in.sums, step_in.taken):
+            if not bool(torch.isfinite(total)) and not _sharded.all_finite(g):
+                return f"{where} contains NaN or Inf at step {count + 1}"
+        return None
+
+    def apply(self, step_in: _SinglesStep) -> None:
+        for (p, flat, _, _), g in zip(self.members, step_in.grads, strict=True):
+            ar.update_in_place(to_core_state(flat, self.cfg), g, self.cfg, p, lr=step_in.lr, refreshed=False)
+            flat["step"] += 1
+
+
+class _HostPlan:
+    """The routes of a step, resolved once (:meth:`CoreOptimizer._resolve_routes`): per parameter the mapping
+    :meth:`CoreOptimizer.routes` reports, and the group-kernel lanes (``None``: the per-parameter route)."""
+
+    def __init__(self, snapshots: list[tuple[Any, ...]], routes: dict[str, dict[str, str]],
+                 lanes: list[Any] | None, idle: list[torch.Tensor]) -> None:  # fmt: skip
+        self.snapshots, self.routes, self.lanes, self.idle = snapshots, routes, lanes, idle
+
+    def still_valid(self, opt: CoreOptimizer) -> bool:
+        """The decision holds: the same groups with the same hyperparameters (``lr`` aside), no gradient on a
+        parameter that had none (and every lane's gradients are checked at each step), the same memory."""
+        groups = opt.param_groups
+        return (
+            len(groups) == len(self.snapshots)
+            and all(_snapshot(g) == s for g, s in zip(groups, self.snapshots, strict=True))
+            and all(p.grad is None for p in self.idle)
+            and (self.lanes is None or all(lane.still_valid() for lane in self.lanes))
+        )
 
 
 class _Work(NamedTuple):
@@ -716,9 +1246,10 @@ def _foreach_devices() -> tuple[str, ...]:
 
 
 def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
-    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam`): the Adam family
-    only; ``foreach=None`` resolves to on when every parameter with a gradient is on a foreach device (CUDA)."""
-    if family_of(cfg) is not ADAM_FAMILY:
+    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam` for the Adam family,
+    :func:`_foreach_flat` for any other entrywise family, a registered one too); ``foreach=None`` resolves to on
+    when every parameter with a gradient is on a foreach device (CUDA)."""
+    if not family_of(cfg).entrywise:
         return False  # Adafactor and Hfac families: their per-parameter route (documented in docs/adapters.md)
     foreach = group.get("foreach")
     if foreach is None:
@@ -835,6 +1366,64 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
     own tensors (``state_dict()`` references stay live)."""
     _foreach_math(_foreach_plan(batch, count, cache, frames))
+
+
+def _foreach_flat(batch: list[_Batched], count: int) -> None:
+    r"""The step of every parameter of ``batch`` (one group, device, dtype pair and step) for an entrywise family
+    other than Adam's (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, e.g. a registered one): the
+    family's own direction function runs **once**, over the concatenation of the parameters' ``G~`` and moments
+    (one ``torch.cat`` per array, each parameter in its memory order), and the tail as ``torch._foreach_*``
+    calls::
+
+        G~ = P^T G Q                                   (per parameter; G itself without a basis)
+        U~, moments = family.direction(S, cat(G~), t)  (once for the batch)
+        D = P U~ Q^T                                   (per parameter; U~'s view itself without a basis)
+        W <- W + (-eta_t) (D + lambda W)
+
+    Entry by entry the operations of the per-parameter route (``update_prepared``), so the same bits.  All or
+    nothing: everything is computed into new tensors before ``W`` and the moments are written."""
+    first = batch[0]
+    cfg, xp = first.item.cfg, torch_namespace()
+    family = family_of(cfg)
+    # G~ with the refresh-step structure (its t, from the host count, is not used: no torch op per parameter)
+    prepared = [prepare_step(e.state, e.item.grad, cfg, e.item.p, e.refreshed, xp, count) for e in batch]
+    layouts = [s.layout for s in prepared]
+    ordered = lambda x, lay: (x.mT if lay.transposed else x).reshape(-1)  # noqa: E731  (memory order, flat)
+    g_flat = torch.cat([ordered(s.g_rot, lay) for s, lay in zip(prepared, layouts, strict=True)])
+    old = {
+        name: torch.cat([ordered(getattr(e.state, name), lay) for e, lay in zip(batch, layouts, strict=True)])
+        for name in family.moment_fields
+    }
+    t = xp.astype(first.state.count + 1, g_flat.dtype)  # the per-parameter route's t, made once
+    flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
+    u_flat, moments = family_direction(flat_state, g_flat, t, cfg, xp)
+    sizes = [s.g_rot.numel() for s in prepared]
+
+    def pieces(flat_array: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for x, lay in zip(torch.split(flat_array, sizes), layouts, strict=True):
+            shape = (lay.cols, lay.rows) if lay.transposed else (lay.rows, lay.cols)
+            piece = x.view(shape)
+            out.append(piece.mT if lay.transposed else piece)
+        return out
+
+    directions: list[torch.Tensor] = [
+        unrotate(u, e.state.P, e.state.Q, xp, transposed=lay.transposed)
+        for u, e, lay in zip(pieces(u_flat), batch, layouts, strict=True)
+    ]
+    eta_t = family.step_size(cfg, t, prepared[0].w, learning_rate(cfg, first.item.lr), xp)
+    weights = [s.w for s in prepared]
+    if decays(cfg):
+        directions = list(torch._foreach_add(directions, torch._foreach_mul(weights, cfg.weight_decay)))
+    deltas = list(torch._foreach_mul(directions, -eta_t))  # -eta_t (D + lambda W), as tail.parameter_delta
+    params = [to_work(e.item.p, lay, xp) for e, lay in zip(batch, layouts, strict=True)]
+    if params[0].dtype != deltas[0].dtype:
+        deltas = [d.to(params[0].dtype) for d in deltas]
+    new = {name: pieces(value) for name, value in moments.items() if value is not None}
+    # commit: copies and adds between tensors of equal shapes and dtypes, nothing allocated
+    torch._foreach_add_(params, deltas)
+    for name, values in new.items():
+        torch._foreach_copy_([getattr(e.state, name) for e in batch], values)
 
 
 class _ForeachPlan(NamedTuple):

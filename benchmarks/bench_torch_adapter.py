@@ -11,7 +11,17 @@ Then, for the Adam family, the adapter's multi-tensor route against its per-para
 (``foreach=True`` / ``foreach=False``, ``foreach`` ms and the ratio), on these shapes and on a model of many
 small parameters (``MANY``), where the per-parameter route's calls dominate.
 
-Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1] [--foreach-only]``.
+``--host-time`` (issue 31): the host time of one ``optimizer.step()`` over many *tiny* tensors, where the
+per-call (dispatch) cost is everything: LLaMA-60M's parameter structure (8 blocks of q, k, v, o, gate, up, down
+and two norms, embedding, final norm, head: 75 parameters) with hidden 8, MLP 16 and vocabulary 32, float32,
+against ``torch.optim.AdamW(fused=True)`` on the same parameters, measured in the same run: interleaved rounds (a
+block of steps of every optimizer per round), the median step of each block, the median over rounds of each
+optimizer's time and of its ratio to fused AdamW's in the same round.  Steps without a refresh
+(``update_freq=None`` after the first step); a refresh step of AdaDiag / AdaDiag++ is timed apart
+(``update_freq=1``: every step refreshes).
+
+Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1] [--foreach-only]``,
+``python benchmarks/bench_torch_adapter.py --host-time [--rounds 15] [--block 40] [--threads 1]``.
 """
 
 from __future__ import annotations
@@ -97,15 +107,67 @@ def bench_foreach(name: str, repeats: int, dtype: torch.dtype, shapes: list[tupl
     return {"per_param_ms": statistics.median(times[False]), "foreach_ms": statistics.median(times[True])}
 
 
+def llama_tiny_shapes(hidden: int = 8, mlp: int = 16, vocab: int = 32, layers: int = 8) -> list[tuple[int, ...]]:
+    """LLaMA-60M's parameter count and kinds (8 blocks; embedding, final norm, head) with tiny dimensions."""
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden)] * 4 + [(mlp, hidden), (mlp, hidden), (hidden, mlp), (hidden,), (hidden,)]
+    return [*shapes, (hidden,), (vocab, hidden)]
+
+
+def host_time(rounds: int, block: int) -> None:
+    """The ``--host-time`` table (module docstring)."""
+    shapes = llama_tiny_shapes()
+
+    def adapter(name: str, **options) -> torch.optim.Optimizer:
+        return OPTIMIZER_CLASSES[name](_params(torch.float32, shapes), lr=1e-3, weight_decay=0.01, **options)
+
+    def torch_adamw(**options) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(_params(torch.float32, shapes), lr=1e-3, weight_decay=0.01, **options)
+
+    rows = {
+        "torch AdamW(fused=True)": torch_adamw(fused=True),
+        "torch AdamW(foreach=True)": torch_adamw(foreach=True),
+        "adapter AdamW (default route)": adapter("adamw", update_freq=None),
+        "adapter AdamW foreach=True": adapter("adamw", update_freq=None, foreach=True),
+        "adapter AdaDiag (default route)": adapter("adadiag", update_freq=None),
+        "adapter AdaDiag foreach=True": adapter("adadiag", update_freq=None, foreach=True),
+        "adapter AdaDiagPP (default route)": adapter("adadiag_pp", update_freq=None),
+        "adapter AdaDiag refresh step": adapter("adadiag", update_freq=1),
+        "adapter AdaDiagPP refresh step": adapter("adadiag_pp", update_freq=1),
+    }
+    for opt in rows.values():
+        for _ in range(3):
+            opt.step()  # the first step refreshes and creates the states
+    times: dict[str, list[float]] = {label: [] for label in rows}
+    ratios: dict[str, list[float]] = {label: [] for label in rows}
+    for _ in range(rounds):
+        this = {label: _median_ms(opt.step, block, warmup=2) for label, opt in rows.items()}
+        for label, ms in this.items():
+            times[label].append(ms)
+            ratios[label].append(ms / this["torch AdamW(fused=True)"])
+    print(f"host time per step, {len(shapes)} tiny float32 parameters (LLaMA-60M's kinds, hidden 8, MLP 16, vocab 32)")
+    print(f"{torch.get_num_threads()} threads, {rounds} interleaved rounds of {block} steps, medians")
+    print(f"{'optimizer':35s} {'ms/step':>9s} {'/ fused AdamW':>14s}")
+    for label in rows:
+        print(f"{label:35s} {statistics.median(times[label]):9.3f} {statistics.median(ratios[label]):14.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--foreach-only", action="store_true", help="only the foreach=True / foreach=False tables")
+    parser.add_argument("--host-time", action="store_true", help="host time per step over tiny tensors (issue 31)")
+    parser.add_argument("--rounds", type=int, default=15, help="--host-time: interleaved rounds")
+    parser.add_argument("--block", type=int, default=40, help="--host-time: steps per optimizer and round")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.host_time:
+        host_time(args.rounds, args.block)
+        return
     dtype = getattr(torch, args.dtype)
     print(f"shapes {SHAPES}, dtype {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
     if not args.foreach_only:

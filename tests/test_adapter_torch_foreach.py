@@ -147,11 +147,11 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_of_one_step(name, n, foreach=True, dtype=torch.float32):
+def _ops_of_one_step(name, n, foreach=True, dtype=torch.float32, **options):
     """Aten ops (and views) of the second step (no refresh: ``update_freq=None``) over ``n`` parameters."""
     shapes = [SHAPES[k % len(SHAPES)] for k in range(n)]
     params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
-    opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=0.1, update_freq=None, foreach=foreach)
+    opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=0.1, update_freq=None, foreach=foreach, **options)
     for _ in range(2):  # the first step refreshes and creates the state; the third is the one counted
         for p in params:
             p.grad = torch.randn_like(p)
@@ -169,8 +169,24 @@ def test_adamw_op_count_does_not_grow_with_the_number_of_parameters():
     assert small.views == large.views
     assert sum(small.ops.values()) < 60, small.ops  # a fixed chain of foreach calls and scalar coefficients
     assert small.ops["aten._local_scalar_dense.default"] <= 1  # the finiteness verdict, nothing else
-    per_param = _ops_of_one_step("adamw", 32, foreach=False)
+    per_param = _ops_of_one_step("adamw", 32, foreach=False, kernels="reference")
     assert sum(per_param.ops.values()) > 4 * sum(large.ops.values())  # what the route saves
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+def test_default_cpu_route_op_count_grows_only_by_the_rotations(name):
+    """The default CPU route (``foreach=False``: the group kernels, routes resolved once): the entrywise part is a
+    fixed number of calls per group (a stack of the counters, ``torch.sqrt``, one ``_foreach_add_``), whatever
+    the number of parameters; only the rotations' GEMMs are per parameter (none for AdamW).  Before the group
+    kernels AdamW made ~20 aten calls per parameter."""
+    small, large = _ops_of_one_step(name, 4, foreach=False), _ops_of_one_step(name, 32, foreach=False)
+    gemm = {"aten.mm.default", "aten.mm.out", "aten.empty.memory_format"}  # GEMMs; stack's allocation
+    fixed = lambda c: {k: v for k, v in c.ops.items() if k not in gemm}  # noqa: E731
+    assert fixed(small) == fixed(large), (small.ops, large.ops)
+    assert sum(fixed(large).values()) < 40, large.ops
+    assert large.ops["aten._local_scalar_dense.default"] == 0  # counters and coefficients read from host memory
+    if name == "adamw":
+        assert sum(large.ops.values()) <= sum(small.ops.values()) + 1 and small.views == large.views
 
 
 @pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])

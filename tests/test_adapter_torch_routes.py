@@ -1,0 +1,276 @@
+"""The torch adapter's routes resolved once (issue 31): the group kernels of the default CPU route, the cached
+decision and its invalidation, and ``opt.routes()``.
+
+Every trajectory is compared bit for bit with ``kernels="reference"`` (the per-parameter route on torch ops, which
+``tests/test_adapter_torch.py`` ties to the core's ``ar.step``), so a stale cached decision (old
+hyperparameters, addresses of freed memory, a parameter left out) shows as a difference.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import _adapter_import  # noqa: F401
+import pytest
+import torch
+from adadiag_ref.adapters import pytorch as at
+
+SHAPES = [(5, 7), (7, 5), (7,), (6, 2, 2), (3, 1), ()]
+NAMES = ["adamw", "adadiag", "adadiag_pp"]
+
+
+def _params(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in SHAPES]
+
+
+def _grads(params, k):
+    gen = torch.Generator().manual_seed(100 + k)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+
+def _pair(name, **hyper):
+    """The same run twice: the default route and ``kernels="reference"``."""
+    runs = []
+    for kernels in ("auto", "reference"):
+        params = _params()
+        runs.append((params, at.OPTIMIZER_CLASSES[name](params, kernels=kernels, **hyper)))
+    return runs
+
+
+def _assert_same(runs):
+    (pa, oa), (pb, ob) = runs
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(a, b)
+        sa, sb = oa.state[a], ob.state[b]
+        assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _steps(runs, ks, edit=None):
+    for k in ks:
+        for params, opt in runs:
+            if edit is not None:
+                edit(params, opt, k)
+            _grads(params, k)
+            opt.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_group_kernels_are_taken_and_bit_identical(name, monkeypatch):
+    from adadiag_ref.optim.families.adam import group_route
+
+    calls = []
+    original = group_route.second_moment
+    monkeypatch.setattr(group_route, "second_moment", lambda *a: calls.append(1) or original(*a))
+    runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=4)
+    _steps(runs, range(9))
+    _assert_same(runs)
+    assert len(calls) == (8 if name == "adamw" else 6)  # every step but t = 1 (and the refreshes t = 5, 9)
+    routes = runs[0][1].routes()
+    assert all(r["moments"].startswith("numba group kernels") for r in routes.values()), routes
+    assert all(r["moments"].startswith("per parameter") for r in runs[1][1].routes().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "key, value", [("lr", 0.5), ("weight_decay", 0.0), ("betas", (0.5, 0.9)), ("eps", 1e-3), ("maximize", True)]
+)
+def test_a_hyperparameter_edited_between_steps_is_used(name, key, value):
+    """The cached decision holds the group's config: an edit of ``param_groups`` must reach the next step."""
+
+    def edit(params, opt, k):
+        if k == 3:
+            opt.param_groups[0][key] = value
+
+    runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=None)
+    _steps(runs, range(6), edit)
+    _assert_same(runs)
+    fresh = _params()
+    opt = at.OPTIMIZER_CLASSES[name](fresh, lr=0.01, weight_decay=0.1, update_freq=None)
+    _steps([(fresh, opt)], range(3))
+    assert not torch.equal(fresh[0], runs[0][0][0]) or key == "lr"  # the edit changed the trajectory
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_state_dict_then_step(name):
+    runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=None)
+    _steps(runs, range(3))
+    saved = [copy.deepcopy(opt.state_dict()) for _, opt in runs]
+    _steps(runs, range(3, 5))
+    for (_, opt), state in zip(runs, saved, strict=True):
+        opt.load_state_dict(state)  # new state tensors: the kernels must not write the old ones
+    _steps(runs, range(5, 8))
+    _assert_same(runs)
+
+
+def test_replaced_parameter_storage_and_state_tensors():
+    """``p.data = ...`` and a state tensor replaced by hand give the kernels new memory."""
+
+    def edit(params, opt, k):
+        if k == 3:
+            params[0].data = params[0].data.clone()
+            flat = opt.state[params[2]]
+            flat["M"] = flat["M"].clone()
+
+    runs = _pair("adadiag", lr=0.01, update_freq=None)
+    _steps(runs, range(6), edit)
+    _assert_same(runs)
+
+
+def test_add_param_group_and_a_gradient_that_appears():
+    def edit(params, opt, k):
+        if k == 2:
+            opt.add_param_group({"params": [params[-1]], "lr": 0.3})
+        if k == 4:
+            params[0].grad = None  # _grads gives every parameter a gradient again: params[0] resumes
+
+    runs = []
+    for kernels in ("auto", "reference"):
+        params = _params()
+        opt = at.AdaDiag([{"params": params[:-1]}], kernels=kernels, lr=0.01, update_freq=None)
+        runs.append((params, opt))
+    for k in range(6):
+        for params, opt in runs:
+            edit(params, opt, k)
+            _grads(params, k)
+            if k == 1:
+                params[1].grad = None  # a step without one parameter: it is skipped
+            if k < 2:
+                params[-1].grad = None
+            opt.step()
+    _assert_same(runs)
+
+
+def test_non_finite_gradient_on_the_group_route_changes_nothing():
+    params = _params()
+    opt = at.AdaDiag(params, lr=0.01, update_freq=None)
+    _steps([(params, opt)], range(3))
+    assert opt.routes()["param_groups[0].params[0]"]["moments"].startswith("numba group")
+    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
+    _grads(params, 3)
+    params[3].grad[2, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 4"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
+    after = opt.state_dict()["state"]
+    for i, state in before[1].items():
+        assert all(torch.equal(v, after[i][k]) for k, v in state.items())
+
+
+def test_routes_report_each_part_per_parameter():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = at.AdaDiag(model.named_parameters(), update_freq=None)
+    assert set(opt.routes()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert opt.routes()["0.weight"]["moments"].startswith("none")  # no gradient yet
+    model(torch.randn(2, 4)).sum().backward()
+    first = opt.routes()["0.weight"]
+    assert first["moments"].startswith("per parameter") and "no state yet" in first["why_not_group_kernels"]
+    opt.step()
+    routes = opt.routes()
+    assert routes["0.weight"] == {
+        "refresh": "batched stack (ar.refresh_bases per config and shape), per-parameter route that step",
+        "rotate": "GEMM (torch.matmul per parameter)",
+        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)",
+    }
+    bf16 = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))
+    opt16 = at.AdamW([bf16])
+    bf16.grad = torch.randn_like(bf16)
+    opt16.step()
+    entry = opt16.routes()["param_groups[0].params[0]"]
+    assert entry["rotate"] == "none" and entry["refresh"] == "none (no basis)"
+    assert entry["moments"].startswith("per parameter") and "bfloat16" in entry["why_not_group_kernels"]
+    fe = at.AdamW(_params(), foreach=True)
+    for p in fe.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    fe.step()
+    assert all(r["moments"].startswith("foreach") for r in fe.routes().values())
+
+
+@pytest.fixture
+def entrywise_heavyball():
+    """The heavy-ball family of ``tests/test_extending.py`` registered as entrywise (restored afterwards)."""
+    import dataclasses
+
+    import test_extending as ext
+
+    import adadiag_ref as ar
+    from adadiag_ref.optim.families import FAMILIES, register_family
+
+    register_family(dataclasses.replace(ext.SPEC, entrywise=True), ext.OPTIMIZERS)
+    yield
+    del FAMILIES["heavyball"]
+    for name in ext.OPTIMIZERS:
+        del ar.OPTIMIZERS[name]
+
+
+@pytest.mark.parametrize("name", ["heavyball", "heavyballdiag"])
+@pytest.mark.usefixtures("entrywise_heavyball")
+def test_foreach_serves_every_entrywise_family(name):
+    """A registered entrywise family takes the multi-tensor route (before: only the Adam family did), bit for bit
+    the per-parameter route, refresh steps included, with ops per step independent of the parameter count."""
+    runs = []
+    for foreach in (False, True):
+        params = _params()
+        opt = at.CoreOptimizer(params, name=name, lr=0.01, weight_decay=0.1, update_freq=3, foreach=foreach)
+        runs.append((params, opt))
+    _steps(runs, range(7))
+    _assert_same(runs)
+    assert all(r["moments"].startswith("flat multi-tensor") for r in runs[1][1].routes().values())
+
+    from test_adapter_torch_foreach import _CountOps
+
+    def ops(n):
+        params = [torch.nn.Parameter(torch.randn(SHAPES[k % 3], dtype=torch.float64)) for k in range(n)]
+        opt = at.CoreOptimizer(params, name=name, lr=0.01, update_freq=None, foreach=True)
+        _steps([(params, opt)], range(2))
+        _grads(params, 2)
+        with _CountOps() as counter:
+            opt.step()
+        return {k: v for k, v in counter.ops.items() if k not in ("aten.mm.default", "aten.empty.memory_format")}
+
+    assert ops(3) == ops(12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch):
+    """A parameter of more than 16384 entries takes the per-parameter torch CPU route (its cache-sized blocks)
+    inside a group-route step; the small ones take the group kernels; bit for bit the reference, and a NaN in the
+    large one's gradient still changes nothing."""
+    from adadiag_ref.optim.families.adam import group_route
+
+    calls = []
+    original = group_route.second_moment
+    monkeypatch.setattr(group_route, "second_moment", lambda *a: calls.append(1) or original(*a))
+    runs = []
+    for kernels in ("auto", "reference"):
+        big = torch.randn(130, 300, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        params = [*_params(), torch.nn.Parameter(big)]
+        runs.append((params, at.OPTIMIZER_CLASSES[name](params, kernels=kernels, lr=0.01, weight_decay=0.1)))
+    _steps(runs, range(4))
+    _assert_same(runs)
+    assert len(calls) == 3
+    routes = runs[0][1].routes()
+    assert "more than 16384 entries" in routes["param_groups[0].params[6]"]["moments"]
+    assert routes["param_groups[0].params[0]"]["moments"].startswith("numba group kernels")
+    params, opt = runs[0]
+    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
+    _grads(params, 9)
+    params[6].grad[3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"parameter 6 of param_groups\[0\] contains NaN or Inf at step 5"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
+    assert all(torch.equal(v, opt.state_dict()["state"][i][k]) for i, s in before[1].items() for k, v in s.items())
+
+
+def test_moment_storage_moved_by_hand_is_followed():
+    """``Tensor.set_`` on a moment (the same tensor object, new memory): the kernels write the new memory."""
+
+    def edit(params, opt, k):
+        if k == 3:
+            M = opt.state[params[0]]["M"]
+            M.set_(M.clone())
+
+    runs = _pair("adamw", lr=0.01, update_freq=None)
+    _steps(runs, range(6), edit)
+    _assert_same(runs)
