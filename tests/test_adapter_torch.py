@@ -526,6 +526,22 @@ def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, d
         assert all(torch.equal(ref[k], fast[k]) for k in ref)
 
 
+def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypatch):
+    """Issue 31: ``b_hat_1, b_hat_2`` (torch ops on the 0-d step) are computed once per step for all parameters of
+    one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
+    from adadiag_ref.optim.families.adam import torch_route
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(6, 9), (9,), (4, 4), (7,)]]
+    opt = CLASSES["adamw"](params, lr=1e-3, update_freq=None)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    calls = _count_calls(monkeypatch, torch_route, ["beta_hats"])
+    opt.step()
+    opt.step()
+    assert calls["beta_hats"] == 2
+
+
 def test_cpu_kernel_route_keeps_the_state_tensor_objects():
     p = torch.nn.Parameter(torch.randn(9, 4))
     q = torch.nn.Parameter(torch.randn(50))

@@ -251,5 +251,29 @@ def in_place(state: AdamState, step_in: Any, cfg: BaseConfig, param: Array, eta:
     apply (not torch, not CPU, ``kernels="reference"``, numba missing, another layout)."""
     if not is_torch_namespace(xp):
         return False
-    betas_t = beta_hats(cfg, step_in.t, xp)
+    betas_t = _step_beta_hats(cfg, step_in.t, xp)
     return _adam_torch_cpu(state, step_in.layout, betas_t, step_in.g_rot, step_in.w, param, cfg, eta, xp)
+
+
+_BETA_HATS: dict[Any, Any] = {}
+
+
+def _step_beta_hats(cfg: BaseConfig, t: Any, xp: Any) -> Any:
+    """``beta_hats(cfg, t, xp)`` (torch ops on the 0-d step ``t``, as the reference computes them), computed once
+    for all the parameters of a step: kept for the last ``(betas, bias_correction, dtype and value of t)``, which is
+    all they depend on (the same torch ops on the same inputs give the same bits).  Computed afresh for anything
+    else (array betas, a ``t`` that is not a 0-d CPU tensor)."""
+    import torch
+
+    betas = tuple(cfg.betas)
+    if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.ndim == 0) or any(
+        type(b) is not float for b in betas
+    ):
+        return beta_hats(cfg, t, xp)
+    key = (betas, bool(cfg.bias_correction), t.dtype, t.detach().numpy().item())
+    found = _BETA_HATS.get(key)
+    if found is None:
+        found = beta_hats(cfg, t, xp)
+        _BETA_HATS.clear()
+        _BETA_HATS[key] = found
+    return found
