@@ -526,6 +526,21 @@ def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, d
         assert all(torch.equal(ref[k], fast[k]) for k in ref)
 
 
+def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch):
+    """A forked child inherits the helper pool's object but none of its threads; the route makes a new pool there
+    instead of queueing work nobody runs (a hang)."""
+    from adadiag_ref.optim.families.adam import torch_route
+
+    workers = torch_route._Workers()
+    pool = workers.get(1)
+    assert workers.get(1) is pool
+    monkeypatch.setattr(torch_route.os, "getpid", lambda: -1)  # as seen from a child process
+    child_pool = workers.get(1)
+    assert child_pool is not pool and child_pool.submit(lambda: 7).result(timeout=10) == 7
+    pool.shutdown()
+    child_pool.shutdown()
+
+
 def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypatch):
     """Issue 31: ``b_hat_1, b_hat_2`` (torch ops on the 0-d step) are computed once per step for all parameters of
     one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
