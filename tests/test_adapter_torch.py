@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
@@ -407,16 +408,28 @@ def _count_calls(monkeypatch, module, names):
 ROUTE_SHAPES = [(130, 300), (300, 130), (5, 7), (7, 5), (6, 2, 2), (7,)]
 
 
+ROUTE_KERNELS = ["adam_apply_root_flat", "adam_direction_root_flat", "adam_step_vml_flat", "adam_moments_vml_flat"]
+
+
+@pytest.mark.parametrize("vml_root", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
-def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name, dtype, weight_decay, monkeypatch):
+def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(
+    name, dtype, weight_decay, vml_root, monkeypatch
+):
     """CPU float tensors go through the numba kernels (on NumPy views of the tensors); every trajectory and state
     equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
-    large enough that a kernel taking its own correctly rounded square root, instead of torch's, would differ."""
+    large enough that a kernel taking its own correctly rounded square root, instead of torch's, would differ.
+    ``vml_root``: torch's VML root called inside the kernels (where the build has it), or ``torch.sqrt`` per block."""
+    from adadiag_ref._kernels import vml
     from adadiag_ref.optim.families.adam import numba_route
 
-    calls = _count_calls(monkeypatch, numba_route, ["adam_apply_root_flat", "adam_direction_root_flat"])
+    if vml_root and not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    if not vml_root:
+        monkeypatch.setattr(vml, "available", lambda: False)
+    calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
     streams = [_stream(s, steps=5, dtype=dtype, seed=i) for i, s in enumerate(ROUTE_SHAPES)]
     hyper = {"lr": 0.01, "weight_decay": weight_decay, "update_freq": 2}
     results = {}
@@ -432,6 +445,116 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name
         assert torch.equal(ref, fast)
     for ref, fast in zip(results["reference"][1], results["auto"][1], strict=True):
         assert set(ref) == set(fast) and all(torch.equal(ref[k], fast[k]) for k in ref)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag"])
+def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypatch):
+    """Issue 31: on MKL builds the route takes ``sqrt(V_t)`` by VML's ``vm?Sqrt`` (the function eager
+    ``torch.sqrt`` calls) inside one numba kernel per parameter, with no ``torch.sqrt`` call and no Python
+    round trip per block; the result is still the reference route's bit for bit (test above)."""
+    from adadiag_ref._kernels import vml
+    from adadiag_ref.optim.families.adam import numba_route
+
+    if not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in [(130, 300), (40,)]]
+    opt = CLASSES[name](params, lr=1e-3, update_freq=None)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # t = 1 refreshes
+    calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
+    roots = []
+    real_sqrt = torch.sqrt
+
+    def counted_sqrt(*args, **kwargs):
+        roots.append(1)
+        return real_sqrt(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "sqrt", counted_sqrt)
+    opt.step()
+    vml_kernel = "adam_step_vml_flat" if name == "adamw" else "adam_moments_vml_flat"
+    assert calls[vml_kernel] == len(params) if name == "adamw" else calls[vml_kernel] >= 1, calls
+    assert calls["adam_apply_root_flat"] == calls["adam_direction_root_flat"] == 0, calls
+    assert roots == []
+
+
+@pytest.mark.parametrize("vml_root", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["adamw", "adadiag"])
+def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, dtype, vml_root, monkeypatch):
+    """Issue 31: with ``torch.get_num_threads() > 1`` a large parameter's passes are cut into contiguous parts run
+    at once on helper threads (here forced on small tensors, with VML blocks of 100 entries so that parts end
+    inside blocks); trajectories and states equal the single-threaded reference route bit for bit (also without
+    VML, where the rotated parameters' ``W`` pass is split)."""
+    from adadiag_ref._kernels import vml
+    from adadiag_ref.optim.families.adam import torch_route
+
+    if vml_root and not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    if not vml_root:
+        monkeypatch.setattr(vml, "available", lambda: False)
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 333)
+    monkeypatch.setattr(torch_route, "VML_BLOCK", 100)
+    parts = []
+    real_part = torch_route._part
+
+    def counted_part(*args):
+        parts.append(threading.get_ident())
+        return real_part(*args)
+
+    monkeypatch.setattr(torch_route, "_part", counted_part)
+    streams = [_stream(s, steps=4, dtype=dtype, seed=i) for i, s in enumerate([(30, 70), (70, 30), (1001,), (3, 5)])]
+    hyper = {"lr": 0.01, "weight_decay": 0.1, "update_freq": 3}
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for kernels, n in (("reference", 1), ("auto", 3)):
+            torch.set_num_threads(n)
+            params = [torch.nn.Parameter(w0.clone()) for w0, _ in streams]
+            opt = CLASSES[name](params, kernels=kernels, **hyper)
+            trajs = _run(opt, params, [g for _, g in streams])
+            results[kernels] = (trajs, [opt.state[p] for p in params])
+    finally:
+        torch.set_num_threads(threads)
+    # without VML the unrotated fallback stays torch.sqrt per block on this thread; rotated tails split either way
+    # (two parts may share a helper thread: the pool reuses an idle one before it starts another)
+    split = vml_root or name == "adadiag"
+    assert (threading.get_ident() in parts and len(set(parts)) >= 2) if split else parts == [], parts
+    for ref, fast in zip(results["reference"][0], results["auto"][0], strict=True):
+        assert torch.equal(ref, fast)
+    for ref, fast in zip(results["reference"][1], results["auto"][1], strict=True):
+        assert all(torch.equal(ref[k], fast[k]) for k in ref)
+
+
+def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch):
+    """A forked child inherits the helper pool's object but none of its threads; the route makes a new pool there
+    instead of queueing work nobody runs (a hang)."""
+    from adadiag_ref.optim.families.adam import torch_route
+
+    workers = torch_route._Workers()
+    pool = workers.get(1)
+    assert workers.get(1) is pool
+    monkeypatch.setattr(torch_route.os, "getpid", lambda: -1)  # as seen from a child process
+    child_pool = workers.get(1)
+    assert child_pool is not pool and child_pool.submit(lambda: 7).result(timeout=10) == 7
+    pool.shutdown()
+    child_pool.shutdown()
+
+
+def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypatch):
+    """Issue 31: ``b_hat_1, b_hat_2`` (torch ops on the 0-d step) are computed once per step for all parameters of
+    one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
+    from adadiag_ref.optim.families.adam import torch_route
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(6, 9), (9,), (4, 4), (7,)]]
+    opt = CLASSES["adamw"](params, lr=1e-3, update_freq=None)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    calls = _count_calls(monkeypatch, torch_route, ["beta_hats"])
+    opt.step()
+    opt.step()
+    assert calls["beta_hats"] == 2
 
 
 def test_cpu_kernel_route_keeps_the_state_tensor_objects():

@@ -106,16 +106,18 @@ def test_torch_kernel_route_is_all_or_nothing(name: str, monkeypatch) -> None:
         state = ar.update_in_place(ar.refresh_basis(state, g, cfg), g, cfg, w, refreshed=True)
     before = [x.clone() for x in (w, state.M, state.V)]
     calls = []
-    original = adam_kernels.adam_direction_root_flat
+    for kernel in ("adam_direction_root_flat", "adam_moments_vml_flat"):  # torch.sqrt per pass, or VML's inside
+        original = getattr(adam_kernels, kernel)
 
-    def moments_then_fail(*args):
-        calls.append(1)
-        return original(*args)
+        def moments_then_fail(*args, _original=original):
+            calls.append(1)
+            return _original(*args)
+
+        monkeypatch.setattr(adam_kernels, kernel, moments_then_fail)
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(adam_kernels, "adam_direction_root_flat", moments_then_fail)
     monkeypatch.setattr(torch_route, "unrotate", boom)
     with pytest.raises(RuntimeError, match="injected"):
         ar.update_in_place(state, torch.randn(6, 9, generator=gen), cfg, w)

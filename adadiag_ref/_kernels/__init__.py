@@ -18,8 +18,9 @@ Thread policy: the callers choose.  A flat kernel that some caller runs on numba
 and ``*_parallel`` (separate compiles and cache entries, :func:`_serial_and_parallel`).  The functional route
 and ``replay`` use the parallel forms for arrays of :data:`PARALLEL_MIN_SIZE` entries or more, and only under
 numba's non-spinning ``workqueue`` layer; the engine between its GEMM phases; the torch CPU route never
-(torch's OpenMP threads spin after each parallel region).  BLAS owns the cores during GEMMs
-(docs/performance.md, "Threads").
+(torch's OpenMP threads spin after each parallel region): it cuts its arrays over ``torch.get_num_threads()``
+threads of its own instead (``optim/families/adam/torch_route.py``).  BLAS owns the cores during GEMMs
+(docs/performance.md, "Threads").  :mod:`.vml` makes torch's own square root (MKL VML) callable from kernels.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
 apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
-# the torch CPU route's passes are serial only: optim/inplace.py::_adam_torch_cpu says why
+# serial only: the torch CPU route cuts its arrays over threads of its own (optim/families/adam/torch_route.py)
 apply_direction_flat = _jit(_apply_direction_flat)
 
 

@@ -85,7 +85,7 @@ def update_in_place(
     but one computes the new values into scratch buffers and writes them at the
     end; the CPU torch route of an unrotated parameter (:mod:`adadiag_ref.optim.families.adam.torch_route`)
     writes ``W``, ``M`` and ``V`` in place block by block, running only numba
-    kernels and ``torch.sqrt`` into a preallocated block between its writes.
+    kernels and torch's own square root into a preallocated block between its writes.
     On PyTorch the Adam family's ``M`` and ``V`` otherwise take over their scratch
     tensors' storage (``Tensor.set_``) instead of copying it: the same tensor
     objects, the same values, one pass over memory less each (views taken of

@@ -46,6 +46,8 @@ from ...._kernels import (
     rows_in_memory_order,
     scalar,
 )
+from ...._kernels.vml import local_threads as _vml_local_threads
+from ...._kernels.vml import sqrt_into as _vml_sqrt
 from ...._xp import Array, Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
@@ -171,6 +173,53 @@ def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyp
         MR[k] = m
 
 
+def _adam_step_vml_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay, root):  # type: ignore[no-untyped-def]
+    """The unrotated Adam step in place on flat views, ``sqrt(V_t)`` by torch's own VML root
+    (:mod:`adadiag_ref._kernels.vml`), block by block in one call: for each block of ``root.size`` entries,
+    ``V <- V_t = b2 V + c2 G^2``, ``root = sqrt(V_t)`` (VML, into the scratch ``root``, which stays in cache),
+    then ``M <- M_t = b1 M + c1 G`` and ``W <- W + (-eta) (M_t / (root + eps) [+ lambda W])``.  Each array
+    crosses memory once; the formulas and their order are :func:`_adam_entry`'s and :func:`delta_entry`'s.
+    MKL runs single-threaded on this thread meanwhile (the caller owns the threads, see ``torch_route``)."""
+    size = g.shape[0]
+    block = root.shape[0]
+    previous = _vml_local_threads(1)
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        k = stop - start
+        Vb, gb, Mb, Wb, rb = V[start:stop], g[start:stop], M[start:stop], W[start:stop], root[:k]
+        for i in range(k):
+            Vb[i] = _second_moment_entry(Vb[i], gb[i], b2, c2)
+        _vml_sqrt(Vb, rb)
+        for i in range(k):
+            w = Wb[i]
+            m = ema_entry(Mb[i], gb[i], b1, c1)
+            Mb[i] = m
+            Wb[i] = w + delta_entry(m / (rb[i] + eps), w, neg_lr, wd, decay)
+    _vml_local_threads(previous)
+
+
+def _adam_moments_vml_flat(M0, V0, GU, M, V, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
+    """Flat views, ``sqrt(V_t)`` by torch's VML root, block by block (as :func:`_adam_step_vml_flat`):
+    ``V = b2 V0 + c2 G~^2`` and ``M = b1 M0 + c1 G~`` into the new arrays, ``U~ = M / (sqrt(V) + eps)`` over
+    ``G~`` itself (``GU`` is read, then overwritten; one argument per array, no aliased pointers)."""
+    size = GU.shape[0]
+    block = root.shape[0]
+    previous = _vml_local_threads(1)
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        k = stop - start
+        V0b, Vb, GUb, M0b, Mb = V0[start:stop], V[start:stop], GU[start:stop], M0[start:stop], M[start:stop]
+        rb = root[:k]
+        for i in range(k):
+            Vb[i] = _second_moment_entry(V0b[i], GUb[i], b2, c2)
+        _vml_sqrt(Vb, rb)
+        for i in range(k):
+            m = ema_entry(M0b[i], GUb[i], b1, c1)
+            Mb[i] = m
+            GUb[i] = m / (rb[i] + eps)
+    _vml_local_threads(previous)
+
+
 adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
 
 
@@ -198,6 +247,12 @@ adam_apply_root_flat = _jit(_adam_apply_root_flat)
 
 
 adam_direction_root_flat = _jit(_adam_direction_root_flat)
+
+
+adam_step_vml_flat = _jit(_adam_step_vml_flat)
+
+
+adam_moments_vml_flat = _jit(_adam_moments_vml_flat)
 
 
 # ----------------------------------------------------------------------------- routes

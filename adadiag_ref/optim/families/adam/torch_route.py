@@ -1,20 +1,31 @@
 """The Adam family's torch route: ``update_in_place`` on float32/float64 CPU torch tensors (the torch adapter).
 
 The Adam kernels of :mod:`.numba_route` run on zero-copy NumPy views of the tensors, with ``sqrt(V_t)`` taken
-by ``torch.sqrt`` (torch's CPU square root is not always correctly rounded, and the result must equal the
-torch reference bit for bit): no parameter-sized array is allocated for an unrotated parameter, and each array
-crosses memory about once (:func:`_adam_torch_cpu`).  Declines (``False``, nothing written) for every other
-backend, device or layout; :mod:`.inplace` then runs the backend's own ufuncs.
+by torch's own square root (torch's CPU square root is not always correctly rounded, and the result must equal
+the torch reference bit for bit): on MKL builds the very VML function eager ``torch.sqrt`` calls, from inside
+the kernels (:mod:`adadiag_ref._kernels.vml`), otherwise ``torch.sqrt`` per block.  No parameter-sized array is
+allocated for an unrotated parameter, and each array crosses memory about once (:func:`_adam_torch_cpu`).
+Declines (``False``, nothing written) for every other backend, device or layout; :mod:`.inplace` then runs the
+backend's own ufuncs.
+
+Threads (issue 31): a kernel's flat arrays of at least ``2 x`` :data:`SPLIT_MIN_SIZE` entries are cut into
+``torch.get_num_threads()`` contiguous parts run at once, one on the calling thread and the others on
+persistent helper threads (:func:`_split`; the kernels release the GIL and keep MKL single-threaded on their
+thread while they run, so VML never opens an OpenMP team of its own next to them).  numba's thread pool is
+never used here: next to torch's OpenMP threads, which spin after each parallel region, it ran slower than one
+thread.  Every entry is computed by the same code whatever the cut, so the bits do not depend on the threads.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 from array_api_compat import is_torch_namespace
 
 from .... import _kernels
-from ...._kernels import alike, flat
+from ...._kernels import alike, flat, vml
 from ...._xp import Array
 from ....config import BaseConfig
 from ...layout import from_work
@@ -59,6 +70,80 @@ def _host_views(*tensors: Any) -> list[Any] | None:
 
 
 BLOCK = 1 << 14
+"""Entries per block of the fallback route (``torch.sqrt`` called per block, when VML is not torch's root)."""
+
+#: Entries per block of the VML kernels (one ``vm?Sqrt`` call each: MKL's overhead of a few microseconds per call
+#: against ~0.5 ns per entry; a block's ``V_t`` and root, 128 KiB each in float32, stay in the L2/L3 cache).
+VML_BLOCK = 1 << 15
+
+#: Flat arrays with at least this many entries per thread are split across ``torch.get_num_threads()`` threads.
+SPLIT_MIN_SIZE = 1 << 16
+
+_local = threading.local()
+
+
+def _scratch(dtype: Any) -> Any:
+    """This thread's block of scratch for the VML kernels' roots (one per dtype, kept: no fresh pages per call)."""
+    import numpy
+
+    blocks = _local.__dict__.setdefault("blocks", {})
+    key = (numpy.dtype(dtype), VML_BLOCK)
+    block = blocks.get(key)
+    if block is None:
+        block = blocks[key] = numpy.empty(VML_BLOCK, dtype=dtype)
+    return block
+
+
+class _Workers:
+    """Persistent helper threads for :func:`_split`: created on first use, grown on demand, idle between calls,
+    and made anew in a forked child (whose copy of the pool has no threads behind it)."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.size = 0
+        self.pid = 0
+
+    def get(self, n: int) -> Any:
+        if self.pool is None or self.size < n or self.pid != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            old, self.pool, self.size = self.pool, ThreadPoolExecutor(n, thread_name_prefix="adadiag-ref"), n
+            if old is not None and self.pid == os.getpid():
+                old.shutdown(wait=False)
+            self.pid = os.getpid()
+        return self.pool
+
+
+_WORKERS = _Workers()
+_COMPILED: set[tuple[Any, Any]] = set()
+
+
+def _part(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], scratch: bool) -> None:
+    kernel(*arrays, *scalars, *((_scratch(arrays[0].dtype),) if scratch else ()))
+
+
+def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size: int, scratch: bool = False) -> None:
+    """``kernel(*arrays, *scalars[, scratch])`` over flat arrays of ``size`` entries, cut into contiguous parts run at
+    once on ``torch.get_num_threads()`` threads (this one and helpers; the numba kernels release the GIL, and the
+    VML kernels keep MKL single-threaded while they run).  Each entry is computed by the same code whatever the
+    cut, so the bits do not depend on the thread count."""
+    import torch
+
+    parts = min(torch.get_num_threads(), size // SPLIT_MIN_SIZE)
+    key = (kernel, arrays[0].dtype)
+    if parts <= 1 or key not in _COMPILED:  # numba compiles (or loads) a kernel on one thread, at its first call
+        _part(kernel, arrays, scalars, scratch)
+        _COMPILED.add(key)
+        return
+    step = -(-size // parts)
+    step += -step % 64  # cache-line aligned cuts
+    bounds = [(start, min(start + step, size)) for start in range(0, size, step)]
+    pool = _WORKERS.get(len(bounds) - 1)
+    futures = [pool.submit(_part, kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch) for lo, hi in bounds[1:]]
+    lo, hi = bounds[0]
+    _part(kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch)
+    for future in futures:
+        future.result()
 
 
 def _adam_torch_cpu(
@@ -80,16 +165,18 @@ def _adam_torch_cpu(
     caller then runs the backend ufuncs.
 
     Bit-identical to the reference on torch: the same formulas in the same order, the coefficients
-    ``b_hat`` computed by torch as there, the same torch GEMMs, and ``sqrt(V_t)`` by ``torch.sqrt`` itself
+    ``b_hat`` computed by torch as there, the same torch GEMMs, and ``sqrt(V_t)`` by torch's own square root
     (torch's CPU square root is not always the correctly rounded one, so the kernels must not use their
-    own); kernels compiled without fastmath.  The flat arrays are processed in blocks of :data:`BLOCK`
-    entries: a kernel writes ``V_t`` of the block into scratch, ``torch.sqrt`` takes its root, a second
-    kernel finishes the block, so each array crosses memory about once.
+    own); kernels compiled without fastmath.  With VML (:func:`adadiag_ref._kernels.vml.available`): one
+    kernel call per part (:func:`_split`), which walks its arrays in blocks of :data:`VML_BLOCK` entries,
+    writing ``V_t`` of a block, calling VML for its root into per-thread scratch and finishing the block.
+    Without: blocks of :data:`BLOCK` entries from Python, a kernel writing ``V_t`` into scratch,
+    ``torch.sqrt`` taking its root, a second kernel finishing the block.  Each array crosses memory about once.
 
     * no rotation: ``M``, ``V`` and ``W <- W + (-eta) (U + lambda W)`` are written in place, block by block;
       nothing of the parameter's size is allocated (the embedding and LM head of a language model: fresh
       arrays of their size cost page faults of the order of the arithmetic).  Everything that can fail is
-      checked before the first block; the blocks run only kernels and ``torch.sqrt`` into scratch.
+      checked before the first block; the blocks run only kernels and the square root into scratch.
     * with rotation: ``M_t``, ``V_t`` go into two new tensors and ``U~`` over ``G~`` (this call's own GEMM
       output), ``D = P U~ Q^T`` (torch GEMM, new), one pass ``W <- W + (-eta) (D + lambda W)``, then ``M``
       and ``V`` adopt the new tensors' storage (``Tensor.set_``): the state is written only after the GEMM.
@@ -120,12 +207,17 @@ def _adam_torch_cpu(
 
     size = M_np.size
     fg, fM, fV = flat(g_np), flat(M_np), flat(V_np)
+    vml_root = vml.available()  # torch.sqrt's own function, callable inside the kernels
     if not rotated:
+        fw = flat(w_np)
+        if vml_root:
+            scalars = (b1, c1, b2, c2, eps, neg_lr, wd, decay)
+            _split(numba_route.adam_step_vml_flat, (fw, fg, fM, fV), scalars, size, True)
+            return True
         block = min(BLOCK, size)
         scratch = torch.empty((2, block), dtype=M.dtype)  # V_t and sqrt(V_t) of one block
         v_t, root_t = scratch[0], scratch[1]
         v_np, root_np = scratch.numpy()
-        fw = flat(w_np)
         for start in range(0, size, block):
             stop = min(start + block, size)
             k = stop - start
@@ -134,23 +226,21 @@ def _adam_torch_cpu(
             numba_route.adam_apply_root_flat(fw[start:stop], fg[start:stop], fM[start:stop], fV[start:stop],
                                           v_np[:k], root_np[:k], b1, c1, eps, neg_lr, wd, decay)  # fmt: skip
         return True
-    # rotated: three whole-array passes into the new moments (no blocks: G~ and the new M, V are this call's own
-    # memory); sqrt(V_t) is parked in the new M's memory until M_t overwrites it.  The passes run on this thread,
-    # never on numba's pool: they follow torch GEMMs and torch.sqrt, whose OpenMP threads keep spinning after a
-    # parallel region, and a numba pool next to them was slower than one thread (LLaMA-60M, adapter / direct
-    # torch in alternation: 1.15-1.28 with the pool, 0.80 without, two runs each)
     new_M, new_V = torch.empty_like(M), torch.empty_like(V)  # dense inputs: the same strides
     new_views = _host_views(new_M, new_V)
     if new_views is None or not alike(M_np, *new_views):  # pragma: no cover - empty_like keeps dense strides
         return False
     fnM, fnV = (flat(v) for v in new_views)
-    numba_route.adam_second_moment_flat(fV, fg, b2, c2, fnV)
-    torch.sqrt(torch.from_numpy(fnV), out=torch.from_numpy(fnM))
-    numba_route.adam_direction_root_flat(fM, fg, fnM, b1, c1, eps)
+    if vml_root:
+        _split(numba_route.adam_moments_vml_flat, (fM, fV, fg, fnM, fnV), (b1, c1, b2, c2, eps), size, True)
+    else:  # sqrt(V_t) is parked in the new M's memory until M_t overwrites it
+        numba_route.adam_second_moment_flat(fV, fg, b2, c2, fnV)
+        torch.sqrt(torch.from_numpy(fnV), out=torch.from_numpy(fnM))
+        numba_route.adam_direction_root_flat(fM, fg, fnM, b1, c1, eps)
     D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)  # U~ lives in G~'s buffer now
     D_views = _host_views(D)
-    if D_views is not None and alike(D_views[0], w_np):
-        _kernels.apply_direction_flat(flat(w_np), flat(D_views[0]), neg_lr, wd, decay)  # commit: nothing below fails
+    if D_views is not None and alike(D_views[0], w_np):  # commit: nothing below fails
+        _split(_kernels.apply_direction_flat, (flat(w_np), flat(D_views[0])), (neg_lr, wd, decay), size)
     else:  # pragma: no cover - torch GEMM outputs are dense in G~'s order; the reference expressions otherwise
         if decay:
             D = D + cfg.weight_decay * w
@@ -165,5 +255,29 @@ def in_place(state: AdamState, step_in: Any, cfg: BaseConfig, param: Array, eta:
     apply (not torch, not CPU, ``kernels="reference"``, numba missing, another layout)."""
     if not is_torch_namespace(xp):
         return False
-    betas_t = beta_hats(cfg, step_in.t, xp)
+    betas_t = _step_beta_hats(cfg, step_in.t, xp)
     return _adam_torch_cpu(state, step_in.layout, betas_t, step_in.g_rot, step_in.w, param, cfg, eta, xp)
+
+
+_BETA_HATS: dict[Any, Any] = {}
+
+
+def _step_beta_hats(cfg: BaseConfig, t: Any, xp: Any) -> Any:
+    """``beta_hats(cfg, t, xp)`` (torch ops on the 0-d step ``t``, as the reference computes them), computed once
+    for all the parameters of a step: kept for the last ``(betas, bias_correction, dtype and value of t)``, which is
+    all they depend on (the same torch ops on the same inputs give the same bits).  Computed afresh for anything
+    else (array betas, a ``t`` that is not a 0-d CPU tensor)."""
+    import torch
+
+    betas = tuple(cfg.betas)
+    if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.ndim == 0) or any(
+        type(b) is not float for b in betas
+    ):
+        return beta_hats(cfg, t, xp)
+    key = (betas, bool(cfg.bias_correction), t.dtype, t.detach().numpy().item())
+    found = _BETA_HATS.get(key)
+    if found is None:
+        found = beta_hats(cfg, t, xp)
+        _BETA_HATS.clear()
+        _BETA_HATS[key] = found
+    return found

@@ -1,0 +1,214 @@
+"""The torch adapter's default CPU route against its peers, side by side (issue 31's CPU targets).
+
+Over LLaMA-60M's parameter structure cut to its first 4 transformer blocks, with an 8000-token embedding and LM
+head (float32, ``adadiag_ref.memory.llama_parameters``), one ``optimizer.step()`` of each contender:
+
+* ``fused AdamW``:   ``torch.optim.AdamW(fused=True)``;
+* ``adapter AdamW``: ``adadiag_ref.adapters.pytorch.AdamW`` (default route: ``foreach`` off on the CPU);
+* ``adapter AdaDiag`` / ``GaLore``: the adapter's ``AdaDiag`` on the blocks' matrices (the embedding, head and
+  norms by its ``AdamW``, the paper's rule) against the official ``galore_torch.GaLoreAdamW`` at full rank
+  (``rank = min(m, n)``, one-sided: AdaDiag's form) on the same matrices, its plain Adam on the rest;
+  non-refresh steps (AdaDiag ``update_freq=None``, GaLore ``update_proj_gap`` never reached after its first
+  step), and separately refresh steps (every step refreshes: ``update_freq=1``, ``update_proj_gap=1``).
+
+For each thread count, torch (``torch.set_num_threads``), numba (``numba.set_num_threads``) and the BLAS
+libraries (threadpoolctl) are set to it; the contenders are called in rotation, one step each per round
+(``--rounds`` rounds after warm-up), with a short pause after each call so that one library's spinning
+OpenMP threads do not slow the next call down; the table gives median milliseconds and the ratios
+adapter/fused AdamW, adapter AdaDiag/GaLore and 2-thread/1-thread (each ratio is the median of the per-round
+ratios, so load drift on a shared machine affects both sides alike).
+
+GaLore is skipped, with a message, when ``galore_torch`` is not installed (``pip install -e .[peers]``, or
+``pip install --no-deps galore-torch``).  Its
+package ``__init__`` imports ``transformers`` and ``bitsandbytes`` for its other optimizers; only
+``galore_torch.adamw`` and ``galore_torch.galore_projector`` are loaded here, and when ``transformers`` is
+absent its ``require_version`` (a version assertion at construction) is replaced by a no-op.
+
+Run: ``python benchmarks/cpu_adapter_vs_peers.py [--threads 1 2] [--rounds 15] [--refresh-rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adadiag_ref.memory import LLAMA_CONFIGS, llama_parameters
+from adadiag_ref.perf.params import is_rotated
+
+LR = 1e-3
+
+
+def specs() -> list[Any]:
+    """LLaMA-60M's shapes, 4 blocks, 8000-token embedding and head."""
+    return llama_parameters(dataclasses.replace(LLAMA_CONFIGS["llama-60m"], layers=4, vocab=8000))
+
+
+def galore_adamw() -> Any:
+    """``galore_torch.GaLoreAdamW`` without its package ``__init__`` (module docstring), or ``None``."""
+    if "galore_torch.adamw" in sys.modules:
+        return sys.modules["galore_torch.adamw"].AdamW
+    spec = importlib.util.find_spec("galore_torch")
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    if "galore_torch" not in sys.modules:
+        package = types.ModuleType("galore_torch")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["galore_torch"] = package
+    if importlib.util.find_spec("transformers") is None and "transformers.utils.versions" not in sys.modules:
+        stub = types.ModuleType("transformers.utils.versions")
+        stub.require_version = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+        for name in ("transformers", "transformers.utils"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["transformers.utils.versions"] = stub
+    from galore_torch.adamw import AdamW
+
+    return AdamW
+
+
+def _params(seed: int = 0) -> tuple[list[torch.nn.Parameter], list[bool]]:
+    gen = torch.Generator().manual_seed(seed)
+    params, rotated = [], []
+    for s in specs():
+        p = torch.nn.Parameter(torch.randn(s.shape, generator=gen) * 0.02)
+        p.grad = torch.randn(s.shape, generator=gen) * 1e-3
+        params.append(p)
+        rotated.append(is_rotated(s, "paper"))
+    return params, rotated
+
+
+def contenders(refresh: bool) -> dict[str, Callable[[], Any]]:
+    """Step functions, each on its own copy of the parameters, warmed past their first (refresh) step."""
+    from adadiag_ref.adapters import pytorch as at
+
+    fns: dict[str, Callable[[], Any]] = {}
+    if not refresh:
+        params, _ = _params()
+        fns["fused AdamW"] = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
+        params, _ = _params()
+        fns["adapter AdamW"] = at.AdamW(params, lr=LR, update_freq=None).step
+    params, rotated = _params()
+    freq = 1 if refresh else None
+    opts = [
+        at.AdaDiag([p for p, r in zip(params, rotated) if r], lr=LR, update_freq=freq),
+        at.AdamW([p for p, r in zip(params, rotated) if not r], lr=LR, update_freq=None),
+    ]
+    suffix = " refresh" if refresh else ""
+    fns["adapter AdaDiag" + suffix] = lambda: [o.step() for o in opts]
+    GaLore = galore_adamw()
+    if GaLore is not None:
+        params, rotated = _params()
+        groups = [
+            {"params": [p for p, r in zip(params, rotated) if not r]},
+            {
+                "params": [p for p, r in zip(params, rotated) if r],
+                "rank": min(min(p.shape) for p, r in zip(params, rotated) if r),
+                "update_proj_gap": 1 if refresh else 1 << 30,
+                "scale": 1.0,
+                "proj_type": "std",
+            },
+        ]
+        assert all(min(p.shape) == groups[1]["rank"] for p in groups[1]["params"])  # full rank: 512 here
+        fns["GaLore" + suffix] = GaLore(groups, lr=LR, weight_decay=0.0).step
+    for fn in fns.values():
+        fn()  # t = 1: every first step refreshes
+    return fns
+
+
+def set_threads(n: int) -> Any:
+    """torch, numba and BLAS threads set to ``n``; returns the threadpoolctl context to exit afterwards."""
+    torch.set_num_threads(n)
+    try:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, pause: float) -> dict[str, list[float]]:
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            time.sleep(pause)
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio(times: dict[str, list[float]], a: str, b: str) -> float | None:
+    if a not in times or b not in times:
+        return None
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of non-refresh steps")
+    parser.add_argument("--refresh-rounds", type=int, default=3, help="rounds of refresh steps (0: none)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=0.2, help="seconds of sleep before each timed call")
+    args = parser.parse_args(argv)
+    if galore_adamw() is None:
+        print("galore_torch is not installed (pip install --no-deps galore-torch): the GaLore rows are skipped")
+    results: dict[int, dict[str, list[float]]] = {}
+    for n in args.threads:
+        limits = set_threads(n)
+        try:
+            times = interleaved(contenders(refresh=False), args.rounds, args.warmup, args.pause)
+            if args.refresh_rounds:
+                times.update(interleaved(contenders(refresh=True), args.refresh_rounds, 1, args.pause))
+        finally:
+            if limits is not None:
+                limits.restore_original_limits()
+        results[n] = times
+        print(f"threads={n}: done", file=sys.stderr, flush=True)
+    names = list(next(iter(results.values())))
+    head = "| median ms | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in results) + " |"
+    print(head)
+    print("|---|" + "---|" * len(results))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{1e3 * statistics.median(t[name]):.1f}" for t in results.values()) + " |")
+    pairs = [
+        ("adapter AdamW", "fused AdamW"),
+        ("adapter AdaDiag", "GaLore"),
+        ("adapter AdaDiag refresh", "GaLore refresh"),
+    ]
+    for a, b in pairs:
+        values = [ratio(t, a, b) for t in results.values()]
+        if all(v is not None for v in values):
+            print(f"| {a} / {b} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    if 1 in results and 2 in results:
+        print()
+        print("| 2 threads / 1 thread (medians) | ratio |")
+        print("|---|---|")
+        for name in names:
+            one, two = statistics.median(results[1][name]), statistics.median(results[2][name])
+            print(f"| {name} | {two / one:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
