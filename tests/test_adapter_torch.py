@@ -457,7 +457,8 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
 
     if not vml.available():
         pytest.skip("this torch build's sqrt is not MKL VML's")
-    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in [(130, 300), (40,)]]
+    # parameters of more than 16384 entries: smaller ones take the group kernels of the default route
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in [(130, 300), (20000,)]]
     opt = CLASSES[name](params, lr=1e-3, update_freq=None)
     for p in params:
         p.grad = torch.randn_like(p)
@@ -546,7 +547,8 @@ def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypat
     one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
     from adadiag_ref.optim.families.adam import torch_route
 
-    params = [torch.nn.Parameter(torch.randn(s)) for s in [(6, 9), (9,), (4, 4), (7,)]]
+    # large enough for the per-parameter route (smaller parameters take the group kernels, one call per group)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(130, 300), (20000,), (150, 120), (17000,)]]
     opt = CLASSES["adamw"](params, lr=1e-3, update_freq=None)
     for p in params:
         p.grad = torch.randn_like(p)
