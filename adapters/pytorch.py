@@ -56,7 +56,15 @@ from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 from adadiag_ref.optim.families.adam import group_route
 from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
-from adadiag_ref.optim.layout import Layout, from_work, layout_for, split_batch, to_work
+from adadiag_ref.optim.layout import (
+    Layout,
+    flatten_in_memory_order,
+    from_work,
+    layout_for,
+    split_batch,
+    to_work,
+    work_view,
+)
 from adadiag_ref.optim.rotation import unrotate
 from adadiag_ref.optim.schedules import beta_hats, learning_rate
 from adadiag_ref.optim.tail import decays
@@ -1388,10 +1396,11 @@ def _foreach_flat(batch: list[_Batched], count: int) -> None:
     # G~ with the refresh-step structure (its t, from the host count, is not used: no torch op per parameter)
     prepared = [prepare_step(e.state, e.item.grad, cfg, e.item.p, e.refreshed, xp, count) for e in batch]
     layouts = [s.layout for s in prepared]
-    ordered = lambda x, lay: (x.mT if lay.transposed else x).reshape(-1)  # noqa: E731  (memory order, flat)
-    g_flat = torch.cat([ordered(s.g_rot, lay) for s, lay in zip(prepared, layouts, strict=True)])
+    g_flat = torch.cat([flatten_in_memory_order(s.g_rot, lay, xp) for s, lay in zip(prepared, layouts, strict=True)])
     old = {
-        name: torch.cat([ordered(getattr(e.state, name), lay) for e, lay in zip(batch, layouts, strict=True)])
+        name: torch.cat(
+            [flatten_in_memory_order(getattr(e.state, name), lay, xp) for e, lay in zip(batch, layouts, strict=True)]
+        )
         for name in family.moment_fields
     }
     t = xp.astype(first.state.count + 1, g_flat.dtype)  # the per-parameter route's t, made once
@@ -1400,12 +1409,7 @@ def _foreach_flat(batch: list[_Batched], count: int) -> None:
     sizes = [s.g_rot.numel() for s in prepared]
 
     def pieces(flat_array: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for x, lay in zip(torch.split(flat_array, sizes), layouts, strict=True):
-            shape = (lay.cols, lay.rows) if lay.transposed else (lay.rows, lay.cols)
-            piece = x.view(shape)
-            out.append(piece.mT if lay.transposed else piece)
-        return out
+        return [work_view(x, lay, xp) for x, lay in zip(torch.split(flat_array, sizes), layouts, strict=True)]
 
     directions: list[torch.Tensor] = [
         unrotate(u, e.state.P, e.state.Q, xp, transposed=lay.transposed)

@@ -86,7 +86,7 @@ from ..config import BaseConfig
 from .batched_refresh import host_counts, refresh_bases
 from .core import _check_static, _where, init, refresh_due, refresh_step_structure, update, work_dtype
 from .families import FamilySpec, State, family_of
-from .layout import Layout, layout_for
+from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
 from .rotation import _product
 from .schedules import host_step, learning_rate
 from .tail import decayed_step
@@ -191,23 +191,6 @@ def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
 
 def _describe(fn: Callable[..., Any]) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
-
-
-def _memory_shape(layout: Layout) -> tuple[int, int]:
-    """``(a, b)``: one matrix of the parameter in its own memory order (the work frame's transpose when tall)."""
-    return (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-
-
-def _work_view(flat: Array, layout: Layout, xp: Namespace) -> Array:
-    """The work-frame view ``(*B, m, n)`` of a parameter's slice of a flat array (kept in memory order)."""
-    a, b = _memory_shape(layout)
-    matrix = xp.reshape(flat, (*layout.batch, a, b))
-    return xp.matrix_transpose(matrix) if layout.transposed else matrix
-
-
-def _flatten(x: Array, layout: Layout, xp: Namespace) -> Array:
-    """:func:`_work_view` undone: a work-frame state array's entries in the parameter's memory order."""
-    return xp.reshape(xp.matrix_transpose(x) if layout.transposed else x, (-1,))
 
 
 def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None) -> Array:
@@ -379,7 +362,7 @@ class Engine:
         for i in indices:
             lay = layouts[i]
             if lay.rotate_left:
-                blocks.setdefault((*_memory_shape(lay), lay.transposed, lay.rotate_right), []).append(i)
+                blocks.setdefault((*memory_shape(lay), lay.transposed, lay.rotate_right), []).append(i)
         offset = 0
         for (a, b, transposed, right), members in blocks.items():
             block = _Block(a, b, transposed, right, offset)
@@ -409,7 +392,8 @@ class Engine:
             values = [getattr(states[m.index], field) for m in group.members]
             group.moments[field] = (
                 None if values[0] is None else
-                xp.concat([_flatten(v, m.layout, xp) for v, m in zip(values, group.members, strict=True)])
+                xp.concat([flatten_in_memory_order(v, m.layout, xp)
+                           for v, m in zip(values, group.members, strict=True)])
             )  # fmt: skip
         group.direction, group.direction_name = self._resolve_direction(group, family)
         if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
@@ -466,7 +450,7 @@ class Engine:
             block = group.blocks[member.block]
             P, Q = self._member_bases(member, block.P, block.Q)
         span = slice(member.offset, member.offset + member.size)
-        moments = {f: None if v is None else _work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
+        moments = {f: None if v is None else work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
         if group.counter is None or group.counter[0] != group.count:
             group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
@@ -770,40 +754,42 @@ class Engine:
         flat = {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
         return xp.reshape(u_rot, (-1,)), flat
 
+    def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[[int, _Block, Array], Array]) -> Array:
+        """``flat`` with each rotation block's entries replaced by ``product(b, block, stack)`` of its stack
+        ``(k, a, b)`` (one batched call per block), the unrotated entries as they are; ``flat`` itself without
+        blocks."""
+        if not group.blocks:
+            return flat
+        xp = self.xp
+        pieces = []
+        for b, block in enumerate(group.blocks):
+            stack = xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b))
+            pieces.append(xp.reshape(product(b, block, stack), (-1,)))
+        if group.unrotated_start < group.size:
+            pieces.append(flat[group.unrotated_start :])
+        return xp.concat(pieces)
+
     def _rotated(
         self, group: _FlatGroup, number: int, g: Array, stacks: list[tuple[Any, Any]], refreshed: dict[Any, Any]
     ) -> Array:
         """``G~`` of the whole group, flat: per block the batched rotation of its stack (on a refresh step set to
         its exact structure, matrix by matrix), then the unrotated entries as they are."""
-        if not group.blocks:
-            return g
         xp = self.xp
-        pieces = []
-        for b, (block, (P, Q)) in enumerate(zip(group.blocks, stacks, strict=True)):
-            stack = xp.reshape(g[block.start : block.stop], (block.matrices, block.a, block.b))
-            r = _rotate_stack(stack, block, P, Q)
+
+        def rotate(b: int, block: _Block, stack: Array) -> Array:
+            r = _rotate_stack(stack, block, *stacks[b])
             flags = refreshed.get((number, b), False)
-            if flags is not False:
-                work = _transpose(r) if block.transposed else r
-                work = refresh_step_structure(work, block.right, flags, xp)
-                r = _transpose(work) if block.transposed else work
-            pieces.append(xp.reshape(r, (-1,)))
-        if group.unrotated_start < group.size:
-            pieces.append(g[group.unrotated_start :])
-        return xp.concat(pieces)
+            if flags is False:
+                return r
+            work = _transpose(r) if block.transposed else r
+            work = refresh_step_structure(work, block.right, flags, xp)
+            return _transpose(work) if block.transposed else work
+
+        return self._per_block(group, g, rotate)
 
     def _unrotated(self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]]) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
-        if not group.blocks:
-            return u_rot
-        xp = self.xp
-        pieces = []
-        for block, (P, Q) in zip(group.blocks, stacks, strict=True):
-            stack = xp.reshape(u_rot[block.start : block.stop], (block.matrices, block.a, block.b))
-            pieces.append(xp.reshape(_unrotate_stack(stack, block, P, Q), (-1,)))
-        if group.unrotated_start < group.size:
-            pieces.append(u_rot[group.unrotated_start :])
-        return xp.concat(pieces)
+        return self._per_block(group, u_rot, lambda b, block, stack: _unrotate_stack(stack, block, *stacks[b]))
 
     def _commit(self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]]) -> list[Array]:
         """Make a computed step the engine's (moments and bases replaced, counters advanced); returns the new

@@ -23,7 +23,17 @@ from typing import NamedTuple
 from .._xp import Array, Namespace
 from ..config import BaseConfig
 
-__all__ = ["Layout", "from_work", "layout_for", "split_batch", "to_work", "transposed_frame"]
+__all__ = [
+    "Layout",
+    "flatten_in_memory_order",
+    "from_work",
+    "layout_for",
+    "memory_shape",
+    "split_batch",
+    "to_work",
+    "transposed_frame",
+    "work_view",
+]
 
 
 class Layout(NamedTuple):
@@ -95,3 +105,22 @@ def from_work(x: Array, layout: Layout, xp: Namespace) -> Array:
     """Inverse of :func:`to_work`: back to the parameter's own shape."""
     mat = xp.matrix_transpose(x) if layout.transposed else x
     return xp.reshape(mat, layout.shape)
+
+
+def memory_shape(layout: Layout) -> tuple[int, int]:
+    """``(a, b)``: one matrix of the parameter in its own memory order (the work frame's transpose when tall)."""
+    return (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+
+
+def work_view(flat: Array, layout: Layout, xp: Namespace) -> Array:
+    """The work-frame view ``(*B, m, n)`` of a parameter's slice of a flat array kept in the parameter's memory
+    order (a tall parameter's work-frame arrays are transposed views, as :func:`~adadiag_ref.init` makes them)."""
+    a, b = memory_shape(layout)
+    matrix = xp.reshape(flat, (*layout.batch, a, b))
+    return xp.matrix_transpose(matrix) if layout.transposed else matrix
+
+
+def flatten_in_memory_order(x: Array, layout: Layout, xp: Namespace) -> Array:
+    """:func:`work_view` undone: a work-frame array's entries in the parameter's memory order, flat (a view where
+    ``x`` is one)."""
+    return xp.reshape(xp.matrix_transpose(x) if layout.transposed else x, (-1,))
