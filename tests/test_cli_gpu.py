@@ -157,6 +157,22 @@ def test_device_times_syncs_around_each_timing() -> None:
     assert log == ["call", "sync"] + ["call", "call", "sync"] * 3
 
 
+def test_device_times_stops_repeating_once_the_budget_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose one call takes seconds (CuPy's gesvd refresh: 25 s on an H100) takes fewer timings, at
+    least one: the bench then fits a device session.  The clock advances one second per call."""
+    from adadiag_ref.perf import gpu
+
+    clock = [0.0]
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: clock[0])
+
+    def call() -> None:
+        clock[0] += 1.0
+
+    assert gpu.device_times(call, lambda: None, reps=9, inner=1, warmup=1, budget_s=2.5) == [1.0, 1.0, 1.0]
+    assert gpu.device_times(call, lambda: None, reps=9, inner=2, warmup=0, budget_s=0.5) == [1.0]
+    assert len(gpu.device_times(call, lambda: None, reps=4, inner=1, warmup=0)) == 4  # no budget: every timing
+
+
 def test_torch_direct_adadiag_runs_on_the_cpu() -> None:
     torch = pytest.importorskip("torch")
     from adadiag_ref.memory import llama_parameters

@@ -59,17 +59,17 @@ def _stream(shapes: list[tuple[int, ...]], dtype: Any, steps: int, seed: int = 0
     return params, grads
 
 
-def _assert_close(got: Any, want: Any, exact: bool, dtype: Any) -> None:
+def _assert_close(got: Any, want: Any, exact: bool, dtype: Any, rtol: float | None = None) -> None:
     got, want = to_numpy(got), to_numpy(want)
     assert got.shape == want.shape and got.dtype == want.dtype
     if exact:
         np.testing.assert_array_equal(got, want)
     else:  # a fused kernel's rounding (float32: a few ulps of the moments carried through U~ and the GEMMs)
-        rtol = 1e-12 if np.dtype(dtype) == np.float64 else 1e-5
+        rtol = rtol if rtol is not None else 1e-12 if np.dtype(dtype) == np.float64 else 1e-5
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(float(np.max(np.abs(want), initial=0)), 1e-30))
 
 
-def _assert_states(got: Any, want: Any, exact: bool, dtype: Any) -> None:
+def _assert_states(got: Any, want: Any, exact: bool, dtype: Any, rtol: float | None = None) -> None:
     assert type(got) is type(want)
     assert int(got.count) == int(want.count)
     for field in got._fields[1:-1]:
@@ -77,7 +77,7 @@ def _assert_states(got: Any, want: Any, exact: bool, dtype: Any) -> None:
         assert (a is None) == (b is None), field
         if a is not None:
             assert tuple(a.shape) == tuple(b.shape), field
-            _assert_close(a, b, exact, dtype)
+            _assert_close(a, b, exact, dtype, rtol)
 
 
 # ----------------------------------------------------------------------------- the results of ar.step
@@ -169,7 +169,14 @@ def test_engine_equals_step_for_any_shapes_and_hyperparameters(rows, cols, copie
 def test_engine_equals_step_on_cupy(name: str, weight_decay: float) -> None:
     """On a CUDA device: the engine (the CuPy direction kernels over flat groups, cuBLAS batched GEMMs, stacked
     cuSOLVER refreshes) against per-parameter ``ar.step`` (the fused per-parameter kernels), float32, to rounding;
-    with and without weight decay (the default configuration's kernels)."""
+    with and without weight decay (the default configuration's kernels).
+
+    The stacked decompositions are other cuSOLVER routines than the single ones, so the bases agree to the
+    conditioning of each refresh, not to a few ulps: an H100 run (2026-11-26) found AdaDiag++'s ``Q`` of the
+    8 x 8 parameter 2.1e-5 apart in the directions of its two smallest singular values, where
+    ``kappa = eps / gap = 2.9e-6``.  So each parameter's tolerance is golden's conformance tolerance
+    (docs/golden.md, "Tolerances"): ``max(rtol, kappa)`` for the parameter and ``max(rtol, 100 kappa)`` for the
+    states, ``kappa`` the worst refresh of its gradient stream (``replay.trajectory_conditioning``)."""
     cp = _load_backend("cupy")
     cfg = ar.make_config(name, update_freq=3, weight_decay=weight_decay)
     host_params, stream = _stream(SHAPES, np.float32, steps=5)
@@ -182,8 +189,16 @@ def test_engine_equals_step_on_cupy(name: str, weight_decay: float) -> None:
         pairs = [ar.step(s, cp.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
         singles, states = [w for w, _ in pairs], [s for _, s in pairs]
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
-        _assert_close(w, want, False, np.float32)
-        _assert_states(engine.state(i), states[i], False, np.float32)
+        kappa = _conditioning(cfg, [grads[i] for grads in stream]) if w.ndim >= 2 else 0.0
+        _assert_close(w, want, False, np.float32, max(1e-5, kappa))
+        _assert_states(engine.state(i), states[i], False, np.float32, max(1e-5, 100 * kappa))
+
+
+def _conditioning(cfg: Any, grads: list[np.ndarray]) -> float:
+    """The worst ``kappa`` of the refreshes of one parameter's gradient stream (``replay.trajectory_conditioning``)."""
+    from adadiag_ref.replay import trajectory_conditioning
+
+    return float(trajectory_conditioning(cfg, np.stack(grads))[-1])
 
 
 # ----------------------------------------------------------------------------- the device proxies

@@ -115,28 +115,48 @@ def missing_requirement() -> str | None:
 
 
 def device_times(
-    fn: Callable[[], Any], sync: Callable[[], Any], reps: int, inner: int = 1, warmup: int = 2
+    fn: Callable[[], Any],
+    sync: Callable[[], Any],
+    reps: int,
+    inner: int = 1,
+    warmup: int = 2,
+    budget_s: float | None = None,
 ) -> list[float]:
     """Seconds per call of ``fn`` on an asynchronous device: ``reps`` timings of ``inner`` calls each.
 
     ``warmup`` untimed calls first; each timing is the wall time from a ``sync()`` (the device idle) through
     ``inner`` calls to the ``sync()`` that waits for their work, divided by ``inner``, so the host's launch
-    overhead and the device's work both count, as in a training loop."""
+    overhead and the device's work both count, as in a training loop.  With ``budget_s``, the timings stop
+    early once they have taken that long together (at least one is taken): a row whose one call takes seconds
+    (CuPy's ``gesvd`` of 56 matrices: 25 s on an H100) then fits a device session."""
     for _ in range(warmup):
         fn()
     sync()
-    times = []
+    times: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
         sync()
         times.append((time.perf_counter() - t0) / inner)
+        if budget_s is not None and inner * sum(times) >= budget_s:
+            break
     return times
 
 
-def _median_ms(fn: Callable[[], Any], sync: Callable[[], Any], reps: int, inner: int = 1, warmup: int = 2) -> float:
-    return 1e3 * statistics.median(device_times(fn, sync, reps, inner, warmup))
+def _median_ms(
+    fn: Callable[[], Any],
+    sync: Callable[[], Any],
+    reps: int,
+    inner: int = 1,
+    warmup: int = 2,
+    budget_s: float | None = None,
+) -> float:
+    return 1e3 * statistics.median(device_times(fn, sync, reps, inner, warmup, budget_s))
+
+
+#: Seconds of timing after the warm-up a refresh row may take before it stops repeating (:func:`device_times`).
+REFRESH_BUDGET_S = 5.0
 
 
 def copy_bandwidth(cp: Any, n: int, reps: int) -> float:
@@ -318,9 +338,10 @@ def _refresh_rows(cp: Any, torch: Any, specs: list[ParamSpec], reps: int) -> dic
         grads = [cp.asarray(h) for h in host]
         states = [ar.init(g, cfg) for g in grads]
         if batched:  # as the engine refreshes: one stacked decomposition per work shape
-            return _median_ms(lambda: ar.refresh_bases(states, grads, cfg, count=0), sync, reps, warmup=1)
+            return _median_ms(lambda: ar.refresh_bases(states, grads, cfg, count=0), sync, reps, 1, 1, REFRESH_BUDGET_S)
         pairs = list(zip(states, grads, strict=True))
-        return _median_ms(lambda: [ar.refresh_basis(st, g, cfg, count=0) for st, g in pairs], sync, reps, warmup=1)
+        refresh_each = lambda: [ar.refresh_basis(st, g, cfg, count=0) for st, g in pairs]  # noqa: E731
+        return _median_ms(refresh_each, sync, reps, 1, 1, REFRESH_BUDGET_S)
 
     for method in REFRESH_METHODS:
         rows[f"cupy_refresh_{method}"] = (f"CuPy ar.refresh_basis one by one, basis_method={method}",
@@ -354,7 +375,7 @@ def _refresh_rows(cp: Any, torch: Any, specs: list[ParamSpec], reps: int) -> dic
         def torch_svd() -> float:
             frames = work_frames(to_torch)
             return _median_ms(lambda: [torch.linalg.svd(g, full_matrices=False) for g in frames],
-                              torch.cuda.synchronize, reps, warmup=1)  # fmt: skip
+                              torch.cuda.synchronize, reps, 1, 1, REFRESH_BUDGET_S)  # fmt: skip
 
         def torch_eigh(dtype: Any) -> float:
             stacks = grams(torch, work_frames(to_torch), lambda g: g.to(dtype))
