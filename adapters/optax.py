@@ -441,6 +441,11 @@ def _prepared_leaves(grads: list[jax.Array], stored: list[Any], names: list[str]
         state = _core_state(leaf, opts.cfg)
         check_orientation(state, tuple(grad.shape))
         states.append(_parameter_oriented(state, tuple(grad.shape), opts.cfg.batch_dims))
+    # every leaf of one transformation advances its count together (_refresh_when_due): one counter for all,
+    # so the step's coefficients (bias corrections, schedules) are one computation and the new counts one
+    # value, not a few scalar kernels per leaf (on a GPU, 3 of a leaf's 6 launches)
+    count = states[0].count if states else None
+    states = [s._replace(count=count) for s in states]
     states, refreshed = _refresh_when_due(grads, states, names, opts)
     return [(_leaf_config(opts, s), s, r) for s, r in zip(states, refreshed, strict=True)]
 

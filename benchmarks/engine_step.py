@@ -91,7 +91,7 @@ def timings(backend: str, name: str) -> str:
 
 def main() -> None:
     print("one step without refresh on array_api_strict (hidden 64, intermediate 172)")
-    for name in ("adamw", "adadiag", "adadiag_pp", "adafacdiag"):
+    for name in ("adamw", "adadiag", "adadiag_pp", "adafacdiag", "hfacdiag"):
         for layers in (2, 8):
             print("  " + counts(name, layers))
     print("host time per step, tiny tensors (hidden 16, intermediate 43, 8 layers)")

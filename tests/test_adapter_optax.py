@@ -513,3 +513,27 @@ def test_rotations_keep_full_float32_precision_under_a_lower_default(name):
     reference = jax.jit(opt.update)(grads, state, params)
     for got, want in zip(jax.tree.leaves(low_default), jax.tree.leaves(reference), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_compiles_to_as_many_kernels_as_optax_adamw(weight_decay):
+    """Every leaf of one transformation shares one counter, so the step's coefficients are computed once, as in
+    ``optax.adamw``: the adapter's jitted ``adamw`` step compiles to no more XLA fusions (on a GPU: kernels) than
+    ``optax.adamw``'s over the same 12 leaves.  With one counter per leaf, 2 coefficient fusions and one count
+    increment per leaf came on top (an H100's ``bench --gpu``: 3.3 against 1.7 ms for LLaMA-60M)."""
+    shapes = [(16, 8), (8, 16), (8,)] * 4
+    params = {f"p{i}": jnp.ones(s, jnp.float32) for i, s in enumerate(shapes)}
+
+    def fusions(tx):
+        def step(grads, state, params):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        text = jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
+        return text.count(" fusion(")
+
+    ours, theirs = (
+        fusions(ao.adamw(1e-3, weight_decay=weight_decay)),
+        fusions(optax.adamw(1e-3, weight_decay=weight_decay)),
+    )
+    assert ours <= theirs, (ours, theirs)

@@ -45,9 +45,21 @@ One step of a flat group (:meth:`Engine.step`), whatever the number of its param
    (:func:`~adadiag_ref.optim.tail.decayed_step`, the expressions :func:`~adadiag_ref.optim.tail.parameter_delta`
    uses) and ``W_{t+1} = W_t + delta`` in the parameter dtype.
 
-A per-parameter group runs :func:`~adadiag_ref.optim.core.update` for each parameter (the family's routes tried
-per call).  The refreshes due at a step are one :func:`~adadiag_ref.refresh_bases` call for every parameter of
-the engine (one stacked decomposition per work shape on a device backend; only singular values go to the host).
+A group without rotation blocks (AdamW; every member unrotated) takes steps 3 and 5 in one call where its family
+has a fused update route that applies (numba on NumPy, the CuPy kernels on CuPy: the one
+:func:`~adadiag_ref.optim.core.update` takes for one unrotated parameter), over the flat group as one ``1 x N``
+matrix: moments, direction and tail in one kernel, the same per-entry arithmetic.
+
+A per-parameter group (Adafactor, Hfac) is split into *stacks*, one per parameter shape: the parameters of one
+shape are stepped as one ``batch_dims`` stack (``cfg.batch_dims + 1``; each matrix its own factored moments, as
+``batch_dims`` defines), so that one :func:`~adadiag_ref.optim.core.update` (the family's routes tried per call)
+serves all of them: the stacked ``G`` and ``W`` are one ``stack`` call each, and the number of calls of a step
+no longer grows with the number of layers.  A stack's state is kept stacked; :meth:`Engine.state` hands out a
+member's slice.  On the CPU (NumPy, torch CPU tensors) every parameter is a stack of one: no launches to save,
+and NumPy's fused numba update kernels take single matrices only (:func:`_in_host_memory`).
+
+The refreshes due at a step are one :func:`~adadiag_ref.refresh_bases` call for every parameter of the engine
+(one stacked decomposition per work shape on a device backend; only singular values go to the host).
 
 **The finiteness check** (``check=True``): one reduced verdict for all parameters (a sum of every gradient per
 group, all of them stacked), read back once: at most one device-to-host conversion per step.  On a step without
@@ -67,7 +79,9 @@ engine runs one config for all of its parameters.
 Results: per parameter those of :func:`~adadiag_ref.step` with the same count, bit for bit where both take the
 reference arithmetic (``kernels="reference"``, and any backend without fused kernels, e.g. ``array_api_strict``
 and CPU torch); to rounding where a fused kernel differs (NumPy with ``kernels="auto"``: ``step`` takes the
-numba kernel of the whole update, the engine the numba direction kernel over the group and the array tail).
+numba kernel of the whole update, the engine the numba direction kernel over the group and the array tail; CuPy
+for a factored stack: the fused single-matrix update kernels do not take stacks, so a stack runs the direction
+route and the array tail).
 """
 
 from __future__ import annotations
@@ -87,7 +101,7 @@ from .batched_refresh import host_counts, refresh_bases
 from .core import _check_static, _where, init, refresh_due, refresh_step_structure, update, work_dtype
 from .families import FamilySpec, State, family_of
 from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
-from .rotation import _product
+from .rotation import _product, unrotate
 from .schedules import host_step, learning_rate
 from .tail import decayed_step
 
@@ -154,17 +168,35 @@ class _FlatGroup:
         self.moments: dict[str, Array | None] = {}
         self.direction: Callable[..., Any] = lambda *args: None
         self.direction_name = ""
+        self.update_route: Callable[..., Any] | None = None  # without rotation blocks: the family's fused update
+        self.update_name = ""
         self.counter: tuple[int, Array] | None = None  # (count, the 0-d device counter made for it)
         self.scratch: dict[str, Array] = {}  # "G", "W": the gathered gradients and parameters (mutable backends)
 
 
+class _Stack:
+    """The members of a per-parameter group that share a shape, stepped as one ``batch_dims`` stack: ``cfg`` has
+    one more batch dimension than the engine's, ``state`` is the stack's core state (every field but ``count``
+    and ``param_shape`` the members' fields stacked along a new first axis).  A shape held by one parameter, or
+    a group in host memory (:func:`_in_host_memory`), is a stack of one: the member's own state under the
+    engine's config."""
+
+    def __init__(self, indices: list[int], cfg: BaseConfig, state: State, param_shapes: list[Any]) -> None:
+        self.indices, self.cfg, self.state, self.param_shapes = indices, cfg, state, param_shapes
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.indices) > 1
+
+
 class _ParamGroup:
-    """A per-parameter group (a family that is not entrywise): the members' core states and their counter."""
+    """A per-parameter group (a family that is not entrywise): its stacks (one per parameter shape) and counter."""
 
     def __init__(self, label: str, count: int) -> None:
         self.label, self.count = label, count
         self.indices: list[int] = []
-        self.states: dict[int, State] = {}
+        self.stacks: list[_Stack] = []
+        self.place: dict[int, tuple[int, int]] = {}  # index -> (stack, position in it)
 
 
 class _Pending(NamedTuple):
@@ -173,7 +205,7 @@ class _Pending(NamedTuple):
 
     moments: list[dict[str, Array | None]]
     flat_params: list[Array]
-    states: dict[int, State]
+    states: dict[tuple[int, int], State]  # (per-parameter group, stack) -> the stack's new state
     params: dict[int, Array]
     bases: dict[tuple[int, int], tuple[Array, Array | None]]
 
@@ -187,6 +219,25 @@ def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
         return None
     concatenate: Callable[..., Any] = getattr(module, "cat", None) or module.concatenate
     return concatenate
+
+
+def _in_host_memory(xp: Namespace, state: State) -> bool:
+    """Whether a per-parameter group's arrays are NumPy's or torch CPU tensors: such a group keeps one
+    :func:`~adadiag_ref.optim.core.update` per parameter rather than stacks.  On the CPU there are no launches
+    to save, a stack costs copies of ``G`` and ``W``, and NumPy's fused numba update kernels take single
+    matrices only (LLaMA-60M's 16 block matrices, float32: Adafactor 61 ms per parameter against 127 ms
+    stacked on NumPy, 62 against 84 ms on torch CPU)."""
+    if is_numpy_namespace(xp):
+        return True
+    if is_torch_namespace(xp):
+        array = next(v for v in (state.param_shape, state.count, *state) if hasattr(v, "shape"))
+        return bool(getattr(creation_device(array), "type", None) == "cpu")
+    return False
+
+
+def _row_layout(size: int) -> Layout:
+    """The layout of a flat group handed to a family's routes as one unrotated ``1 x size`` matrix."""
+    return Layout((1, size), 1, size, False, False, False)
 
 
 def _describe(fn: Callable[..., Any]) -> str:
@@ -257,7 +308,8 @@ class Engine:
     Built once (``adadiag_ref/optim/engine.py``'s module docstring has the whole design): the parameters grouped by
     (family, state dtype, parameter dtype, device, kind, steps taken); an entrywise family's group keeps one flat
     array per moment field and steps all of its parameters at once (one gather, batched GEMMs per work shape, the
-    direction and the tail once); Adafactor and Hfac step per parameter; the step counter is a host int per group.
+    direction and the tail once); Adafactor and Hfac step one ``batch_dims`` stack per parameter shape on a device
+    backend, per parameter on the CPU; the step counter is a host int per group.
 
     * :meth:`step` ``(grads, params, *, lr=None, check=True, in_place=None)``: one step of every parameter,
       written into ``params`` (in place; JAX: returned); with ``check`` one value read back for all gradients,
@@ -343,11 +395,45 @@ class Engine:
                 self._home.update({m.index: ("flat", len(self._flat), j) for j, m in enumerate(group.members)})
                 self._flat.append(group)
             else:
-                pgroup = _ParamGroup(label, counts[indices[0]])
-                pgroup.indices = indices
-                pgroup.states = {i: states[i] for i in indices}
+                pgroup = self._param_group(label, indices, states, counts[indices[0]])
                 self._home.update({i: ("per-parameter", len(self._per_param), j) for j, i in enumerate(indices)})
                 self._per_param.append(pgroup)
+
+    def _param_group(self, label: str, indices: list[int], states: list[State], count: int) -> _ParamGroup:
+        """A per-parameter group over ``indices``: one :class:`_Stack` per parameter shape (module docstring)."""
+        cfg = self.cfg
+        pgroup = _ParamGroup(label, count)
+        pgroup.indices = indices
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i in indices:
+            by_shape.setdefault(self._shapes[i], []).append(i)
+        host = _in_host_memory(self.xp, states[indices[0]])
+        for shape, members in by_shape.items():
+            one = len(members) == 1 or host
+            stacks = [[i] for i in members] if one else [members]
+            for stack_indices in stacks:
+                if len(stack_indices) == 1:
+                    i = stack_indices[0]
+                    stack = _Stack(stack_indices, cfg, states[i], [states[i].param_shape])
+                else:
+                    stack = self._stack(stack_indices, shape, states)
+                for position, i in enumerate(stack.indices):
+                    pgroup.place[i] = (len(pgroup.stacks), position)
+                pgroup.stacks.append(stack)
+        return pgroup
+
+    def _stack(self, indices: list[int], shape: tuple[int, ...], states: list[State]) -> _Stack:
+        """The stack of ``indices`` (parameters of one ``shape``): ``init`` of the stacked parameter under
+        ``batch_dims + 1``, each array field then the members' fields stacked (``xp.stack``, a copy)."""
+        xp, cfg = self.xp, self.cfg
+        first = states[indices[0]]
+        stack_cfg = cfg.replace(batch_dims=cfg.batch_dims + 1)
+        fields = {f: xp.stack([getattr(states[i], f) for i in indices]) for f in first._fields
+                  if f not in ("count", "param_shape") and getattr(first, f) is not None}  # fmt: skip
+        device = creation_device(next(iter(fields.values())))
+        template = init(xp.zeros((len(indices), *shape), dtype=work_dtype(first), device=device), stack_cfg, xp=xp)
+        state = template._replace(count=first.count, **fields)
+        return _Stack(indices, stack_cfg, state, [states[i].param_shape for i in indices])
 
     def _flat_group(
         self, label: str, indices: list[int], params: list[Array], states: list[State], count: int, family: FamilySpec
@@ -396,6 +482,8 @@ class Engine:
                            for v, m in zip(values, group.members, strict=True)])
             )  # fmt: skip
         group.direction, group.direction_name = self._resolve_direction(group, family)
+        if not group.blocks:
+            group.update_route, group.update_name = self._resolve_update(group, family)
         if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
             group.scratch = {name: xp.empty((offset,), dtype=group.param_dtype, device=group.device) for name in "GW"}
         return group
@@ -414,6 +502,22 @@ class Engine:
             if route(state, g, t, self.cfg, xp) is not None:
                 return route, _describe(route)
         return family.direction, f"{_describe(family.direction)} (the family's reference)"
+
+    def _resolve_update(self, group: _FlatGroup, family: FamilySpec) -> tuple[Callable[..., Any] | None, str]:
+        """For a group without rotation blocks (every member unrotated: AdamW, vectors): the family's first fused
+        update route (moments, direction and tail in one call, as :func:`~adadiag_ref.optim.core.update` takes it
+        for one unrotated parameter) that applies to a one-entry group, else ``None`` (the direction route and
+        the shared tail)."""
+        xp = self.xp
+        probe = {f: None if v is None else xp.zeros((1, 1), dtype=group.dtype, device=group.device)
+                 for f, v in group.moments.items()}  # fmt: skip
+        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **probe)
+        g = xp.zeros((1, 1), dtype=group.dtype, device=group.device)
+        t, eta = host_step(0, group.dtype, xp), learning_rate(self.cfg, None)
+        for route in family.routes.update:
+            if route(state, _row_layout(1), t, g, g, self.cfg, eta, unrotate, xp) is not None:
+                return route, _describe(route)
+        return None, ""
 
     # ------------------------------------------------------------------------------------------------ inspection
 
@@ -441,7 +545,7 @@ class Engine:
         i = self._index(key)
         kind, number, position = self._home[i]
         if kind == "per-parameter":
-            return self._per_param[number].states[i]
+            return self._member_state(self._per_param[number], i)
         group = self._flat[number]
         member = group.members[position]
         xp = self.xp
@@ -456,6 +560,19 @@ class Engine:
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
                                                param_shape=member.param_shape)  # fmt: skip
         return state
+
+    @staticmethod
+    def _member_state(pgroup: _ParamGroup, i: int) -> State:
+        """Member ``i``'s core state in its stack: the stack's fields at its position (views), its own
+        ``param_shape``, the stack's counter."""
+        number, position = pgroup.place[i]
+        stack = pgroup.stacks[number]
+        if not stack.stacked:
+            return stack.state
+        state = stack.state
+        fields = {f: getattr(state, f)[position, ...] for f in state._fields
+                  if f not in ("count", "param_shape") and getattr(state, f) is not None}  # fmt: skip
+        return state._replace(**fields, param_shape=stack.param_shapes[position])
 
     def _member_bases(self, member: _Member, P: Any, Q: Any) -> tuple[Any, Any]:
         """A member's ``P`` (and ``Q``) as views of its block's stacks: ``(m, m)``, or ``(*B, m, m)`` for a stack."""
@@ -499,7 +616,7 @@ class Engine:
         kind, number, _ = self._home[i]
         if kind == "flat":
             return self._flat[number].dtype
-        return work_dtype(self._per_param[number].states[i])
+        return work_dtype(self._member_state(self._per_param[number], i))
 
     def _route_parts(
         self, i: int, lay: Layout, numpy: bool, refresh_members: dict[tuple[Any, ...], int]
@@ -530,18 +647,31 @@ class Engine:
                 rotate = f"batched GEMM: G~ = P^T G{' Q' if lay.rotate_right else ''} over {k} {lay.rows} x {lay.cols} matrices ({how})"  # noqa: E501
                 unrotate = f"batched GEMM: P U~{' Q^T' if lay.rotate_right else ''} over the same {k} matrices ({how})"
             else:
-                rotate = f"per parameter: rotation.rotate ({sides}), inside core.update"
-                unrotate = f"per parameter: rotation.unrotate ({sides}), inside core.update"
+                where = self._stack_words(i)
+                rotate = f"rotation.rotate ({sides}) inside core.update, {where}"
+                unrotate = f"rotation.unrotate ({sides}) inside core.update, {where}"
         if kind == "flat":
             group = self._flat[number]
             entrywise = (f"{group.direction_name} once over the flat group ({group.size} entries), then "
                          "adadiag_ref.optim.tail.decayed_step over the group")  # fmt: skip
+            if group.update_route is not None:
+                entrywise = (f"{group.update_name} once over the flat group ({group.size} entries): moments, "
+                             "direction and tail in one call (an array lr: " + entrywise + ")")  # fmt: skip
             label = f"{group.label}, {group.size} entries"
         else:
-            entrywise = ("per parameter: adadiag_ref.optim.core.update (the family's update and direction routes "
-                         "tried per call, else its reference; the tail tail.parameter_delta)")  # fmt: skip
+            entrywise = (f"adadiag_ref.optim.core.update, {self._stack_words(i)} (the family's update and direction "
+                         "routes tried per call, else its reference; the tail tail.parameter_delta)")  # fmt: skip
             label = self._per_param[number].label
         return label, refresh, rotate, unrotate, entrywise
+
+    def _stack_words(self, i: int) -> str:
+        """How member ``i`` of a per-parameter group is stepped, in words: alone, or in its shape's stack."""
+        pgroup = self._per_param[self._home[i][1]]
+        stack = pgroup.stacks[pgroup.place[i][0]]
+        if not stack.stacked:
+            return "per parameter"
+        return (f"once over the stack of the {len(stack.indices)} parameters of shape {self._shapes[i]} "
+                f"(batch_dims={stack.cfg.batch_dims})")  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ stepping
 
@@ -605,19 +735,27 @@ class Engine:
         """One step, committed: the new parameters (views of the groups' flat results, or per member)."""
         xp = self.xp
         flats = [self._gather(group, grads) for group in self._flat]
+        stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
         due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
             refresh_due(g.count, self.cfg) for g in self._per_param
         ]
+        checked = flats + [g for stacks in stacked for g in stacks]
         verdict_first = check and (any(due) or is_numpy_namespace(xp))
         if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
-            self._raise_if_nonfinite(flats, grads)
+            self._raise_if_nonfinite(checked, grads)
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not is_numpy_namespace(xp)
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
-            pending = self._compute(flats, grads, params, lr, bases, refreshed, fresh_states)
+            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states)
         if check and not verdict_first:  # the work is queued: now the one read-back
-            self._raise_if_nonfinite(flats, grads)
+            self._raise_if_nonfinite(checked, grads)
         return self._commit(pending, bases)
+
+    def _stacked(self, stack: _Stack, arrays: list[Array]) -> Array:
+        """The stack's members' ``arrays`` stacked along a new first axis (one call), or the one member's."""
+        if not stack.stacked:
+            return arrays[stack.indices[0]]
+        return self.xp.stack([arrays[i] for i in stack.indices])
 
     def _gather(self, group: _FlatGroup, grads: list[Array]) -> Array:
         """The group's gradients as one flat array of the state dtype (memory order, the members' order)."""
@@ -636,14 +774,13 @@ class Engine:
             self._native(pieces, out=out)
         return out
 
-    def _raise_if_nonfinite(self, flats: list[Array], grads: list[Array]) -> None:
-        """One verdict for every gradient, read back once: per flat group the sum of its flat gradient, per
-        per-parameter member its gradient's sum, stacked.  A sum is NaN or Inf whenever an entry is (and may
+    def _raise_if_nonfinite(self, gathered: list[Array], grads: list[Array]) -> None:
+        """One verdict for every gradient, read back once: the sum of each flat group's flat gradient and of each
+        per-parameter stack's stacked gradient, stacked.  A sum is NaN or Inf whenever an entry is (and may
         overflow on finite entries): a non-finite verdict is settled exactly, gradient by gradient."""
         xp = self.xp
         with np.errstate(all="ignore"):  # a sum that overflows is a suspicion, settled below (NumPy would warn)
-            sums = [xp.astype(xp.sum(f), xp.float32) for f in flats]
-            sums += [xp.astype(xp.sum(grads[i]), xp.float32) for g in self._per_param for i in g.indices]
+            sums = [xp.astype(xp.sum(f), xp.float32) for f in gathered]
             if not sums:
                 return
             finite = xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums)))
@@ -663,7 +800,9 @@ class Engine:
     ) -> tuple[dict[tuple[int, int], tuple[Array, Array | None]], dict[tuple[int, int], Any], dict[int, State]]:
         """The refreshes due, in one :func:`~adadiag_ref.refresh_bases` call: the new stacks per block
         ``(group, block)``, per block whether each matrix's basis was computed from this gradient (``True`` for
-        all, or a boolean ``(k, 1, 1)`` array), and the new states of per-parameter members."""
+        all, or a boolean ``(k, 1, 1)`` array), and the new states of the per-parameter members whose basis was
+        computed from this gradient (a refresh that keeps the old basis, e.g. of a non-finite gradient, leaves
+        its member out)."""
         xp = self.xp
         n_flat = len(self._flat)
         work: list[tuple[int, State]] = []
@@ -673,7 +812,7 @@ class Engine:
         for number, pgroup in enumerate(self._per_param):
             if due[n_flat + number]:
                 rotating = [i for i in pgroup.indices if layout_for(self._shapes[i], self.cfg).rotate_left]
-                work += [(i, pgroup.states[i]) for i in rotating]
+                work += [(i, self._member_state(pgroup, i)) for i in rotating]
         if not work:
             return {}, {}, {}
         indices = [i for i, _ in work]
@@ -699,13 +838,14 @@ class Engine:
                 bases[(number, b)] = (P, Q)
                 refreshed[(number, b)] = True if all(flags) else xp.reshape(
                     xp.asarray(flags, dtype=xp.bool, device=group.device), (-1, 1, 1))  # fmt: skip
-        fresh_states = {i: fresh for i, (old, fresh) in done.items() if self._home[i][0] == "per-parameter"}
+        fresh_states = {i: fresh for i, (old, fresh) in done.items()
+                        if self._home[i][0] == "per-parameter" and fresh.P is not old.P}  # fmt: skip
         return bases, refreshed, fresh_states
 
     def _compute(
         self,
         flats: list[Array],
-        grads: list[Array],
+        stacked: list[list[Array]],
         params: list[Array],
         lr: Any,
         bases: dict[tuple[int, int], tuple[Array, Array | None]],
@@ -722,6 +862,12 @@ class Engine:
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             g_rot = self._rotated(group, number, g, stacks, refreshed)
             t = host_step(group.count, group.dtype, xp)
+            fused = self._fused_update(group, g, w, t, eta)
+            if fused is not None:
+                delta, moments = fused
+                moments_out.append(moments)
+                flat_params.append(w_param + xp.astype(delta, group.param_dtype, copy=False))
+                continue
             u_rot, moments = self._direction(group, g_rot, t)
             direction = self._unrotated(group, u_rot, stacks)
             eta_t = family.step_size(cfg, t, w, eta, xp)
@@ -731,16 +877,56 @@ class Engine:
             delta = xp.astype(decayed_step(direction, w, eta_t, cfg, owned=owned), group.param_dtype, copy=False)
             moments_out.append(moments)
             flat_params.append(w_param + delta)
-        new_states: dict[int, State] = {}
+        new_states: dict[tuple[int, int], State] = {}
         new_params: dict[int, Array] = {}
-        for pgroup in self._per_param:
-            for i in pgroup.indices:
-                state = fresh_states.get(i, pgroup.states[i])
-                was_refreshed = i in fresh_states and state.P is not pgroup.states[i].P
-                delta, new_states[i] = update(state, grads[i], cfg, params[i], lr=lr, refreshed=was_refreshed,
-                                              count=pgroup.count, xp=xp)  # fmt: skip
-                new_params[i] = params[i] + delta
+        for number, (pgroup, grad_stacks) in enumerate(zip(self._per_param, stacked, strict=True)):
+            for s, (stack, g) in enumerate(zip(pgroup.stacks, grad_stacks, strict=True)):
+                state, was_refreshed = self._fresh_stack(pgroup, stack, fresh_states)
+                w = self._stacked(stack, params)
+                delta, new_states[(number, s)] = update(state, g, stack.cfg, w, lr=lr, refreshed=was_refreshed,
+                                                        count=pgroup.count, xp=xp)  # fmt: skip
+                w_new = w + delta
+                for position, i in enumerate(stack.indices):
+                    new_params[i] = w_new[position, ...] if stack.stacked else w_new
         return _Pending(moments_out, flat_params, new_states, new_params, bases)
+
+    def _fresh_stack(self, pgroup: _ParamGroup, stack: _Stack, fresh_states: dict[int, State]) -> tuple[State, Any]:
+        """The stack's state with this step's refreshed bases, and ``refreshed`` for :func:`update`: ``True`` when
+        every member's basis was computed from this gradient, ``False`` when none was, else a boolean array with
+        one entry per member (broadcast over its matrices)."""
+        xp = self.xp
+        flags = [i in fresh_states for i in stack.indices]
+        if not any(flags):
+            return stack.state, False
+        fresh = [fresh_states[i] if i in fresh_states else self._member_state(pgroup, i) for i in stack.indices]
+        if not stack.stacked:
+            return fresh[0], True
+        bases = {"P": xp.stack([f.P for f in fresh])}
+        if stack.state.Q is not None:
+            bases["Q"] = xp.stack([f.Q for f in fresh])
+        state = stack.state._replace(**bases)
+        if all(flags):
+            return state, True
+        shape = (len(flags),) + (1,) * (self.cfg.batch_dims + 2)  # over each member's (*B, m, n) work frame
+        return state, xp.reshape(xp.asarray(flags, dtype=xp.bool, device=creation_device(state.P)), shape)
+
+    def _fused_update(
+        self, group: _FlatGroup, g: Array, w: Array, t: Any, eta: Any
+    ) -> tuple[Array, dict[str, Array | None]] | None:
+        """``delta = -eta_t (U~ + lambda W_t)`` and the new moments of a group without rotation blocks by its
+        fused update route, flat, or ``None`` (no such route, or it declines this step, e.g. an array ``lr``)."""
+        if group.update_route is None:
+            return None
+        xp, family, shape = self.xp, self._family, (1, group.size)
+        as_row = {f: None if v is None else xp.reshape(v, shape) for f, v in group.moments.items()}
+        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **as_row)
+        layout = _row_layout(group.size)
+        found = group.update_route(state, layout, t, xp.reshape(g, shape), xp.reshape(w, shape), self.cfg, eta,
+                                   unrotate, xp)  # fmt: skip
+        if found is None:
+            return None
+        delta, moments = found
+        return xp.reshape(delta, (-1,)), {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
 
     def _direction(self, group: _FlatGroup, g_rot: Array, t: Any) -> tuple[Array, dict[str, Array | None]]:
         """``U~, M_t, V_t`` of the whole flat group by its route (the routes take matrices: the group is handed
@@ -805,8 +991,9 @@ class Engine:
             group.count += 1
             for m in group.members:
                 out[m.index] = xp.reshape(w_new[m.offset : m.offset + m.size], self._shapes[m.index])
-        for pgroup in self._per_param:
-            pgroup.states.update({i: pending.states[i] for i in pgroup.indices})
+        for number, pgroup in enumerate(self._per_param):
+            for s, stack in enumerate(pgroup.stacks):
+                stack.state = pending.states[(number, s)]
             pgroup.count += 1
             for i in pgroup.indices:
                 out[i] = pending.params[i]
