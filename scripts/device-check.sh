@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of one device session, as one prepared script (run on a CUDA machine, from the repo root):
 #   1. `adadiag-ref bench --gpu --json` (LLaMA-60M, float32): the tables of docs/performance.md's GPU section;
-#   2. the tests marked `gpu`: first everything but the CuPy kernel battery, then the battery.
+#   2. benchmarks/gpu_refresh_profile.py: where one batched refresh spends its time (cProfile);
+#   3. the tests marked `gpu`: first everything but the CuPy kernel battery, then the battery.
 # Each stage has its own time limit (seconds, from the environment), so one that hangs leaves the others
 # their time.  Logs and the JSON go to $OUT (default ./device-out).
 #
 # The device image has no array-api-compat or array-api-strict and not this project: `bash
 # scripts/device-check.sh --prepare`, here, puts their wheels and this checkout's in .whl/ (git-ignored through
 # .git/info/exclude); the device call then carries .whl and this script installs them into /tmp/site first:
-#   run(command="bash scripts/device-check.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash scripts/device-check.sh", carry=[".whl"], timeout_s=590)  (stages: 280 + 60 + 90 + 90 s at most)
 # The test logs are verbose (one line per test, as it finishes): a stage stopped at its limit still says what ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +26,9 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
-BENCH_S=${BENCH_S:-330}
-TESTS_S=${TESTS_S:-110}
-KERNELS_S=${KERNELS_S:-130}
+BENCH_S=${BENCH_S:-280}
+TESTS_S=${TESTS_S:-90}
+KERNELS_S=${KERNELS_S:-90}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 
@@ -49,6 +50,11 @@ XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$BENCH_S" "$PY" -P -c 'import sys; f
 gpu.run("llama-60m", json_path=sys.argv[1], progress=True)' "$OUT/gpu.json" >"$OUT/bench.txt" 2>&1
 echo "bench rc $?"; tr '\r' '\n' <"$OUT/bench.txt" | grep -v '^ *$' >"$OUT/bench-lines.txt"
 grep '^bench --gpu:' "$OUT/bench-lines.txt" | tail -n 1; grep -v '^bench --gpu:' "$OUT/bench-lines.txt" | tail -n 40
+
+PROFILE_S=${PROFILE_S:-60}
+echo "== where the batched refresh spends its time (limit ${PROFILE_S}s)"
+timeout "$PROFILE_S" "$PY" -P benchmarks/gpu_refresh_profile.py --xp cupy --top 30 >"$OUT/refresh-profile.txt" 2>&1
+echo "profile rc $?"; head -n 45 "$OUT/refresh-profile.txt"
 
 PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=100)  # a hung test fails alone
 # -P: the installed package (with its adapters and pytest plugin), not the source folder
