@@ -393,13 +393,24 @@ class CoreOptimizer(torch.optim.Optimizer):
                     flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index))
-        self._check_finite(work)
-        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's state initialisation
-            for item in work:
-                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
-            return []
-        counts = _host_counts(work)  # host counters: no device sync
-        due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
+        self._check_shapes(work)
+        # a step of existing multi-tensor states without refresh reads its finiteness verdict after its work is
+        # queued (the device never waits for the host's check), and commits only then; any other step reads it
+        # first, before a decomposition or a per-parameter update writes
+        queued = not deferred and bool(work) and all(item.foreach and not item.fresh for item in work)
+        if queued:
+            counts = _host_counts(work)  # host counters: no device sync
+            due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
+            queued = not any(due)
+        verdict = self._finiteness(work) if queued else None
+        if verdict is None:
+            self._raise_if_nonfinite(work, self._finiteness(work))
+            if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
+                for item in work:
+                    self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
+                return []
+            counts = _host_counts(work)  # host counters: no device sync
+            due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
         batches: dict[tuple[Any, ...], list[_Batched]] = {}
@@ -428,18 +439,22 @@ class CoreOptimizer(torch.optim.Optimizer):
             item.flat["step"] += 1
         frames: dict[int, _Frame] = {}
         plans = []
+        commits: list[tuple[Callable[[], None], list[_Batched]]] = []
         for key, batch in batches.items():
             adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
             if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
             if adam:
-                _foreach_adam(batch, key[-1], self._frames, frames)
+                commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
             else:
-                _foreach_flat(batch, key[-1])
-            for entry in batch:
-                self._commit(entry.item, entry.new_bases)
-            torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
+                commits.append((_foreach_flat(batch, key[-1]), batch))
+            if verdict is None:
+                self._commit_batch(*commits.pop())
+        if verdict is not None:  # every batch's work is queued: now the one synchronisation of the step
+            self._raise_if_nonfinite(work, verdict)
+            for commit, batch in commits:
+                self._commit_batch(commit, batch)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
         plan = self._host_plan
@@ -609,8 +624,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         for key, basis in new_bases.items():
             item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
 
-    def _check_finite(self, work: list[_Work]) -> None:
-        """Shapes and dtypes per parameter; finiteness of all gradients with one host synchronisation."""
+    def _commit_batch(self, commit: Callable[[], None], batch: list[_Batched]) -> None:
+        """A multi-tensor batch's computed step written (``W``, the moments), new bases in, counters advanced."""
+        commit()
+        for entry in batch:
+            self._commit(entry.item, entry.new_bases)
+        torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
+
+    def _check_shapes(self, work: list[_Work]) -> None:
+        """Shapes and dtypes per parameter (no value read)."""
         for item in work:
             if tuple(item.grad.shape) != tuple(item.p.shape):
                 raise ValueError(
@@ -622,15 +644,26 @@ class CoreOptimizer(torch.optim.Optimizer):
                     f"gradient of {item.where} has dtype {item.grad.dtype}, the parameter {item.p.dtype}; "
                     "no parameter and no state was changed"
                 )
+
+    def _finiteness(self, work: list[_Work]) -> tuple[list[int], torch.Tensor] | None:
+        """The finiteness verdict of all gradients, queued on the device (nothing read back): the index in
+        ``work`` of each reduction and whether each is finite; ``None`` without work."""
         if not work:
-            return
+            return None
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
-        # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly below
+        # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
         order, reductions = _finiteness_sums(work)
         sums = _sharded.agree(torch.stack([r.to(device) for r in reductions]), [item.grad for item in work])
-        finite = torch.isfinite(sums)
-        if bool(finite.all()):  # the one synchronisation of a step without refresh
+        return order, torch.isfinite(sums)
+
+    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> None:
+        """Read the verdict (the one synchronisation of a step without refresh) and raise ``ValueError`` naming
+        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient."""
+        if verdict is None:
+            return
+        order, finite = verdict
+        if bool(finite.all()):
             return
         suspects = [work[order[int(i)]] for i in torch.nonzero(~finite).flatten()]
         bad = next((item for item in suspects if not _sharded.all_finite(item.grad)), None)
@@ -1352,7 +1385,9 @@ def _host_number(x: Any) -> float:
     return float(x)
 
 
-def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame], frames: dict[int, _Frame]) -> None:
+def _foreach_adam(
+    batch: list[_Batched], count: int, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
+) -> Callable[[], None]:
     r"""The Adam family's step of every parameter of ``batch`` (one group, device, dtype pair and step ``t``,
     ``count = t - 1`` their host counter) as
     ``torch._foreach_*`` calls: the arithmetic of ``update_in_place``, the same operations in the same order::
@@ -1371,12 +1406,12 @@ def _foreach_adam(batch: list[_Batched], count: int, cache: Mapping[int, _Frame]
     cast per parameter, as ``update_in_place`` casts them.
 
     All or nothing: the new ``M``, ``V`` and ``delta`` are computed into new tensors first (the GEMMs and
-    allocations, everything that can fail); then ``W += delta`` and ``M``, ``V`` are copied into the state's
-    own tensors (``state_dict()`` references stay live)."""
-    _foreach_math(_foreach_plan(batch, count, cache, frames))
+    allocations, everything that can fail); the returned commit then adds ``delta`` to ``W`` and copies ``M``,
+    ``V`` into the state's own tensors (``state_dict()`` references stay live)."""
+    return _foreach_compute(_foreach_plan(batch, count, cache, frames))
 
 
-def _foreach_flat(batch: list[_Batched], count: int) -> None:
+def _foreach_flat(batch: list[_Batched], count: int) -> Callable[[], None]:
     r"""The step of every parameter of ``batch`` (one group, device, dtype pair and step) for an entrywise family
     other than Adam's (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, e.g. a registered one): the
     family's own direction function runs **once**, over the concatenation of the parameters' ``G~`` and moments
@@ -1389,7 +1424,7 @@ def _foreach_flat(batch: list[_Batched], count: int) -> None:
         W <- W + (-eta_t) (D + lambda W)
 
     Entry by entry the operations of the per-parameter route (``update_prepared``), so the same bits.  All or
-    nothing: everything is computed into new tensors before ``W`` and the moments are written."""
+    nothing: everything is computed into new tensors here; the returned commit writes ``W`` and the moments."""
     first = batch[0]
     cfg, xp = first.item.cfg, torch_namespace()
     family = family_of(cfg)
@@ -1424,10 +1459,13 @@ def _foreach_flat(batch: list[_Batched], count: int) -> None:
     if params[0].dtype != deltas[0].dtype:
         deltas = [d.to(params[0].dtype) for d in deltas]
     new = {name: pieces(value) for name, value in moments.items() if value is not None}
-    # commit: copies and adds between tensors of equal shapes and dtypes, nothing allocated
-    torch._foreach_add_(params, deltas)
-    for name, values in new.items():
-        torch._foreach_copy_([getattr(e.state, name) for e in batch], values)
+
+    def commit() -> None:  # copies and adds between tensors of equal shapes and dtypes, nothing allocated
+        torch._foreach_add_(params, deltas)
+        for name, values in new.items():
+            torch._foreach_copy_([getattr(e.state, name) for e in batch], values)
+
+    return commit
 
 
 class _ForeachPlan(NamedTuple):
@@ -1478,7 +1516,13 @@ def _as_graph_inputs(plan: _ForeachPlan) -> _ForeachPlan:
 
 
 def _foreach_math(plan: _ForeachPlan) -> None:
-    """The tensor side of :func:`_foreach_adam` (no host read: it is what ``torch.compile`` puts in a graph)."""
+    """The tensor side of :func:`_foreach_adam`, computed and committed (no host read: it is what
+    ``torch.compile`` puts in a graph)."""
+    _foreach_compute(plan)()
+
+
+def _foreach_compute(plan: _ForeachPlan) -> Callable[[], None]:
+    """The tensor side of :func:`_foreach_adam` into new tensors; returns the commit that writes them."""
     batch, layouts, moments, seconds = plan.batch, plan.layouts, plan.moments, plan.seconds
     b1, b2, c1, c2 = plan.coefficients
     eta = plan.eta
@@ -1515,10 +1559,13 @@ def _foreach_math(plan: _ForeachPlan) -> None:
     torch._foreach_mul_(directions, -eta)  # delta = -eta (D + lambda W)
     if params[0].dtype != dtype:
         directions = [d.to(params[0].dtype) for d in directions]
-    # commit: copies between tensors of equal shapes and dtypes, nothing allocated
-    torch._foreach_add_(params, directions)
-    torch._foreach_copy_(moments, new_m)
-    torch._foreach_copy_(seconds, new_v)
+
+    def commit() -> None:  # copies between tensors of equal shapes and dtypes, nothing allocated
+        torch._foreach_add_(params, directions)
+        torch._foreach_copy_(moments, new_m)
+        torch._foreach_copy_(seconds, new_v)
+
+    return commit
 
 
 @torch.library.custom_op("adadiag_ref::foreach_sqrt", mutates_args=())

@@ -209,6 +209,40 @@ def test_foreach_step_reads_one_device_value(name):
     assert counter.ops["aten._local_scalar_dense.default"] == 1
 
 
+class _LogOps(TorchDispatchMode):
+    """The aten operations of a step, in the order they reach the dispatcher (views left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ADAM_NAMES)
+def test_foreach_step_reads_its_verdict_after_the_work_is_queued(name):
+    """A step without refresh queues the whole update (moments, direction, tail into new tensors) before it reads
+    the finiteness verdict, and writes ``W`` and the moments only after: on a GPU the device computes while the
+    host waits for the one read (issue 31, item 3).  Before, the verdict was read before any work was queued."""
+    shapes = SHAPES * 2
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in shapes]
+    opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=0.1, update_freq=None, foreach=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    with _LogOps() as log:
+        opt.step()
+    ops = log.ops
+    sync = ops.index("aten._local_scalar_dense.default")
+    assert ops.count("aten._local_scalar_dense.default") == 1
+    assert ops.index("aten._foreach_div.List") < sync  # U~ = M_t / (sqrt(V_t) + eps): queued before the read
+    assert min(i for i, op in enumerate(ops) if op.startswith("aten._foreach_copy_")) > sync  # moments written after
+
+
 @pytest.mark.parametrize("name", ADAM_NAMES)
 def test_foreach_with_maximize_and_a_tensor_lr(name):
     w0, grads = _streams(torch.float64, steps=3)
