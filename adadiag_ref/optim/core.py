@@ -493,9 +493,26 @@ def refresh_due(count: int, cfg: BaseConfig) -> bool:
     return cfg.update_freq is not None and (t - 1) % cfg.update_freq == 0
 
 
-def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig) -> None:
+def _check_gradient_shape(grad: Array, param: Array) -> None:
     if tuple(grad.shape) != tuple(param.shape):
         raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(param.shape)}")
+
+
+def _check_gradient_dtype(grad: Array, param: Array, xp: Namespace) -> None:
+    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
+    if pname != gname:
+        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+
+
+def check_gradient_matches(grad: Array, param: Array, xp: Namespace) -> None:
+    """``ValueError`` unless ``G`` has the parameter's shape and real floating dtype (no value read): the checks
+    of one gradient against its parameter that :func:`check_inputs` and the engine share."""
+    _check_gradient_shape(grad, param)
+    _check_gradient_dtype(grad, param, xp)
+
+
+def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig) -> None:
+    _check_gradient_shape(grad, param)
     family = family_of(cfg)
     if not isinstance(state, family.state_type):
         raise ValueError(f"state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}")
@@ -522,9 +539,7 @@ def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: 
 def _check_form(state: State, grad: Array, cfg: BaseConfig, param: Array, xp: Namespace) -> None:
     """:func:`check_inputs` without the finiteness scan: shapes against the parameter and the state, one dtype."""
     _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
-    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
-    if pname != gname:
-        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+    _check_gradient_dtype(grad, param, xp)
 
 
 def check_inputs(

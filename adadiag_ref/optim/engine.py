@@ -98,7 +98,16 @@ from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_name
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, native_module
 from ..config import BaseConfig
 from .batched_refresh import host_counts, refresh_bases
-from .core import _check_static, _where, init, refresh_due, refresh_step_structure, update, work_dtype
+from .core import (
+    _check_static,
+    _where,
+    check_gradient_matches,
+    init,
+    refresh_due,
+    refresh_step_structure,
+    update,
+    work_dtype,
+)
 from .families import FamilySpec, State, family_of
 from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
 from .rotation import _product, unrotate
@@ -718,17 +727,13 @@ class Engine:
         params_l = _as_ordered(params, self._keys, "params")
         xp = self.xp
         for i, (g, p) in enumerate(zip(grads_l, params_l, strict=True)):
-            shape, gshape = tuple(int(d) for d in p.shape), tuple(int(d) for d in g.shape)
+            shape = tuple(int(d) for d in p.shape)
             if shape != self._shapes[i] or p.dtype != self._param_dtypes[i]:
                 raise ValueError(
                     f"parameter {self._keys[i]!r} has shape {shape} and dtype {p.dtype}; the engine was built for "
                     f"shape {self._shapes[i]} and dtype {self._param_dtypes[i]}"
                 )
-            if gshape != shape:
-                raise ValueError(f"gradient shape {gshape} does not match parameter shape {shape}")
-            pname, gname = float_dtype_name(p.dtype, xp), float_dtype_name(g.dtype, xp)
-            if pname != gname:
-                raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+            check_gradient_matches(g, p, xp)
         return grads_l, params_l
 
     def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool) -> list[Array]:
