@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ import _adapter_import  # noqa: F401
 from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 import adadiag_ref as ar
+from adadiag_ref.perf.bench import median_time
 
 SHAPES = [(256, 512), (512,), (512, 256), (256,), (64, 32, 3, 3)]
 MANY = [(64, 64), (64,)] * 32  # 64 small parameters
@@ -54,14 +54,7 @@ def _params(dtype: torch.dtype, shapes: list[tuple[int, ...]] = SHAPES) -> list[
 
 
 def _median_ms(fn, repeats: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(fn, repeats, warmup)
 
 
 def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:

@@ -17,8 +17,6 @@ docs/performance.md, "The multi-parameter engine", shows a run.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +24,7 @@ import array_api_strict as xs
 import numpy as np
 
 import adadiag_ref as ar
+from adadiag_ref.perf.bench import median_time
 from adadiag_ref.perf.traffic import count_traffic
 
 VIEW_CALLS = {"reshape", "__getitem__", "astype", "matrix_transpose"}
@@ -54,14 +53,8 @@ def counts(name: str, layers: int) -> str:
 
 
 def median_ms(fn: Callable[[], Any], n: int = 15) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Milliseconds: the median of ``n`` timed calls after two untimed ones (``perf.bench.median_time``)."""
+    return 1e3 * median_time(fn, n, warmup=2)
 
 
 def timings(backend: str, name: str) -> str:
