@@ -244,6 +244,11 @@ def _in_host_memory(xp: Namespace, state: State) -> bool:
     return False
 
 
+def _flattened(moments: Mapping[str, Array | None], xp: Namespace) -> dict[str, Array | None]:
+    """A route's new moments (``1 x N`` rows) as the flat group's arrays (views)."""
+    return {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
+
+
 def _row_layout(size: int) -> Layout:
     """The layout of a flat group handed to a family's routes as one unrotated ``1 x size`` matrix."""
     return Layout((1, size), 1, size, False, False, False)
@@ -502,11 +507,7 @@ class Engine:
         one-entry group of the group's dtype and device (routes decide by backend, dtype and ``cfg.kernels``,
         never by values), else the reference."""
         xp = self.xp
-        probe = {f: None if v is None else xp.zeros((1, 1), dtype=group.dtype, device=group.device)
-                 for f, v in group.moments.items()}  # fmt: skip
-        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **probe)
-        g = xp.zeros((1, 1), dtype=group.dtype, device=group.device)
-        t = host_step(0, group.dtype, xp)
+        state, g, t = self._probe(group)
         for route in family.routes.direction:
             if route(state, g, t, self.cfg, xp) is not None:
                 return route, _describe(route)
@@ -518,15 +519,31 @@ class Engine:
         for one unrotated parameter) that applies to a one-entry group, else ``None`` (the direction route and
         the shared tail)."""
         xp = self.xp
-        probe = {f: None if v is None else xp.zeros((1, 1), dtype=group.dtype, device=group.device)
-                 for f, v in group.moments.items()}  # fmt: skip
-        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **probe)
-        g = xp.zeros((1, 1), dtype=group.dtype, device=group.device)
-        t, eta = host_step(0, group.dtype, xp), learning_rate(self.cfg, None)
+        state, g, t = self._probe(group)
+        eta = learning_rate(self.cfg, None)
         for route in family.routes.update:
             if route(state, _row_layout(1), t, g, g, self.cfg, eta, unrotate, xp) is not None:
                 return route, _describe(route)
         return None, ""
+
+    def _probe(self, group: _FlatGroup) -> tuple[State, Array, Any]:
+        """A one-entry stand-in of ``group`` for choosing its routes: its state as a ``1 x 1`` row, ``G`` and
+        ``t``, zeros of its dtype and device."""
+        xp = self.xp
+
+        def zero() -> Array:  # each its own array: a route may reuse an input's memory for its output
+            return xp.zeros((1, 1), dtype=group.dtype, device=group.device)
+
+        state = self._row_state({f: None if v is None else zero() for f, v in group.moments.items()}, 1)
+        return state, zero(), host_step(0, group.dtype, xp)
+
+    def _row_state(self, moments: Mapping[str, Array | None], size: int) -> State:
+        """The family's state over flat moments handed to its routes as one ``1 x size`` matrix (views; no bases):
+        the routes take matrices."""
+        xp = self.xp
+        rows = {f: None if v is None else xp.reshape(v, (1, size)) for f, v in moments.items()}
+        state: State = self._family.state_type(count=None, P=None, Q=None, param_shape=None, **rows)
+        return state
 
     # ------------------------------------------------------------------------------------------------ inspection
 
@@ -922,28 +939,25 @@ class Engine:
         fused update route, flat, or ``None`` (no such route, or it declines this step, e.g. an array ``lr``)."""
         if group.update_route is None:
             return None
-        xp, family, shape = self.xp, self._family, (1, group.size)
-        as_row = {f: None if v is None else xp.reshape(v, shape) for f, v in group.moments.items()}
-        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **as_row)
+        xp, shape = self.xp, (1, group.size)
+        state = self._row_state(group.moments, group.size)
         layout = _row_layout(group.size)
         found = group.update_route(state, layout, t, xp.reshape(g, shape), xp.reshape(w, shape), self.cfg, eta,
                                    unrotate, xp)  # fmt: skip
         if found is None:
             return None
         delta, moments = found
-        return xp.reshape(delta, (-1,)), {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
+        return xp.reshape(delta, (-1,)), _flattened(moments, xp)
 
     def _direction(self, group: _FlatGroup, g_rot: Array, t: Any) -> tuple[Array, dict[str, Array | None]]:
         """``U~, M_t, V_t`` of the whole flat group by its route (the routes take matrices: the group is handed
         over as one ``1 x N`` matrix, a view), flat again."""
-        xp, family, shape = self.xp, self._family, (1, group.size)
-        as_row = {f: None if v is None else xp.reshape(v, shape) for f, v in group.moments.items()}
-        state = family.state_type(count=None, P=None, Q=None, param_shape=None, **as_row)
-        g_row = xp.reshape(g_rot, shape)
+        xp, family = self.xp, self._family
+        state = self._row_state(group.moments, group.size)
+        g_row = xp.reshape(g_rot, (1, group.size))
         found = group.direction(state, g_row, t, self.cfg, xp)
         u_rot, moments = found if found is not None else family.direction(state, g_row, t, self.cfg, xp)
-        flat = {f: None if v is None else xp.reshape(v, (-1,)) for f, v in moments.items()}
-        return xp.reshape(u_rot, (-1,)), flat
+        return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
     def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[[int, _Block, Array], Array]) -> Array:
         """``flat`` with each rotation block's entries replaced by ``product(b, block, stack)`` of its stack
