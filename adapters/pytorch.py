@@ -397,11 +397,10 @@ class CoreOptimizer(torch.optim.Optimizer):
         # a step of existing multi-tensor states without refresh reads its finiteness verdict after its work is
         # queued (the device never waits for the host's check), and commits only then; any other step reads it
         # first, before a decomposition or a per-parameter update writes
-        queued = not deferred and bool(work) and all(item.foreach and not item.fresh for item in work)
-        if queued:
-            counts = _host_counts(work)  # host counters: no device sync
-            due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
-            queued = not any(due)
+        counts = _host_counts(work)  # host counters: no device sync
+        due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
+        queued = not deferred and bool(work) and not any(due)
+        queued = queued and all(item.foreach and not item.fresh for item in work)
         verdict = self._finiteness(work) if queued else None
         if verdict is None:
             self._raise_if_nonfinite(work, self._finiteness(work))
@@ -409,8 +408,6 @@ class CoreOptimizer(torch.optim.Optimizer):
                 for item in work:
                     self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
                 return []
-            counts = _host_counts(work)  # host counters: no device sync
-            due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
         batches: dict[tuple[Any, ...], list[_Batched]] = {}
