@@ -463,3 +463,115 @@ def test_a_stack_whose_members_refresh_differently_matches_step(name: str) -> No
     for i, want in enumerate(singles):
         _assert_close(params[i], want, True, np.float64)
         _assert_states(engine.state(i), states[i], True, np.float64)
+
+
+# ----------------------------------------------------------------------------- group kernels: in place, no gather
+
+GROUP_SHAPES = [(300, 300), (8, 20), (20,), (), (20, 8)]  # 90000 entries: two chunks of the kernels
+
+
+def _no_gather(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the group was gathered")
+
+    monkeypatch.setattr(engine, "_native", refuse)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_group_kernels_step_in_place_without_gathering(
+    dtype: Any, weight_decay: float, parallel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AdamW on NumPy: the group's kernels write W, M, V in place, walking the members' own memory (nothing
+    gathered, nothing written back), and give ``ar.step``'s bits (the same entry formulas and coefficients)."""
+    pytest.importorskip("numba")
+    cfg = ar.make_config("adamw", weight_decay=weight_decay)
+    host_params, stream = _stream(GROUP_SHAPES, dtype, steps=4)
+    params = [p.copy() for p in host_params]
+    engine = ar.Engine(params, cfg)
+    group = engine._flat[0]
+    assert group.kernels is not None and "in place" in engine.routes()[0].entrywise
+    group.kernels.parallel = parallel  # both compilations, whatever numba's threading layer
+    _no_gather(engine, monkeypatch)
+    singles, states = [p.copy() for p in host_params], [ar.init(p, cfg) for p in host_params]
+    for k, grads in enumerate(stream):
+        returned = engine.step(grads, params)
+        assert all(r is p for r, p in zip(returned, params, strict=True))
+        pairs = [ar.step(s, g, cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for i, (w, want) in enumerate(zip(params, singles, strict=True)):
+        _assert_close(w, want, True, dtype)
+        _assert_states(engine.state(i), states[i], True, dtype)
+
+
+def test_group_kernels_leave_everything_on_a_non_finite_gradient() -> None:
+    """Two groups (float32, float64): a NaN in the float64 group's gradients raises naming it, and neither
+    group's parameters or moments change (the verdict is read before any kernel writes)."""
+    pytest.importorskip("numba")
+    cfg = ar.make_config("adamw", weight_decay=0.1)
+    rng = np.random.default_rng(1)
+    params = {"a": rng.standard_normal((6, 5)).astype(np.float32), "b": rng.standard_normal(7)}
+    engine = ar.Engine(params, cfg)
+    assert all(g.kernels is not None for g in engine._flat) and len(engine._flat) == 2
+    engine.step({k: np.ones_like(v) for k, v in params.items()}, params)
+    before = _snapshot(engine, list(params.values()))
+    bad = {k: np.ones_like(v) for k, v in params.items()}
+    bad["b"][3] = np.nan
+    with pytest.raises(ValueError, match=r"1 NaN or Inf entry in the gradient of parameter 'b'"):
+        engine.step(bad, params)
+    for x, y in zip(before, _snapshot(engine, list(params.values())), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert engine.count("a") == engine.count("b") == 1
+
+
+def test_a_state_handed_out_stays_a_snapshot_under_group_kernels() -> None:
+    pytest.importorskip("numba")
+    cfg = ar.make_config("adamw")
+    params = [np.ones((4, 3)), np.ones(5)]
+    engine = ar.Engine(params, cfg)
+    engine.step([np.full((4, 3), 0.5), np.full(5, 0.5)], params)
+    held = engine.state(0)
+    kept = held.M.copy(), held.V.copy()
+    engine.step([np.full((4, 3), 2.0), np.full(5, 2.0)], params)
+    np.testing.assert_array_equal(held.M, kept[0])  # the step wrote into copies
+    np.testing.assert_array_equal(held.V, kept[1])
+    assert not np.array_equal(engine.state(0).M, kept[0])
+
+
+@pytest.mark.parametrize("case", ["transposed", "array lr", "functional", "float64 gradient"])
+def test_arrays_the_group_kernels_do_not_take_are_gathered(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter that is a strided view, an array learning rate, ``in_place=False`` or a gradient of another
+    dtype (refused by the input check): the step runs the gathering path, with ``ar.step``'s results."""
+    pytest.importorskip("numba")
+    cfg = ar.make_config("adamw", weight_decay=0.1)
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal((5, 4)).astype(np.float32)
+    params = [base.T if case == "transposed" else base.T.copy(), rng.standard_normal(3).astype(np.float32)]
+    grads = [rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
+    engine = ar.Engine(params, cfg)
+    lr = np.asarray(1e-3, dtype=np.float32) if case == "array lr" else None
+    gathered = []
+    native = engine._native
+    monkeypatch.setattr(engine, "_native", lambda *a, **k: gathered.append(1) or native(*a, **k))
+    if case == "float64 gradient":
+        with pytest.raises(ValueError):
+            engine.step([grads[0].astype(np.float64), grads[1]], params)
+        assert engine.count(0) == 0
+        return
+    originals = [p.copy() for p in params]
+    new = engine.step(grads, params, lr=lr, in_place=case != "functional")
+    assert gathered
+    for got, p, g in zip(new, originals, grads, strict=True):
+        want, _ = ar.step(ar.init(p, cfg), g, cfg, p, count=0, lr=lr)
+        _assert_close(got, want, True, np.float32)
+
+
+def test_chunk_table_covers_every_entry_once() -> None:
+    from adadiag_ref.optim.families.adam.group_route import chunk_table
+
+    sizes = [0, 5, 16, 17, 1]
+    table = chunk_table(sizes, chunk=8)
+    covered = [(i, k) for i, lo, hi in table for k in range(lo, hi)]
+    assert covered == [(i, k) for i, n in enumerate(sizes) for k in range(n)]
+    assert all(hi - lo <= 8 for _, lo, hi in table)

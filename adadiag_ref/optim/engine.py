@@ -50,6 +50,15 @@ has a fused update route that applies (numba on NumPy, the CuPy kernels on CuPy:
 :func:`~adadiag_ref.optim.core.update` takes for one unrotated parameter), over the flat group as one ``1 x N``
 matrix: moments, direction and tail in one kernel, the same per-entry arithmetic.
 
+Where its family has *group kernels* for the backend and dtype (:class:`~adadiag_ref.optim.families.registry.
+GroupKernels`: the Adam family's numba kernels on NumPy), such a group is stepped in place instead, by
+:meth:`Engine.step` with ``in_place=True`` (the default): the kernels walk the members' own arrays by address, so
+nothing is gathered and nothing written back; one call counts the gradients' NaN and Inf (the check), one call
+writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where the gathering path makes 16 (+1).
+The same per-entry arithmetic, so the same bits.  A step whose arrays the kernels do not take (a strided view, an
+array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
+handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
+
 A per-parameter group (Adafactor, Hfac) is split into *stacks*, one per parameter shape: the parameters of one
 shape are stepped as one ``batch_dims`` stack (``cfg.batch_dims + 1``; each matrix its own factored moments, as
 ``batch_dims`` defines), so that one :func:`~adadiag_ref.optim.core.update` (the family's routes tried per call)
@@ -109,6 +118,7 @@ from .core import (
     work_dtype,
 )
 from .families import FamilySpec, State, family_of
+from .families.registry import GroupKernels
 from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
 from .rotation import _product, unrotate
 from .schedules import host_step, learning_rate
@@ -181,6 +191,8 @@ class _FlatGroup:
         self.update_name = ""
         self.counter: tuple[int, Array] | None = None  # (count, the 0-d device counter made for it)
         self.scratch: dict[str, Array] = {}  # "G", "W": the gathered gradients and parameters (mutable backends)
+        self.kernels: GroupKernels | None = None  # without rotation blocks: the family's multi-tensor step
+        self.shared = False  # its moments handed out by Engine.state since its last step (copy before writing)
 
 
 class _Stack:
@@ -212,8 +224,8 @@ class _Pending(NamedTuple):
     """A step computed but not committed: the new flat moments per flat group, the new core states per
     per-parameter member, the new bases per block, and the new parameters (flat per group, or per member)."""
 
-    moments: list[dict[str, Array | None]]
-    flat_params: list[Array]
+    moments: list[dict[str, Array | None] | None]  # None: a group its kernels step in place
+    flat_params: list[Array | None]
     states: dict[tuple[int, int], State]  # (per-parameter group, stack) -> the stack's new state
     params: dict[int, Array]
     bases: dict[tuple[int, int], tuple[Array, Array | None]]
@@ -498,6 +510,7 @@ class Engine:
         group.direction, group.direction_name = self._resolve_direction(group, family)
         if not group.blocks:
             group.update_route, group.update_name = self._resolve_update(group, family)
+            group.kernels = self._resolve_kernels(group, family)
         if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
             group.scratch = {name: xp.empty((offset,), dtype=group.param_dtype, device=group.device) for name in "GW"}
         return group
@@ -525,6 +538,19 @@ class Engine:
             if route(state, _row_layout(1), t, g, g, self.cfg, eta, unrotate, xp) is not None:
                 return route, _describe(route)
         return None, ""
+
+    def _resolve_kernels(self, group: _FlatGroup, family: FamilySpec) -> GroupKernels | None:
+        """For a group without rotation blocks on a mutable backend whose parameters have the state dtype: the
+        family's first multi-tensor group step (:attr:`~adadiag_ref.optim.families.registry.Routes.group`) that
+        applies, else ``None`` (the gathering path)."""
+        if self._immutable or group.param_dtype != group.dtype:
+            return None
+        sizes = [m.size for m in group.members]
+        for factory in family.routes.group:
+            kernels: GroupKernels | None = factory(self.cfg, group.dtype, sizes, self.xp)
+            if kernels is not None:
+                return kernels
+        return None
 
     def _probe(self, group: _FlatGroup) -> tuple[State, Array, Any]:
         """A one-entry stand-in of ``group`` for choosing its routes: its state as a ``1 x 1`` row, ``G`` and
@@ -566,8 +592,9 @@ class Engine:
 
     def state(self, key: Key) -> State:
         """Parameter ``key``'s core state (the family's NamedTuple), as :func:`~adadiag_ref.step` would hold it:
-        moments and bases are views of the engine's arrays (a snapshot: later steps replace those arrays, they do
-        not write into them), ``count`` a 0-d int32 array shared by the group."""
+        moments and bases are views of the engine's arrays (a snapshot: later steps replace those arrays, or, for a
+        group stepped in place by its family's group kernels, copy them before writing), ``count`` a 0-d int32
+        array shared by the group."""
         i = self._index(key)
         kind, number, position = self._home[i]
         if kind == "per-parameter":
@@ -581,6 +608,7 @@ class Engine:
             P, Q = self._member_bases(member, block.P, block.Q)
         span = slice(member.offset, member.offset + member.size)
         moments = {f: None if v is None else work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
+        group.shared = group.kernels is not None  # its next in-place step copies them first: the snapshot holds
         if group.counter is None or group.counter[0] != group.count:
             group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
@@ -683,6 +711,9 @@ class Engine:
             if group.update_route is not None:
                 entrywise = (f"{group.update_name} once over the flat group ({group.size} entries): moments, "
                              "direction and tail in one call (an array lr: " + entrywise + ")")  # fmt: skip
+            if group.kernels is not None:
+                entrywise = (f"in place: {group.kernels.name} (in_place=False, an array lr, or arrays the kernels "
+                             f"do not take: gathered, then {entrywise})")  # fmt: skip
             label = f"{group.label}, {group.size} entries"
         else:
             entrywise = (f"adadiag_ref.optim.core.update, {self._stack_words(i)} (the family's update and direction "
@@ -720,12 +751,13 @@ class Engine:
         elif in_place and self._immutable:
             raise TypeError("JAX arrays are immutable: step them with in_place=False (the new parameters returned)")
         grads_l, params_l = self._inputs(grads, params)
-        new = self._advance(grads_l, params_l, lr, check)
+        new = self._advance(grads_l, params_l, lr, check, in_place)
         out = list(params_l) if in_place else new
         if in_place:
             with self._writable():
                 for target, value in zip(params_l, new, strict=True):
-                    target[...] = value
+                    if value is not target:  # a group's kernels wrote it already
+                        target[...] = value
         if isinstance(params, Mapping):
             return dict(zip(self._keys, out, strict=True))
         return out
@@ -753,25 +785,67 @@ class Engine:
             check_gradient_matches(g, p, xp)
         return grads_l, params_l
 
-    def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool) -> list[Array]:
-        """One step, committed: the new parameters (views of the groups' flat results, or per member)."""
+    def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool, in_place: bool) -> list[Array]:
+        """One step, committed: the new parameters (views of the groups' flat results, per member, or the very
+        arrays a group's kernels wrote)."""
         xp = self.xp
-        flats = [self._gather(group, grads) for group in self._flat]
+        eta = learning_rate(self.cfg, lr)
+        direct = [self._direct(group, grads, params, eta) if in_place else False for group in self._flat]
+        flats = [None if d else self._gather(group, grads) for group, d in zip(self._flat, direct, strict=True)]
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
         due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
             refresh_due(g.count, self.cfg) for g in self._per_param
         ]
-        checked = flats + [g for stacks in stacked for g in stacks]
+        checked = [f for f in flats if f is not None] + [g for stacks in stacked for g in stacks]
+        counts = [self._kernels_of(g).nonfinite(self._members(g, grads))
+                  for g, d in zip(self._flat, direct, strict=True) if d and check]  # fmt: skip
         verdict_first = check and (any(due) or is_numpy_namespace(xp))
         if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
-            self._raise_if_nonfinite(checked, grads)
+            self._raise_unless(self._verdict(checked, counts), grads)
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not is_numpy_namespace(xp)
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
             pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states)
-        if check and not verdict_first:  # the work is queued: now the one read-back
-            self._raise_if_nonfinite(checked, grads)
-        return self._commit(pending, bases)
+        verdict: Any = None
+        if check and not verdict_first:  # the work is queued (nothing written yet): the verdict, still on the device
+            verdict = self._verdict(checked, counts)
+            if isinstance(verdict, bool):  # known on the host already: settle it before any kernel writes
+                self._raise_unless(verdict, grads)
+                verdict = None
+        self._run_kernels(direct, grads, params, eta, verdict)
+        if check and not verdict_first and verdict is not None:  # the one read-back; the kernels skipped if false
+            self._raise_unless(verdict, grads)
+        return self._commit(pending, bases, params)
+
+    def _direct(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> bool:
+        """Whether ``group`` steps by its family's group kernels this step (in place; no gather)."""
+        kernels = group.kernels
+        return kernels is not None and kernels.accepts(self._members(group, params), self._members(group, grads),
+                                                       eta)  # fmt: skip
+
+    @staticmethod
+    def _kernels_of(group: _FlatGroup) -> GroupKernels:
+        assert group.kernels is not None  # only asked of a group that steps directly
+        return group.kernels
+
+    @staticmethod
+    def _members(group: _FlatGroup, arrays: list[Array]) -> list[Array]:
+        return [arrays[m.index] for m in group.members]
+
+    def _run_kernels(self, direct: list[bool], grads: list[Array], params: list[Array], eta: Any, proceed: Any) -> None:
+        """The direct groups' kernels, in place; ``proceed`` (a 0-d device boolean, or ``None``) gates their
+        writes on the device.  A group whose moments were handed out (:meth:`state`) writes into copies."""
+        xp = self.xp
+        for group, d in zip(self._flat, direct, strict=True):
+            if not d:
+                continue
+            if group.shared:
+                group.moments = {f: None if v is None else xp.asarray(v, copy=True) for f, v in group.moments.items()}
+                group.shared = False
+            t = host_step(group.count, group.dtype, xp)
+            with self._writable():
+                self._kernels_of(group).step(self._members(group, params), self._members(group, grads),
+                                             group.moments, t, eta, proceed)  # fmt: skip
 
     def _stacked(self, stack: _Stack, arrays: list[Array]) -> Array:
         """The stack's members' ``arrays`` stacked along a new first axis (one call), or the one member's."""
@@ -796,18 +870,31 @@ class Engine:
             self._native(pieces, out=out)
         return out
 
-    def _raise_if_nonfinite(self, gathered: list[Array], grads: list[Array]) -> None:
-        """One verdict for every gradient, read back once: the sum of each flat group's flat gradient and of each
-        per-parameter stack's stacked gradient, stacked.  A sum is NaN or Inf whenever an entry is (and may
-        overflow on finite entries): a non-finite verdict is settled exactly, gradient by gradient."""
+    def _verdict(self, gathered: list[Array], counts: list[Any]) -> Any:
+        """One verdict for every gradient: the sum of each gathered flat gradient and of each per-parameter
+        stack's stacked gradient, stacked, all finite; and every direct group's count of NaN and Inf zero.  A
+        0-d device boolean (nothing read back), or a host bool when every part is known on the host.  A sum is
+        NaN or Inf whenever an entry is (and may overflow on finite entries): :meth:`_raise_unless` settles a
+        non-finite verdict exactly."""
         xp = self.xp
-        with np.errstate(all="ignore"):  # a sum that overflows is a suspicion, settled below (NumPy would warn)
+        parts: list[Any] = []
+        with np.errstate(all="ignore"):  # a sum that overflows is a suspicion, settled exactly (NumPy would warn)
             sums = [xp.astype(xp.sum(f), xp.float32) for f in gathered]
-            if not sums:
-                return
-            finite = xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums)))
-            if bool(finite):  # the one host conversion of the check
-                return
+            if sums:
+                parts.append(xp.isfinite(sums[0]) if len(sums) == 1 else xp.all(xp.isfinite(xp.stack(sums))))
+        parts += [c == 0 for c in counts]
+        host = [bool(p) for p in parts if isinstance(p, bool | np.bool_)]
+        device = [p for p in parts if not isinstance(p, bool | np.bool_)]
+        if not all(host) or not device:
+            return all(host)
+        return device[0] if len(device) == 1 else xp.all(xp.stack(device))
+
+    def _raise_unless(self, verdict: Any, grads: list[Array]) -> None:
+        """Read the verdict (the one host conversion of the check); a non-finite one raises ``ValueError`` naming
+        the first parameter whose gradient holds NaN or Inf (examined exactly, only on this error path)."""
+        xp = self.xp
+        if bool(verdict):
+            return
         for i in range(len(self._keys)):
             bad = count_nonfinite(grads[i], xp)
             if bad:
@@ -866,7 +953,7 @@ class Engine:
 
     def _compute(
         self,
-        flats: list[Array],
+        flats: list[Array | None],
         stacked: list[list[Array]],
         params: list[Array],
         lr: Any,
@@ -877,8 +964,13 @@ class Engine:
         """Every group's step into new arrays (nothing of the engine or the parameters written)."""
         xp, cfg, family = self.xp, self.cfg, self._family
         eta = learning_rate(cfg, lr)
-        moments_out, flat_params = [], []
+        moments_out: list[dict[str, Array | None] | None] = []
+        flat_params: list[Array | None] = []
         for number, (group, g) in enumerate(zip(self._flat, flats, strict=True)):
+            if g is None:  # the group's kernels step it in place, after the verdict (_run_kernels)
+                moments_out.append(None)
+                flat_params.append(None)
+                continue
             w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
@@ -996,13 +1088,20 @@ class Engine:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
         return self._per_block(group, u_rot, lambda b, block, stack: _unrotate_stack(stack, block, *stacks[b]))
 
-    def _commit(self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]]) -> list[Array]:
+    def _commit(
+        self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]], params: list[Array]
+    ) -> list[Array]:
         """Make a computed step the engine's (moments and bases replaced, counters advanced); returns the new
-        parameters, in the engine's order (views of the flat results)."""
+        parameters, in the engine's order (views of the flat results; a direct group's own arrays, written)."""
         xp = self.xp
         out: list[Any] = [None] * len(self._keys)
         for number, (group, moments, w_new) in enumerate(zip(self._flat, pending.moments, pending.flat_params,
                                                              strict=True)):  # fmt: skip
+            if moments is None or w_new is None:  # stepped in place by its kernels
+                group.count += 1
+                for m in group.members:
+                    out[m.index] = params[m.index]
+                continue
             group.moments = {f: moments.get(f, group.moments[f]) for f in group.moments}
             for b, block in enumerate(group.blocks):
                 if (number, b) in bases:

@@ -85,7 +85,7 @@ def multi_step(
     for s, g, p in zip(states_l, grads_l, params_l, strict=True):
         _check_form(s, g, cfg, p, xp)
     engine = Engine.from_states(states_l, params_l, cfg, names=names_l, count=counts, xp=xp)
-    new_params = engine._advance(grads_l, params_l, lr, check)
+    new_params = engine._advance(grads_l, params_l, lr, check, in_place=False)
     new_states = [engine.state(i) for i in range(len(params_l))]
     if mapping_keys is not None:
         return dict(zip(mapping_keys, new_params, strict=True)), dict(zip(mapping_keys, new_states, strict=True))

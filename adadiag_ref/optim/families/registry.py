@@ -23,14 +23,14 @@ optax aliases, ``reproduce``'s table, the report's rows and the ODE systems are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ...config import OPTIMIZERS, BaseConfig, OptimizerSpec
 from .common import Flow, Moments, constant_step_size
 
-__all__ = ["FAMILIES", "FamilySpec", "Routes", "family_of", "flows", "register_family"]
+__all__ = ["FAMILIES", "FamilySpec", "GroupKernels", "Routes", "family_of", "flows", "register_family"]
 
 DirectionRoute = Callable[[Any, Any, Any, BaseConfig, Any], "tuple[Any, Moments] | None"]
 """``(state, G~, t, cfg, xp) -> (U~, moments)``, or ``None`` when the route does not apply."""
@@ -51,12 +51,55 @@ class Routes(NamedTuple):
             driver owns the state (``replay``), ``W_{t+1}`` written into ``out``.
         in_place: ``(state, step_input, cfg, param, eta, xp) -> bool``: ``update_in_place``'s arithmetic on the
             caller's buffers; ``False`` (nothing written) when it does not apply.
+        group: ``(cfg, dtype, sizes, xp) -> GroupKernels | None``: the engine's multi-tensor step of a flat group
+            without rotation (:class:`GroupKernels`), chosen once when the engine is built; ``None`` when the
+            family has no such kernels for the backend and dtype.
     """
 
     direction: tuple[DirectionRoute, ...] = ()
     update: tuple[Callable[..., Any], ...] = ()
     step_owned: tuple[Callable[..., Any], ...] = ()
     in_place: tuple[Callable[..., Any], ...] = ()
+    group: tuple[Callable[..., Any], ...] = ()
+
+
+class GroupKernels(Protocol):
+    r"""The step of a whole flat group without rotation (every member unrotated: AdamW, vectors), in place, over
+    the members' own arrays: ``M_t = b1 M + (1 - b1) G``, ``V_t = b2 V + (1 - b2) G^2`` (the family's moments,
+    in the group's flat arrays) and ``W <- W_t - eta (U + lambda W_t)`` written into each member's parameter,
+    with launches independent of the number of members and no gather of ``G`` or ``W`` (the kernels walk the
+    members' memory by address).  Made once per group by a :attr:`Routes.group` factory.
+
+    Attributes:
+        name: the kernels, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
+    """
+
+    name: str
+
+    def accepts(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> bool:
+        """Whether this step can run here: its arrays can be walked by address (dense, of the group's dtype, in
+        the memory order of the flat moments) and the learning rate ``eta`` is one the kernels take (a host
+        number).  Checked every step; ``False`` sends the step to the gathering path."""
+        ...
+
+    def nonfinite(self, grads: Sequence[Any]) -> Any:
+        """The number of NaN or Inf entries of every gradient together: a host int, or a 0-d device integer
+        array (nothing read back)."""
+        ...
+
+    def step(
+        self,
+        params: Sequence[Any],
+        grads: Sequence[Any],
+        moments: Mapping[str, Any],
+        t: Any,
+        eta: Any,
+        proceed: Any = None,
+    ) -> None:
+        """Write step ``t`` into ``params`` and ``moments`` (the flat group's arrays), after :meth:`accepts` said
+        yes.  ``proceed``: ``None``, or a 0-d device boolean; where it is false the kernels write nothing (the
+        engine's finiteness verdict, read back afterwards)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ....config import AdamConfig, BaseConfig
 from ..common import flow_of, paper_defaults
 from ..registry import FamilySpec, Routes
-from . import cupy_route, inplace, numba_route, reference, torch_route
+from . import cupy_route, group_route, inplace, numba_route, reference, torch_route
 from .reference import AdamODEState, AdamState
 
 __all__ = ["SPEC", "AdamODEState", "AdamState"]
@@ -39,6 +39,7 @@ SPEC = FamilySpec(
         update=(numba_route.update, cupy_route.update),
         step_owned=(numba_route.step_owned,),
         in_place=(torch_route.in_place, cupy_route.in_place, inplace.in_place),
+        group=(group_route.engine_group,),
     ),
     report_lr=3e-2,
     entrywise=True,

@@ -28,21 +28,29 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from array_api_compat import is_numpy_namespace
 
 from .... import _kernels
-from ...._kernels import delta_entry, ema_entry
-from .numba_route import _second_moment_entry
+from ...._kernels import delta_entry, ema_entry, prange
+from ...._xp import Namespace
+from ....config import BaseConfig
+from ...schedules import beta_hats
+from .numba_route import _adam_entry, _second_moment_entry, kernel_scalars
 
 __all__ = [
     "AVAILABLE",
+    "NumpyGroup",
     "addresses",
     "advance_counters",
     "apply_rotated",
     "apply_unrotated",
+    "chunk_table",
     "direction_rotated",
+    "engine_group",
     "read_counters",
     "second_moment",
 ]
@@ -143,7 +151,39 @@ def _advance_counters(c_at, like):  # type: ignore[no-untyped-def]
         c[0] += 1
 
 
+def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """The engine's unrotated flat group in place: per chunk ``(member, lo, hi)`` of the members' entries,
+    ``M, V <- M_t, V_t`` at the member's offset in the flat moments and ``W <- W + (-eta)(U + lambda W)`` in the
+    member's own memory (:func:`~.numba_route._adam_entry`, :func:`~adadiag_ref._kernels.delta_entry`)."""
+    for c in prange(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        o = offsets[i]
+        W = _array(w_at[i], hi, M)
+        g = _array(g_at[i], hi, M)
+        for k in range(lo, hi):
+            w = W[k]
+            m, v, u = _adam_entry(M[o + k], V[o + k], g[k], b1, c1, b2, c2, eps)
+            M[o + k] = m
+            V[o + k] = v
+            W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
+
+
+def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
+    """The number of NaN or Inf entries of the members' gradients (one read of each)."""
+    total = 0
+    for c in prange(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        g = _array(g_at[i], hi, like)
+        count = 0
+        for k in range(lo, hi):
+            count += not np.isfinite(g[k])
+        total += count
+    return total
+
+
 if AVAILABLE:
+    engine_step, engine_step_parallel = _kernels._serial_and_parallel(_engine_step)
+    nonfinite_at, nonfinite_at_parallel = _kernels._serial_and_parallel(_nonfinite_at)
     read_counters = _kernels._jit(_read_counters)
     advance_counters = _kernels._jit(_advance_counters)
     second_moment = _kernels._jit(_second_moment)
@@ -153,8 +193,90 @@ if AVAILABLE:
 else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
     read_counters = advance_counters = None
+    engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = None
 
 
 def addresses(tensors: list[Any]) -> np.ndarray:
     """The ``data_ptr()`` of each tensor, as the kernels' int64 address array."""
     return np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+
+
+CHUNK = 1 << 16
+"""Entries per work item of the engine's group kernels: a member larger than this is cut into pieces, so that
+the parallel kernels share a few large members as evenly as many small ones."""
+
+
+def chunk_table(sizes: list[int], chunk: int = CHUNK) -> np.ndarray:
+    """``(member, lo, hi)`` rows covering entries ``[0, sizes[i])`` of every member in pieces of at most
+    ``chunk`` entries (a member of no entries has none), as the kernels' int64 table."""
+    rows = [(i, lo, min(lo + chunk, n)) for i, n in enumerate(sizes) for lo in range(0, n, chunk)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _address(a: np.ndarray) -> int:
+    address: int = a.__array_interface__["data"][0]
+    return address
+
+
+class NumpyGroup:
+    """:class:`~adadiag_ref.optim.families.registry.GroupKernels` of the Adam family on NumPy (numba): one kernel
+    call reads every member's ``G`` and ``W`` and the flat ``M``, ``V`` and writes ``W``, ``M``, ``V`` (seven
+    array passes per entry, the bound), one more call counts the gradients' NaN and Inf (one pass).  The
+    arithmetic is :func:`~.numba_route._adam_entry` and :func:`~adadiag_ref._kernels.delta_entry` with
+    :func:`~.numba_route.kernel_scalars`: the bits of the functional fused update plus ``W + delta``."""
+
+    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int]) -> None:
+        self.cfg, self.dtype = cfg, np.dtype(dtype)
+        self.chunks = chunk_table(sizes)
+        self.sizes = sizes
+        self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+        self.parallel = sum(sizes) >= _kernels.PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
+        self.like = np.empty(1, dtype=self.dtype)
+        kind = "parallel on numba's pool" if self.parallel else "serial"
+        self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
+                     f"{sum(sizes)} entries, {kind}): moments and W in place, no gather")  # fmt: skip
+
+    def _dense(self, arrays: Sequence[Any]) -> bool:
+        return all(
+            type(a) is np.ndarray and a.dtype == self.dtype and a.flags.c_contiguous and a.size == n
+            for a, n in zip(arrays, self.sizes, strict=True)
+        )
+
+    def accepts(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> bool:
+        if isinstance(eta, bool) or not isinstance(eta, int | float):
+            return False
+        return self._dense(params) and self._dense(grads) and all(p.flags.writeable for p in params)
+
+    def nonfinite(self, grads: Sequence[Any]) -> int:
+        kernel = nonfinite_at_parallel if self.parallel else nonfinite_at
+        return int(kernel(np.array([_address(g) for g in grads], dtype=np.int64), self.chunks, self.like))
+
+    def step(
+        self,
+        params: Sequence[Any],
+        grads: Sequence[Any],
+        moments: Mapping[str, Any],
+        t: Any,
+        eta: Any,
+        proceed: Any = None,
+    ) -> None:
+        if proceed is not None:  # the engine reads the verdict first on NumPy
+            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
+        M, V = moments["M"], moments["V"]
+        b1_t, b2_t = beta_hats(self.cfg, t, np)
+        sc = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
+        w_at = np.array([_address(p) for p in params], dtype=np.int64)
+        g_at = np.array([_address(g) for g in grads], dtype=np.int64)
+        kernel = engine_step_parallel if self.parallel else engine_step
+        kernel(w_at, g_at, self.chunks, self.offsets, M, V, *sc)
+
+
+def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], xp: Namespace) -> NumpyGroup | None:
+    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory on NumPy: a
+    :class:`NumpyGroup` when numba is installed, ``cfg.kernels`` is not ``"reference"``, ``xp`` is NumPy's and
+    ``dtype`` float32 or float64; else ``None``."""
+    if not AVAILABLE or not is_numpy_namespace(xp) or dtype not in (np.float32, np.float64):
+        return None
+    if not _kernels.selected(cfg, xp, np.empty(1, dtype=dtype)):
+        return None
+    return NumpyGroup(cfg, dtype, sizes)
