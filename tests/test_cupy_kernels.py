@@ -876,3 +876,147 @@ def test_cupy_update_in_place_with_a_state_of_another_dtype_takes_the_ufunc_rout
     expected = w + delta
     ar.update_in_place(state, g, cfg, w, count=0)
     _assert_close(w, expected, "float32")
+
+
+# ----------------------------------------------------------------------------- CPU: the engine's group kernels
+
+
+def test_group_step_kernel_carries_the_in_place_kernels_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA group step kernel's arithmetic is, line for line, that of the CuPy route's in-place kernel, whose
+    bits the CPU evaluation above checks against the reference: ``ADAM_ENTRY`` and the tail ``w + tail``."""
+    from adadiag_ref.optim.families.adam import cupy_group
+
+    monkeypatch.setattr(ck, "elementwise", lambda *source: source)
+    for decay in (False, True):
+        _, _, _, in_place = adam_route._step_in_place_kernel(decay)
+        source = cupy_group.step_source("float32", decay)
+        for line in adam_route.ADAM_ENTRY.splitlines():
+            assert not line or line in source, line
+        tail = ck.tail_expression("u", "w", decay)
+        assert f"W = w + {tail};" in in_place and f"wp[j] = w + {tail};" in source
+        assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
+        assert "const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];" in source
+        assert "if (!proceed[0]) return;" in source
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_group_kernel_sources_compile_with_nvrtc(
+    cupy_nvrtc: Any, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVRTC compiles the group kernels (step with and without decay, the NaN/Inf count) as ``cupy.RawKernel``
+    compiles them, for ``compute_<arch>``, with the routes' options; the step's PTX has no fused multiply-add,
+    IEEE division and square root, and no float64 in a float32 kernel."""
+    from adadiag_ref.optim.families.adam import cupy_group
+
+    sources = {cupy_group._name("step", dtype, d): cupy_group.step_source(dtype, d) for d in (False, True)}
+    sources[cupy_group._name("nonfinite", dtype)] = cupy_group.nonfinite_source(dtype)
+    for name, source in sources.items():
+        ptx, used = _nvrtc_ptx(source, ck.OPTIONS, arch, monkeypatch)
+        assert "--fmad=false" in used
+        (body,) = _ptx_entries(ptx).values()
+        problems = _ptx_problems(body, dtype)
+        if "nonfinite" in name:  # a comparison, no arithmetic of the dtype
+            problems = [p for p in problems if not p.startswith("no ")]
+        assert not problems, (name, problems)
+
+
+_HOST_PRELUDE = """\
+#include <cmath>
+using std::isfinite;
+using std::sqrt;
+struct Dim3 { long long x; };
+static const Dim3 blockIdx = {0}, blockDim = {1}, threadIdx = {0}, gridDim = {1};
+static int atomicAdd(int* p, int v) { int old = *p; *p += v; return old; }
+#define __global__
+"""
+
+
+def _host_library(sources: dict[str, str], tmp_path: Any) -> Any:
+    """The kernels' CUDA sources compiled as C++ for the host (one thread walking the whole grid-stride loop),
+    with IEEE arithmetic and no contraction (``-ffp-contract=off``, as ``--fmad=false``); skipped without g++."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler (g++) to run the CUDA sources on the host")
+    parts = []
+    for name, source in sources.items():  # each its own typedef of T: one namespace-free unit per kernel
+        parts.append(f"namespace k_{name} {{\n" + source.replace('extern "C" ', "") + "}\n")
+        parts.append(f'extern "C" auto {name} = &k_{name}::{name};\n')
+    (tmp_path / "kernels.cpp").write_text(_HOST_PRELUDE + "".join(parts))
+    library = tmp_path / "kernels.so"
+    command = [compiler, "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c++17",
+               str(tmp_path / "kernels.cpp"), "-o", str(library)]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_group_kernels_run_on_the_host_give_the_engines_bits(dtype: str, weight_decay: float, tmp_path: Any) -> None:
+    """The group kernels' CUDA sources, compiled as C++ and run on the host through the members' addresses,
+    give the NumPy engine's bits (its numba group kernels: the reference's entry arithmetic) over several steps
+    of AdamW, for members of many sizes; a false ``proceed`` writes nothing; the NaN/Inf count counts."""
+    import ctypes
+
+    from adadiag_ref.optim.families.adam import cupy_group
+    from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
+    from adadiag_ref.optim.schedules import beta_hats, host_step
+
+    pytest.importorskip("numba")
+    decay = weight_decay != 0.0
+    step_name, count_name = cupy_group._name("step", dtype, decay), cupy_group._name("nonfinite", dtype)
+    lib = _host_library({step_name: cupy_group.step_source(dtype, decay),
+                         count_name: cupy_group.nonfinite_source(dtype)}, tmp_path)  # fmt: skip
+    step_fn, count_fn = (ctypes.cast(getattr(lib, n), ctypes.POINTER(ctypes.c_void_p)).contents for n in
+                         (step_name, count_name))  # fmt: skip
+    real = ctypes.c_double if dtype == "float64" else ctypes.c_float
+    step = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_longlong, *[ctypes.c_void_p] * 3,
+                            *[real] * 7)(step_fn.value)  # fmt: skip
+    count = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 2, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p)(
+        count_fn.value
+    )
+    cfg = ar.make_config("adamw", weight_decay=weight_decay)
+    rng = np.random.default_rng(4)
+    shapes = [(30, 20), (1,), (7,), (), (5, 3, 2)]
+    host = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    params = [p.copy() for p in host]
+    engine = ar.Engine(params, cfg)  # NumPy: the numba group kernels
+    assert engine._flat[0].kernels is not None
+    mine = [p.copy() for p in host]
+    sizes = [p.size for p in host]
+    starts = np.cumsum([0, *sizes], dtype=np.int64)
+    M, V = np.zeros(sum(sizes), dtype), np.zeros(sum(sizes), dtype)
+    go = np.ones((), dtype=np.bool_)
+
+    def at(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.array([a.ctypes.data for a in arrays], dtype=np.uint64)
+
+    for t in range(4):
+        grads = [rng.standard_normal(s).astype(dtype) for s in shapes]
+        engine.step(grads, params)
+        b1_t, b2_t = beta_hats(cfg, host_step(t, np.dtype(dtype), np), np)
+        *sc, _ = kernel_scalars(b1_t, b2_t, cfg, cfg.lr, np.dtype(dtype))
+        w_at, g_at = at(mine), at(grads)
+        step(w_at.ctypes.data, g_at.ctypes.data, starts.ctypes.data, len(sizes), M.size, M.ctypes.data,
+             V.ctypes.data, go.ctypes.data, *(float(x) for x in sc))  # fmt: skip
+    for got, want in zip(mine, params, strict=True):
+        np.testing.assert_array_equal(got, want)
+    flat = engine.state(0)
+    np.testing.assert_array_equal(M[: sizes[0]], np.ravel(flat.M, order="K"))  # the memory order
+    # proceed false: nothing written
+    frozen = [w.copy() for w in mine], M.copy(), V.copy()
+    stop = np.zeros((), dtype=np.bool_)
+    step(at(mine).ctypes.data, g_at.ctypes.data, starts.ctypes.data, len(sizes), M.size, M.ctypes.data,
+         V.ctypes.data, stop.ctypes.data, *(float(x) for x in sc))  # fmt: skip
+    for a, b in zip(mine, frozen[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(M, frozen[1])
+    # the NaN/Inf count
+    grads[1][0], grads[4][2, 1, 0], grads[0][29, 19] = np.nan, np.inf, -np.inf
+    bad = np.zeros((), dtype=np.int32)
+    count(at(grads).ctypes.data, starts.ctypes.data, len(sizes), M.size, bad.ctypes.data)
+    assert int(bad) == 3

@@ -575,3 +575,36 @@ def test_chunk_table_covers_every_entry_once() -> None:
     covered = [(i, k) for i, lo, hi in table for k in range(lo, hi)]
     assert covered == [(i, k) for i, n in enumerate(sizes) for k in range(n)]
     assert all(hi - lo <= 8 for _, lo, hi in table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05], ids=["no-decay", "decay"])
+def test_cupy_group_kernels_step_in_place_and_skip_on_a_non_finite_gradient(weight_decay: float) -> None:
+    """On a CUDA device: AdamW's groups (float32 and float64) stepped by the CUDA group kernels (one launch per
+    group over the members' own memory) equal per-parameter ``ar.step`` (its fused kernels, the same entry
+    arithmetic with ``--fmad=false``; rtol 1e-5 / 1e-12 as for every CuPy comparison); then a NaN in the float64
+    group's gradients: the verdict is read after the launches, which it gated, so nothing changed anywhere."""
+    cp = _load_backend("cupy")
+    cfg = ar.make_config("adamw", weight_decay=weight_decay)
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(s).astype(d) for s, d in [((300, 300), np.float32), ((7,), np.float32),
+                                                          ((20, 8), np.float64), ((), np.float64)]]  # fmt: skip
+    params = [cp.asarray(p) for p in host]
+    engine = ar.Engine(params, cfg)
+    assert all(g.kernels is not None for g in engine._flat) and len(engine._flat) == 2
+    singles, states = [cp.asarray(p) for p in host], [ar.init(cp.asarray(p), cfg) for p in host]
+    for k in range(4):
+        grads = [rng.standard_normal(p.shape).astype(p.dtype) for p in host]
+        engine.step([cp.asarray(g) for g in grads], params)
+        pairs = [ar.step(s, cp.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for i, (w, want) in enumerate(zip(params, singles, strict=True)):
+        _assert_close(w, want, False, host[i].dtype)
+        _assert_states(engine.state(i), states[i], False, host[i].dtype)
+    before = _snapshot(engine, params)
+    bad = [cp.ones_like(p) for p in params]
+    bad[2][3, 1] = cp.nan
+    with pytest.raises(ValueError, match=r"1 NaN or Inf entry in the gradient of parameter \(shape \(20, 8\)\)"):
+        engine.step(bad, params)
+    for x, y in zip(before, _snapshot(engine, params), strict=True):
+        np.testing.assert_array_equal(x, y)

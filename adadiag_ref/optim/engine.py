@@ -51,10 +51,12 @@ has a fused update route that applies (numba on NumPy, the CuPy kernels on CuPy:
 matrix: moments, direction and tail in one kernel, the same per-entry arithmetic.
 
 Where its family has *group kernels* for the backend and dtype (:class:`~adadiag_ref.optim.families.registry.
-GroupKernels`: the Adam family's numba kernels on NumPy), such a group is stepped in place instead, by
-:meth:`Engine.step` with ``in_place=True`` (the default): the kernels walk the members' own arrays by address, so
-nothing is gathered and nothing written back; one call counts the gradients' NaN and Inf (the check), one call
-writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where the gathering path makes 16 (+1).
+GroupKernels`: the Adam family's numba kernels on NumPy, its CUDA kernels on CuPy), such a group is stepped in
+place instead, by :meth:`Engine.step` with ``in_place=True`` (the default): the kernels walk the members' own
+arrays by address, so nothing is gathered and nothing written back; one call counts the gradients' NaN and Inf
+(the check), one call writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where the
+gathering path makes 16 (+1).  On a device the step's launch takes the verdict as a device flag and writes nothing
+where it is false, so the one read-back still comes after everything is queued.
 The same per-entry arithmetic, so the same bits.  A step whose arrays the kernels do not take (a strided view, an
 array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
 handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
@@ -547,7 +549,7 @@ class Engine:
             return None
         sizes = [m.size for m in group.members]
         for factory in family.routes.group:
-            kernels: GroupKernels | None = factory(self.cfg, group.dtype, sizes, self.xp)
+            kernels: GroupKernels | None = factory(self.cfg, group.dtype, sizes, group.device, self.xp)
             if kernels is not None:
                 return kernels
         return None

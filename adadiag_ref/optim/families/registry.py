@@ -51,8 +51,8 @@ class Routes(NamedTuple):
             driver owns the state (``replay``), ``W_{t+1}`` written into ``out``.
         in_place: ``(state, step_input, cfg, param, eta, xp) -> bool``: ``update_in_place``'s arithmetic on the
             caller's buffers; ``False`` (nothing written) when it does not apply.
-        group: ``(cfg, dtype, sizes, xp) -> GroupKernels | None``: the engine's multi-tensor step of a flat group
-            without rotation (:class:`GroupKernels`), chosen once when the engine is built; ``None`` when the
+        group: ``(cfg, dtype, sizes, device, xp) -> GroupKernels | None``: the engine's multi-tensor step of a
+            flat group without rotation (:class:`GroupKernels`), chosen once when the engine is built; ``None`` when the
             family has no such kernels for the backend and dtype.
     """
 

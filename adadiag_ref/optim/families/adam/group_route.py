@@ -271,7 +271,7 @@ class NumpyGroup:
         kernel(w_at, g_at, self.chunks, self.offsets, M, V, *sc)
 
 
-def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], xp: Namespace) -> NumpyGroup | None:
+def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Namespace) -> NumpyGroup | None:
     """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory on NumPy: a
     :class:`NumpyGroup` when numba is installed, ``cfg.kernels`` is not ``"reference"``, ``xp`` is NumPy's and
     ``dtype`` float32 or float64; else ``None``."""
