@@ -608,3 +608,30 @@ def test_cupy_group_kernels_step_in_place_and_skip_on_a_non_finite_gradient(weig
         engine.step(bad, params)
     for x, y in zip(before, _snapshot(engine, params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_group_kernels_write_into_the_arrays_given_at_each_step() -> None:
+    """The kernels keep the parameters' address table while the same arrays come back: other arrays at a later
+    step (a copy of the model, a freed and reallocated one) are the ones written, never the old memory; the
+    results are the gathering path's."""
+    pytest.importorskip("numba")
+    cfg = ar.make_config("adamw", weight_decay=0.1)
+    rng = np.random.default_rng(5)
+    start = [rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
+    grads = [rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
+    results = []
+    for path in ("kernels", "gathering"):
+        first = [p.copy() for p in start]
+        engine = ar.Engine(first, cfg)
+        if path == "gathering":
+            for group in engine._flat:
+                group.kernels = None
+        engine.step(grads, first)
+        second = [p.copy() for p in first]
+        kept = [p.copy() for p in first]
+        engine.step(grads, second)
+        for a, b in zip(first, kept, strict=True):
+            np.testing.assert_array_equal(a, b)  # the first arrays were not written at the second step
+        results.append(second)
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -784,7 +784,8 @@ class Engine:
                     f"parameter {self._keys[i]!r} has shape {shape} and dtype {p.dtype}; the engine was built for "
                     f"shape {self._shapes[i]} and dtype {self._param_dtypes[i]}"
                 )
-            check_gradient_matches(g, p, xp)
+            if getattr(g, "dtype", None) != p.dtype or tuple(g.shape) != shape:  # the common case costs nothing
+                check_gradient_matches(g, p, xp)
         return grads_l, params_l
 
     def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool, in_place: bool) -> list[Array]:
@@ -792,15 +793,16 @@ class Engine:
         arrays a group's kernels wrote)."""
         xp = self.xp
         eta = learning_rate(self.cfg, lr)
-        direct = [self._direct(group, grads, params, eta) if in_place else False for group in self._flat]
-        flats = [None if d else self._gather(group, grads) for group, d in zip(self._flat, direct, strict=True)]
+        direct = [self._prepare(group, grads, params, eta) if in_place else None for group in self._flat]
+        flats = [self._gather(group, grads) if d is None else None for group, d in zip(self._flat, direct,
+                                                                                       strict=True)]  # fmt: skip
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
         due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
             refresh_due(g.count, self.cfg) for g in self._per_param
         ]
         checked = [f for f in flats if f is not None] + [g for stacks in stacked for g in stacks]
-        counts = [self._kernels_of(g).nonfinite(self._members(g, grads))
-                  for g, d in zip(self._flat, direct, strict=True) if d and check]  # fmt: skip
+        counts = [self._kernels_of(g).nonfinite(d) for g, d in zip(self._flat, direct, strict=True)
+                  if d is not None and check]  # fmt: skip
         verdict_first = check and (any(due) or is_numpy_namespace(xp))
         if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
             self._raise_unless(self._verdict(checked, counts), grads)
@@ -814,16 +816,18 @@ class Engine:
             if isinstance(verdict, bool):  # known on the host already: settle it before any kernel writes
                 self._raise_unless(verdict, grads)
                 verdict = None
-        self._run_kernels(direct, grads, params, eta, verdict)
+        self._run_kernels(direct, verdict)
         if check and not verdict_first and verdict is not None:  # the one read-back; the kernels skipped if false
             self._raise_unless(verdict, grads)
         return self._commit(pending, bases, params)
 
-    def _direct(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> bool:
-        """Whether ``group`` steps by its family's group kernels this step (in place; no gather)."""
+    def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> Any:
+        """The step prepared for ``group``'s kernels (in place; no gather), or ``None``: no kernels, or they do
+        not take this step's arrays or learning rate (then it is gathered)."""
         kernels = group.kernels
-        return kernels is not None and kernels.accepts(self._members(group, params), self._members(group, grads),
-                                                       eta)  # fmt: skip
+        if kernels is None:
+            return None
+        return kernels.prepare(self._members(group, params), self._members(group, grads), eta)
 
     @staticmethod
     def _kernels_of(group: _FlatGroup) -> GroupKernels:
@@ -834,20 +838,18 @@ class Engine:
     def _members(group: _FlatGroup, arrays: list[Array]) -> list[Array]:
         return [arrays[m.index] for m in group.members]
 
-    def _run_kernels(self, direct: list[bool], grads: list[Array], params: list[Array], eta: Any, proceed: Any) -> None:
+    def _run_kernels(self, direct: list[Any], proceed: Any) -> None:
         """The direct groups' kernels, in place; ``proceed`` (a 0-d device boolean, or ``None``) gates their
         writes on the device.  A group whose moments were handed out (:meth:`state`) writes into copies."""
         xp = self.xp
-        for group, d in zip(self._flat, direct, strict=True):
-            if not d:
+        for group, prepared in zip(self._flat, direct, strict=True):
+            if prepared is None:
                 continue
             if group.shared:
                 group.moments = {f: None if v is None else xp.asarray(v, copy=True) for f, v in group.moments.items()}
                 group.shared = False
             t = host_step(group.count, group.dtype, xp)
-            with self._writable():
-                self._kernels_of(group).step(self._members(group, params), self._members(group, grads),
-                                             group.moments, t, eta, proceed)  # fmt: skip
+            self._kernels_of(group).step(prepared, group.moments, t, proceed)
 
     def _stacked(self, stack: _Stack, arrays: list[Array]) -> Array:
         """The stack's members' ``arrays`` stacked along a new first axis (one call), or the one member's."""

@@ -68,7 +68,8 @@ class GroupKernels(Protocol):
     the members' own arrays: ``M_t = b1 M + (1 - b1) G``, ``V_t = b2 V + (1 - b2) G^2`` (the family's moments,
     in the group's flat arrays) and ``W <- W_t - eta (U + lambda W_t)`` written into each member's parameter,
     with launches independent of the number of members and no gather of ``G`` or ``W`` (the kernels walk the
-    members' memory by address).  Made once per group by a :attr:`Routes.group` factory.
+    members' memory by address).  Made once per group by a :attr:`Routes.group` factory; per step
+    :meth:`prepare`, then :meth:`nonfinite` (with the check) and :meth:`step` on what it returned.
 
     Attributes:
         name: the kernels, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
@@ -76,29 +77,21 @@ class GroupKernels(Protocol):
 
     name: str
 
-    def accepts(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> bool:
-        """Whether this step can run here: its arrays can be walked by address (dense, of the group's dtype, in
-        the memory order of the flat moments) and the learning rate ``eta`` is one the kernels take (a host
-        number).  Checked every step; ``False`` sends the step to the gathering path."""
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> Any:
+        """This step's members (their addresses), or ``None`` when it cannot run here: an array the kernels
+        cannot walk by address (not dense, or not in the memory order of the flat moments), or a learning rate
+        ``eta`` they do not take (not a host number).  ``None`` sends the step to the gathering path."""
         ...
 
-    def nonfinite(self, grads: Sequence[Any]) -> Any:
-        """The number of NaN or Inf entries of every gradient together: a host int, or a 0-d device integer
-        array (nothing read back)."""
+    def nonfinite(self, prepared: Any) -> Any:
+        """The number of NaN or Inf entries of the prepared gradients together: a host int, or a 0-d device
+        integer array (nothing read back)."""
         ...
 
-    def step(
-        self,
-        params: Sequence[Any],
-        grads: Sequence[Any],
-        moments: Mapping[str, Any],
-        t: Any,
-        eta: Any,
-        proceed: Any = None,
-    ) -> None:
-        """Write step ``t`` into ``params`` and ``moments`` (the flat group's arrays), after :meth:`accepts` said
-        yes.  ``proceed``: ``None``, or a 0-d device boolean; where it is false the kernels write nothing (the
-        engine's finiteness verdict, read back afterwards)."""
+    def step(self, prepared: Any, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
+        """Write step ``t`` into the prepared parameters and ``moments`` (the flat group's arrays).  ``proceed``:
+        ``None``, or a 0-d device boolean; where it is false the kernels write nothing (the engine's finiteness
+        verdict, read back afterwards)."""
         ...
 
 

@@ -125,56 +125,46 @@ class CupyGroup:
         self.name = (f"{__name__}: one launch over the members' own memory ({len(sizes)} arrays, {self.size} "
                      "entries): moments and W in place, no gather; the check one more launch")  # fmt: skip
 
-    def _dense(self, arrays: Sequence[Any]) -> bool:
-        return all(
-            type(a).__module__.startswith("cupy")
-            and a.dtype == self.dtype
-            and a.flags.c_contiguous
-            and a.size == n
-            and a.device.id == self.device_id
-            for a, n in zip(arrays, self.sizes, strict=True)
-        )
-
-    def accepts(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> bool:
-        if isinstance(eta, bool) or not isinstance(eta, int | float):
-            return False
-        return self._dense(params) and self._dense(grads)
-
     def _table(self, which: str, arrays: Sequence[Any]) -> Any:
-        """The members' addresses on the device; the last table is kept and reused while they do not change (a
-        model's parameters, and gradient buffers that are reused, keep theirs)."""
+        """The members' addresses on the device, or ``None`` unless each is a C-contiguous CuPy array on the
+        group's device (the engine has checked their dtypes and shapes).  The last table is kept and reused
+        while the addresses do not change (a model's parameters, and gradient buffers that are reused, keep
+        theirs): no host-to-device copy then."""
         import cupy
 
+        if not all(
+            isinstance(a, cupy.ndarray) and a.flags.c_contiguous and a.device.id == self.device_id for a in arrays
+        ):
+            return None
         addresses = tuple(int(a.data.ptr) for a in arrays)
         kept = self._tables.get(which)
         if kept is None or kept[0] != addresses:
             kept = self._tables[which] = (addresses, cupy.asarray(np.array(addresses, dtype=np.uint64)))
         return kept[1]
 
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> tuple[Any, Any, Any] | None:
+        if isinstance(eta, bool) or not isinstance(eta, int | float):
+            return None
+        w_at = self._table("W", params)
+        g_at = None if w_at is None else self._table("G", grads)
+        return None if g_at is None else (w_at, g_at, eta)
+
     def _launch(self, kernel: Any, *args: Any) -> None:
         kernel((self.grid,), (THREADS,), (*args,))
 
-    def nonfinite(self, grads: Sequence[Any]) -> Any:
+    def nonfinite(self, prepared: tuple[Any, Any, Any]) -> Any:
         import cupy
 
         bad = cupy.zeros((), dtype=cupy.int32)
         kernel = _kernel(_name("nonfinite", self.dtype.name), nonfinite_source(self.dtype.name))
-        self._launch(kernel, self._table("G", grads), self.starts, np.int32(len(self.sizes)), np.int64(self.size), bad)
+        self._launch(kernel, prepared[1], self.starts, np.int32(len(self.sizes)), np.int64(self.size), bad)
         return bad
 
-    def step(
-        self,
-        params: Sequence[Any],
-        grads: Sequence[Any],
-        moments: Mapping[str, Any],
-        t: Any,
-        eta: Any,
-        proceed: Any = None,
-    ) -> None:
+    def step(self, prepared: tuple[Any, Any, Any], moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
+        w_at, g_at, eta = prepared
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
         kernel = _kernel(_name("step", self.dtype.name, decay), step_source(self.dtype.name, decay))
-        w_at, g_at = self._table("W", params), self._table("G", grads)
         flag = self.always if proceed is None else proceed
         self._launch(kernel, w_at, g_at, self.starts, np.int32(len(self.sizes)), np.int64(self.size),
                      moments["M"], moments["V"], flag, *sc)  # fmt: skip

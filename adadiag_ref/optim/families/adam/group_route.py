@@ -28,8 +28,9 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from array_api_compat import is_numpy_namespace
@@ -181,7 +182,13 @@ def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
     return total
 
 
+def _dense_address_of(a):  # type: ignore[no-untyped-def]
+    """The address of a C-contiguous array's first entry, -1 for any other (numba reads both in a few ns)."""
+    return a.ctypes.data if a.flags.c_contiguous else -1
+
+
 if AVAILABLE:
+    _dense_address: Any = numba.njit(cache=True, nogil=True)(_dense_address_of)
     engine_step, engine_step_parallel = _kernels._serial_and_parallel(_engine_step)
     nonfinite_at, nonfinite_at_parallel = _kernels._serial_and_parallel(_nonfinite_at)
     read_counters = _kernels._jit(_read_counters)
@@ -193,7 +200,7 @@ if AVAILABLE:
 else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
     read_counters = advance_counters = None
-    engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = None
+    engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
 
 
 def addresses(tensors: list[Any]) -> np.ndarray:
@@ -213,9 +220,12 @@ def chunk_table(sizes: list[int], chunk: int = CHUNK) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def _address(a: np.ndarray) -> int:
-    address: int = a.__array_interface__["data"][0]
-    return address
+class _Prepared(NamedTuple):
+    """One step's members: their address tables and the learning rate."""
+
+    w_at: np.ndarray
+    g_at: np.ndarray
+    eta: Any
 
 
 class NumpyGroup:
@@ -223,7 +233,11 @@ class NumpyGroup:
     call reads every member's ``G`` and ``W`` and the flat ``M``, ``V`` and writes ``W``, ``M``, ``V`` (seven
     array passes per entry, the bound), one more call counts the gradients' NaN and Inf (one pass).  The
     arithmetic is :func:`~.numba_route._adam_entry` and :func:`~adadiag_ref._kernels.delta_entry` with
-    :func:`~.numba_route.kernel_scalars`: the bits of the functional fused update plus ``W + delta``."""
+    :func:`~.numba_route.kernel_scalars`: the bits of the functional fused update plus ``W + delta``.
+
+    The parameters' address table is kept while the same arrays come back (held by weak references: a model's
+    parameters are the same arrays every step); the gradients' is made per step, by a numba call per array
+    (0.2 us, against 1.5 us for ``ndarray.ctypes.data``)."""
 
     def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int]) -> None:
         self.cfg, self.dtype = cfg, np.dtype(dtype)
@@ -232,43 +246,53 @@ class NumpyGroup:
         self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         self.parallel = sum(sizes) >= _kernels.PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
         self.like = np.empty(1, dtype=self.dtype)
+        self._params: tuple[list[weakref.ref[Any]], np.ndarray] | None = None
         kind = "parallel on numba's pool" if self.parallel else "serial"
         self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
                      f"{sum(sizes)} entries, {kind}): moments and W in place, no gather")  # fmt: skip
 
-    def _dense(self, arrays: Sequence[Any]) -> bool:
-        return all(
-            type(a) is np.ndarray and a.dtype == self.dtype and a.flags.c_contiguous and a.size == n
-            for a, n in zip(arrays, self.sizes, strict=True)
-        )
+    def _table(self, arrays: Sequence[Any]) -> np.ndarray | None:
+        """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (the engine has
+        checked their dtypes and shapes against the group's)."""
+        out = np.empty(len(arrays), dtype=np.int64)
+        for k, a in enumerate(arrays):
+            if type(a) is not np.ndarray:
+                return None
+            address = _dense_address(a)
+            if address < 0:
+                return None
+            out[k] = address
+        return out
 
-    def accepts(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> bool:
+    def _param_table(self, params: Sequence[Any]) -> np.ndarray | None:
+        kept = self._params
+        if kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True)):
+            w_at: np.ndarray | None = kept[1]
+        else:
+            w_at = self._table(params)
+            self._params = None if w_at is None else ([weakref.ref(p) for p in params], w_at)
+        if w_at is None or not all(p.flags.writeable for p in params):
+            return None
+        return w_at
+
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> _Prepared | None:
         if isinstance(eta, bool) or not isinstance(eta, int | float):
-            return False
-        return self._dense(params) and self._dense(grads) and all(p.flags.writeable for p in params)
+            return None
+        w_at = self._param_table(params)
+        g_at = None if w_at is None else self._table(grads)
+        return None if g_at is None or w_at is None else _Prepared(w_at, g_at, eta)
 
-    def nonfinite(self, grads: Sequence[Any]) -> int:
+    def nonfinite(self, prepared: _Prepared) -> int:
         kernel = nonfinite_at_parallel if self.parallel else nonfinite_at
-        return int(kernel(np.array([_address(g) for g in grads], dtype=np.int64), self.chunks, self.like))
+        return int(kernel(prepared.g_at, self.chunks, self.like))
 
-    def step(
-        self,
-        params: Sequence[Any],
-        grads: Sequence[Any],
-        moments: Mapping[str, Any],
-        t: Any,
-        eta: Any,
-        proceed: Any = None,
-    ) -> None:
+    def step(self, prepared: _Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         if proceed is not None:  # the engine reads the verdict first on NumPy
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
-        M, V = moments["M"], moments["V"]
         b1_t, b2_t = beta_hats(self.cfg, t, np)
-        sc = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
-        w_at = np.array([_address(p) for p in params], dtype=np.int64)
-        g_at = np.array([_address(g) for g in grads], dtype=np.int64)
+        sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
         kernel = engine_step_parallel if self.parallel else engine_step
-        kernel(w_at, g_at, self.chunks, self.offsets, M, V, *sc)
+        kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, moments["M"], moments["V"], *sc)
 
 
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Namespace) -> NumpyGroup | None:
