@@ -60,6 +60,8 @@ where it is false, so the one read-back still comes after everything is queued.
 The same per-entry arithmetic, so the same bits.  A step whose arrays the kernels do not take (a strided view, an
 array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
 handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
+Where a rotated optimizer has unrotated members (a side above ``cfg.max_basis_dim``: ``P = I``) and the kernels
+apply to them, they form a group of their own, stepped so, and only the rotated members are gathered.
 
 A per-parameter group (Adafactor, Hfac) is split into *stacks*, one per parameter shape: the parameters of one
 shape are stepped as one ``batch_dims`` stack (``cfg.batch_dims + 1``; each matrix its own factored moments, as
@@ -419,13 +421,29 @@ class Engine:
                 f"{len(indices)} parameter{'s' if len(indices) > 1 else ''}"
             )
             if family.entrywise:
-                group = self._flat_group(label, indices, params, states, counts[indices[0]], family)
-                self._home.update({m.index: ("flat", len(self._flat), j) for j, m in enumerate(group.members)})
-                self._flat.append(group)
+                for group in self._flat_groups(label, indices, params, states, counts[indices[0]], family):
+                    self._home.update({m.index: ("flat", len(self._flat), j) for j, m in enumerate(group.members)})
+                    self._flat.append(group)
             else:
                 pgroup = self._param_group(label, indices, states, counts[indices[0]])
                 self._home.update({i: ("per-parameter", len(self._per_param), j) for j, i in enumerate(indices)})
                 self._per_param.append(pgroup)
+
+    def _flat_groups(
+        self, label: str, indices: list[int], params: list[Array], states: list[State], count: int, family: FamilySpec
+    ) -> list[_FlatGroup]:
+        """The flat group over ``indices``, or two where its unrotated members (AdaDiag's embedding, head and norms)
+        can be stepped in place by the family's group kernels: those members alone, and the rotated ones (their
+        gradients gathered for the batched GEMMs).  The entries' arithmetic is the same either way."""
+        rotated = [i for i in indices if layout_for(self._shapes[i], self.cfg).rotate_left]
+        unrotated = [i for i in indices if i not in set(rotated)]
+        if rotated and unrotated:
+            plain = self._flat_group(f"{label}; its {len(unrotated)} unrotated", unrotated, params, states, count,
+                                     family)  # fmt: skip
+            if plain.kernels is not None:
+                return [self._flat_group(f"{label}; its {len(rotated)} rotated", rotated, params, states, count,
+                                         family), plain]  # fmt: skip
+        return [self._flat_group(label, indices, params, states, count, family)]
 
     def _param_group(self, label: str, indices: list[int], states: list[State], count: int) -> _ParamGroup:
         """A per-parameter group over ``indices``: one :class:`_Stack` per parameter shape (module docstring)."""
