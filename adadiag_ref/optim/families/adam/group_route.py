@@ -152,6 +152,19 @@ def _advance_counters(c_at, like):  # type: ignore[no-untyped-def]
         c[0] += 1
 
 
+@_kernels._inline
+def _step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """One member's span in place: ``M, V <- M_t, V_t``, ``W <- W + (-eta)(U + lambda W)``; every array indexed
+    alike from 0, so that LLVM vectorises the loop (an offset index into the flat moments did not, and the
+    square roots and divisions then ran one at a time: 4x slower)."""
+    for k in range(g.shape[0]):
+        w = W[k]
+        m, v, u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
+        M[k] = m
+        V[k] = v
+        W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
+
+
 def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """The engine's unrotated flat group in place: per chunk ``(member, lo, hi)`` of the members' entries,
     ``M, V <- M_t, V_t`` at the member's offset in the flat moments and ``W <- W + (-eta)(U + lambda W)`` in the
@@ -161,12 +174,19 @@ def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr,
         o = offsets[i]
         W = _array(w_at[i], hi, M)
         g = _array(g_at[i], hi, M)
-        for k in range(lo, hi):
-            w = W[k]
-            m, v, u = _adam_entry(M[o + k], V[o + k], g[k], b1, c1, b2, c2, eps)
-            M[o + k] = m
-            V[o + k] = v
-            W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
+        _step_span(W[lo:hi], g[lo:hi], M[o + lo : o + hi], V[o + lo : o + hi], b1, c1, b2, c2, eps, neg_lr, wd,
+                   decay)  # fmt: skip
+
+
+@_kernels._inline
+def _count_nonfinite(g):  # type: ignore[no-untyped-def]
+    """The NaN and Inf entries of one span: ``x - x`` is 0 for every finite ``x`` and NaN otherwise, and an
+    integer sum of that comparison vectorises (``np.isfinite`` per entry did not: 6x slower)."""
+    count = 0
+    for k in range(g.shape[0]):
+        x = g[k]
+        count += (x - x) != 0
+    return count
 
 
 def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
@@ -174,11 +194,7 @@ def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
     total = 0
     for c in prange(chunks.shape[0]):
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        g = _array(g_at[i], hi, like)
-        count = 0
-        for k in range(lo, hi):
-            count += not np.isfinite(g[k])
-        total += count
+        total += _count_nonfinite(_array(g_at[i], hi, like)[lo:hi])
     return total
 
 
