@@ -4,7 +4,11 @@ the gathering path the engine took before (both concatenations, the fused update
 in one process, alternated, the median of each and of the per-round ratios.  Both give the same bits
 (``tests/test_optim_engine.py``).  Run on demand::
 
-    python benchmarks/engine_group_kernels.py [--rounds 9] [--threads 1]
+    python benchmarks/engine_group_kernels.py [--rounds 9] [--threads 1] [--optimizer adadiag]
+
+``--optimizer adadiag`` (a rotated optimizer, no refresh after the first step): the kernels write the tail only
+(``W <- W + (-eta)(D + lambda W)`` from the flat direction), so ``W`` is neither gathered nor written back; ``G``
+is still gathered for the batched GEMMs.
 
 Array passes per entry, counted from the code (reads + writes of an ``N``-entry array):
 
@@ -31,6 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps timed per round and path (median taken)")
     parser.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
     parser.add_argument("--model", default="llama-60m")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, or a rotated one (its tail by the kernels)")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # as adadiag-ref bench: the parallel kernels
     import numba
@@ -43,7 +48,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shapes = [p.shape for p in llama_parameters(args.model)]
     grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    cfg = ar.make_config("adamw", weight_decay=0.1)
+    cfg = ar.make_config(args.optimizer, weight_decay=0.1, update_freq=None)
     engines: dict[str, tuple[Any, list[np.ndarray]]] = {}
     for path in ("group kernels", "gathering"):
         params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -55,8 +60,8 @@ def main() -> None:
         engines[path] = (engine, params)
     entries = sum(int(np.prod(s)) for s in shapes)
     print(
-        f"{args.model}: {len(shapes)} parameters, {entries / 1e6:.1f} M entries, float32, numba threads "
-        f"{numba.get_num_threads()} ({numba.config.THREADING_LAYER}); {args.rounds} rounds x {args.steps} steps"
+        f"{args.model} {args.optimizer}: {len(shapes)} parameters, {entries / 1e6:.1f} M entries, float32, numba "
+        f"threads {numba.get_num_threads()} ({numba.config.THREADING_LAYER}); {args.rounds} rounds x {args.steps} steps"
     )
     print(engines["group kernels"][0].routes()[0].entrywise)
     times: dict[str, list[float]] = {p: [] for p in engines}

@@ -911,6 +911,7 @@ def test_group_kernel_sources_compile_with_nvrtc(
 
     sources = {cupy_group._name("step", dtype, d): cupy_group.step_source(dtype, d) for d in (False, True)}
     sources[cupy_group._name("nonfinite", dtype)] = cupy_group.nonfinite_source(dtype)
+    sources.update({cupy_group._name("tail", dtype, d): cupy_group.tail_source(dtype, d) for d in (False, True)})
     for name, source in sources.items():
         ptx, used = _nvrtc_ptx(source, ck.OPTIONS, arch, monkeypatch)
         assert "--fmad=false" in used
@@ -1020,3 +1021,40 @@ def test_group_kernels_run_on_the_host_give_the_engines_bits(dtype: str, weight_
     bad = np.zeros((), dtype=np.int32)
     count(at(grads).ctypes.data, starts.ctypes.data, len(sizes), M.size, bad.ctypes.data)
     assert int(bad) == 3
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_group_tail_kernel_run_on_the_host_gives_the_tails_bits(dtype: str, weight_decay: float, tmp_path: Any) -> None:
+    """A rotated group's tail kernel, compiled as C++ and run on the host: ``W <- W + (-eta)(D + lambda W)`` in
+    each member's memory from the flat direction, the bits of the shared tail (``tail.decayed_step`` and the
+    parameter update, NumPy); a false ``proceed`` writes nothing."""
+    import ctypes
+
+    from adadiag_ref.optim.families.adam import cupy_group
+    from adadiag_ref.optim.tail import decayed_step
+
+    cfg = ar.make_config("adadiag", weight_decay=weight_decay)
+    decay = weight_decay != 0.0
+    name = cupy_group._name("tail", dtype, decay)
+    lib = _host_library({name: cupy_group.tail_source(dtype, decay)}, tmp_path)
+    real = ctypes.c_double if dtype == "float64" else ctypes.c_float
+    address = ctypes.cast(getattr(lib, name), ctypes.POINTER(ctypes.c_void_p)).contents.value
+    tail = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                            ctypes.c_void_p, ctypes.c_void_p, real, real)(address)  # fmt: skip
+    rng = np.random.default_rng(6)
+    params = [rng.standard_normal(s).astype(dtype) for s in [(9, 4), (), (13,)]]
+    sizes = [p.size for p in params]
+    D = rng.standard_normal(sum(sizes)).astype(dtype)
+    eta = 3e-3
+    flat_w = np.concatenate([p.ravel() for p in params])
+    want = flat_w + decayed_step(D.copy(), flat_w, eta, cfg, owned=False)
+    starts = np.cumsum([0, *sizes], dtype=np.int64)
+    w_at = np.array([p.ctypes.data for p in params], dtype=np.uint64)
+    neg_lr, wd = np.asarray(-eta, dtype)[()], np.asarray(weight_decay, dtype)[()]
+    stop = np.zeros((), dtype=np.bool_)
+    tail(w_at.ctypes.data, starts.ctypes.data, len(sizes), D.size, D.ctypes.data, stop.ctypes.data, neg_lr, wd)
+    np.testing.assert_array_equal(np.concatenate([p.ravel() for p in params]), flat_w)
+    go = np.ones((), dtype=np.bool_)
+    tail(w_at.ctypes.data, starts.ctypes.data, len(sizes), D.size, D.ctypes.data, go.ctypes.data, neg_lr, wd)
+    np.testing.assert_array_equal(np.concatenate([p.ravel() for p in params]), want)

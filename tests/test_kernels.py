@@ -467,6 +467,8 @@ ROW_KERNELS = (
     (adafactor_kernels, "_clip_momentum"),
     (hfac_kernels, "_hfac_combine"),
     (adam_kernels, "adam_moments_inplace"),
+    (adam_kernels, "adam_direction_flat"),  # flat views of arrays alike in memory: memory order by construction
+    (adam_kernels, "adam_direction_flat_parallel"),
 )
 
 
@@ -489,6 +491,8 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
         def spy(*args: object, _original: object = original, _name: str = kernel) -> object:
             matrices = [a for a in args if isinstance(a, np.ndarray) and a.ndim == 2]
             assert all(a.flags.c_contiguous for a in matrices), f"{_name} walks a matrix against its memory order"
+            flats = [a for a in args if isinstance(a, np.ndarray) and a.ndim == 1]
+            assert all(a.flags.c_contiguous for a in flats), f"{_name} walks a strided flat view"
             seen.append(_name)
             return _original(*args)  # type: ignore[operator]
 

@@ -643,26 +643,26 @@ def test_unrotated_members_of_a_rotated_optimizer_are_stepped_by_group_kernels(
 ) -> None:
     """AdaDiag on NumPy with ``max_basis_dim=4``: the members whose side exceeds it (the 8 x 8, 8 x 20 and 20 x 8
     matrices: ``P = I``) form a group of their own, stepped in place by the group kernels; only the rotated
-    members (the vector, the conv kernel, the scalar: ``m <= 4``) are gathered, for the batched GEMMs; ``ar.step``'s
-    bits either way."""
+    members' gradients (the vector, the conv kernel, the scalar: ``m <= 4``) are gathered, for the batched GEMMs,
+    and their tail is written by the kernels (no parameter gathered or written back); ``ar.step``'s bits."""
     pytest.importorskip("numba")
     cfg = ar.make_config(name, update_freq=3, weight_decay=0.1, max_basis_dim=4)
     host_params, stream = _stream(SHAPES, np.float32, steps=4)
     params = [p.copy() for p in host_params]
     engine = ar.Engine(params, cfg)
-    assert [g.kernels is not None for g in engine._flat] == [False, True]
+    assert [g.kernels is not None for g in engine._flat] == [True, True] and engine._flat[0].blocks
     rotated = {m.index for m in engine._flat[0].members}
     assert rotated == {i for i, s in enumerate(SHAPES) if s in [(20,), (4, 2, 3, 3), ()]}
-    gathered: list[set[int]] = []
+    gathered: list[tuple[str, set[int]]] = []
     real = engine._gathered
     monkeypatch.setattr(engine, "_gathered", lambda group, which, arrays: gathered.append(
-        {m.index for m in group.members}) or real(group, which, arrays))  # fmt: skip
+        (which, {m.index for m in group.members})) or real(group, which, arrays))  # fmt: skip
     singles, states = [p.copy() for p in host_params], [ar.init(p, cfg) for p in host_params]
     for k, grads in enumerate(stream):
         engine.step(grads, params)
         pairs = [ar.step(s, g, cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
         singles, states = [w for w, _ in pairs], [s for _, s in pairs]
-    assert gathered and all(g == rotated for g in gathered)
+    assert gathered and all(g == ("G", rotated) for g in gathered)
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
         _assert_close(w, want, True, np.float32)
         _assert_states(engine.state(i), states[i], True, np.float32)

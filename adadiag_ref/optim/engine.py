@@ -233,6 +233,7 @@ class _Pending(NamedTuple):
     states: dict[tuple[int, int], State]  # (per-parameter group, stack) -> the stack's new state
     params: dict[int, Array]
     bases: dict[tuple[int, int], tuple[Array, Array | None]]
+    tails: dict[int, Array]  # flat group -> its direction D = P U~ Q^T, for its tail kernel
 
 
 def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
@@ -274,24 +275,21 @@ def _describe(fn: Callable[..., Any]) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None) -> Array:
+def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
     """``G~ = P^T G Q`` of every matrix of a block's stack ``(k, a, b)``, in memory order: ``Q^T (G P)`` for a
-    tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched)."""
+    tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched); the last product into
+    ``out`` where given (NumPy)."""
     if block.transposed:
-        g = _product(g, P)
-        return g if Q is None else _product(_transpose(Q), g)
-    g = _product(_transpose(P), g)
-    return g if Q is None else _product(g, Q)
+        return _product(g, P, out) if Q is None else _product(_transpose(Q), _product(g, P), out)
+    return _product(_transpose(P), g, out) if Q is None else _product(_product(_transpose(P), g), Q, out)
 
 
-def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None) -> Array:
+def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
     """``P U~ Q^T`` of every matrix of a block's stack, in memory order (:func:`~adadiag_ref.optim.rotation.
-    unrotate`'s products, batched)."""
+    unrotate`'s products, batched); the last product into ``out`` where given (NumPy)."""
     if block.transposed:
-        u = _product(u, _transpose(P))
-        return u if Q is None else _product(Q, u)
-    u = _product(P, u)
-    return u if Q is None else _product(u, _transpose(Q))
+        return _product(u, _transpose(P), out) if Q is None else _product(Q, _product(u, _transpose(P)), out)
+    return _product(P, u, out) if Q is None else _product(_product(P, u), _transpose(Q), out)
 
 
 def _transpose(x: Array) -> Array:
@@ -530,7 +528,7 @@ class Engine:
         group.direction, group.direction_name = self._resolve_direction(group, family)
         if not group.blocks:
             group.update_route, group.update_name = self._resolve_update(group, family)
-            group.kernels = self._resolve_kernels(group, family)
+        group.kernels = self._resolve_kernels(group, family)
         if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
             group.scratch = {name: xp.empty((offset,), dtype=group.param_dtype, device=group.device) for name in "GW"}
         return group
@@ -560,9 +558,9 @@ class Engine:
         return None, ""
 
     def _resolve_kernels(self, group: _FlatGroup, family: FamilySpec) -> GroupKernels | None:
-        """For a group without rotation blocks on a mutable backend whose parameters have the state dtype: the
-        family's first multi-tensor group step (:attr:`~adadiag_ref.optim.families.registry.Routes.group`) that
-        applies, else ``None`` (the gathering path)."""
+        """For a group on a mutable backend whose parameters have the state dtype: the family's first group
+        kernels (:attr:`~adadiag_ref.optim.families.registry.Routes.group`) that apply, else ``None`` (the
+        gathering path).  Without rotation blocks they step the group; with, they write its tail."""
         if self._immutable or group.param_dtype != group.dtype:
             return None
         sizes = [m.size for m in group.members]
@@ -628,7 +626,7 @@ class Engine:
             P, Q = self._member_bases(member, block.P, block.Q)
         span = slice(member.offset, member.offset + member.size)
         moments = {f: None if v is None else work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
-        group.shared = group.kernels is not None  # its next in-place step copies them first: the snapshot holds
+        group.shared = group.kernels is not None and not group.blocks  # its next in-place step copies them first
         if group.counter is None or group.counter[0] != group.count:
             group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
@@ -812,29 +810,29 @@ class Engine:
         xp = self.xp
         eta = learning_rate(self.cfg, lr)
         direct = [self._prepare(group, grads, params, eta) if in_place else None for group in self._flat]
-        flats = [self._gather(group, grads) if d is None else None for group, d in zip(self._flat, direct,
-                                                                                       strict=True)]  # fmt: skip
+        flats = [self._gather(group, grads) if d is None or group.blocks else None
+                 for group, d in zip(self._flat, direct, strict=True)]  # fmt: skip
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
         due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
             refresh_due(g.count, self.cfg) for g in self._per_param
         ]
         checked = [f for f in flats if f is not None] + [g for stacks in stacked for g in stacks]
         counts = [self._kernels_of(g).nonfinite(d) for g, d in zip(self._flat, direct, strict=True)
-                  if d is not None and check]  # fmt: skip
+                  if d is not None and not g.blocks and check]  # fmt: skip
         verdict_first = check and (any(due) or is_numpy_namespace(xp))
         if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
             self._raise_unless(self._verdict(checked, counts), grads)
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not is_numpy_namespace(xp)
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
-            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states)
+            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct)
         verdict: Any = None
         if check and not verdict_first:  # the work is queued (nothing written yet): the verdict, still on the device
             verdict = self._verdict(checked, counts)
             if isinstance(verdict, bool):  # known on the host already: settle it before any kernel writes
                 self._raise_unless(verdict, grads)
                 verdict = None
-        self._run_kernels(direct, verdict)
+        self._run_kernels(direct, verdict, pending.tails)
         if check and not verdict_first and verdict is not None:  # the one read-back; the kernels skipped if false
             self._raise_unless(verdict, grads)
         return self._commit(pending, bases, params)
@@ -845,7 +843,8 @@ class Engine:
         kernels = group.kernels
         if kernels is None:
             return None
-        return kernels.prepare(self._members(group, params), self._members(group, grads), eta)
+        return kernels.prepare(self._members(group, params), None if group.blocks else self._members(group, grads),
+                               eta)  # fmt: skip
 
     @staticmethod
     def _kernels_of(group: _FlatGroup) -> GroupKernels:
@@ -856,12 +855,16 @@ class Engine:
     def _members(group: _FlatGroup, arrays: list[Array]) -> list[Array]:
         return [arrays[m.index] for m in group.members]
 
-    def _run_kernels(self, direct: list[Any], proceed: Any) -> None:
-        """The direct groups' kernels, in place; ``proceed`` (a 0-d device boolean, or ``None``) gates their
-        writes on the device.  A group whose moments were handed out (:meth:`state`) writes into copies."""
+    def _run_kernels(self, direct: list[Any], proceed: Any, tails: dict[int, Array]) -> None:
+        """The direct groups' kernels, in place: a rotated group's tail from its computed direction, another's
+        whole step; ``proceed`` (a 0-d device boolean, or ``None``) gates their writes on the device.  A group
+        whose moments were handed out (:meth:`state`) writes into copies."""
         xp = self.xp
-        for group, prepared in zip(self._flat, direct, strict=True):
+        for number, (group, prepared) in enumerate(zip(self._flat, direct, strict=True)):
             if prepared is None:
+                continue
+            if group.blocks:
+                self._kernels_of(group).tail(prepared, tails[number], proceed)
                 continue
             if group.shared:
                 group.moments = {f: None if v is None else xp.asarray(v, copy=True) for f, v in group.moments.items()}
@@ -982,20 +985,30 @@ class Engine:
         bases: dict[tuple[int, int], tuple[Array, Array | None]],
         refreshed: dict[tuple[int, int], Any],
         fresh_states: dict[int, State],
+        direct: list[Any],
     ) -> _Pending:
-        """Every group's step into new arrays (nothing of the engine or the parameters written)."""
+        """Every group's step into new arrays (nothing of the engine or the parameters written); a direct rotated
+        group's direction is kept for its tail kernel (:meth:`_run_kernels`)."""
         xp, cfg, family = self.xp, self.cfg, self._family
         eta = learning_rate(cfg, lr)
         moments_out: list[dict[str, Array | None] | None] = []
         flat_params: list[Array | None] = []
+        tails: dict[int, Array] = {}
         for number, (group, g) in enumerate(zip(self._flat, flats, strict=True)):
             if g is None:  # the group's kernels step it in place, after the verdict (_run_kernels)
                 moments_out.append(None)
                 flat_params.append(None)
                 continue
+            stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
+            if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
+                t = host_step(group.count, group.dtype, xp)
+                u_rot, moments = self._direction(group, self._rotated(group, number, g, stacks, refreshed), t)
+                tails[number] = self._unrotated(group, u_rot, stacks)
+                moments_out.append(moments)
+                flat_params.append(None)
+                continue
             w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
-            stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             g_rot = self._rotated(group, number, g, stacks, refreshed)
             t = host_step(group.count, group.dtype, xp)
             fused = self._fused_update(group, g, w, t, eta)
@@ -1024,7 +1037,7 @@ class Engine:
                 w_new = w + delta
                 for position, i in enumerate(stack.indices):
                     new_params[i] = w_new[position, ...] if stack.stacked else w_new
-        return _Pending(moments_out, flat_params, new_states, new_params, bases)
+        return _Pending(moments_out, flat_params, new_states, new_params, bases, tails)
 
     def _fresh_stack(self, pgroup: _ParamGroup, stack: _Stack, fresh_states: dict[int, State]) -> tuple[State, Any]:
         """The stack's state with this step's refreshed bases, and ``refreshed`` for :func:`update`: ``True`` when
@@ -1073,17 +1086,30 @@ class Engine:
         u_rot, moments = found if found is not None else family.direction(state, g_row, t, self.cfg, xp)
         return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
-    def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[[int, _Block, Array], Array]) -> Array:
-        """``flat`` with each rotation block's entries replaced by ``product(b, block, stack)`` of its stack
+    def _per_block(
+        self, group: _FlatGroup, flat: Array, product: Callable[[int, _Block, Array, Array | None], Array]
+    ) -> Array:
+        """``flat`` with each rotation block's entries replaced by ``product(b, block, stack, out)`` of its stack
         ``(k, a, b)`` (one batched call per block), the unrotated entries as they are; ``flat`` itself without
-        blocks."""
+        blocks.  On NumPy each block's last product is written into its slice of one new flat array (``out``),
+        not concatenated afterwards (a copy of the group fewer)."""
         if not group.blocks:
             return flat
         xp = self.xp
+        if type(flat) is np.ndarray:
+            result = np.empty(group.size, dtype=flat.dtype)
+            for b, block in enumerate(group.blocks):
+                shape = (block.matrices, block.a, block.b)
+                target = result[block.start : block.stop].reshape(shape)
+                made = product(b, block, flat[block.start : block.stop].reshape(shape), target)
+                if made is not target:  # a refresh step's structured G~: a new array
+                    target[...] = made
+            result[group.unrotated_start :] = flat[group.unrotated_start :]
+            return result
         pieces = []
         for b, block in enumerate(group.blocks):
             stack = xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b))
-            pieces.append(xp.reshape(product(b, block, stack), (-1,)))
+            pieces.append(xp.reshape(product(b, block, stack, None), (-1,)))
         if group.unrotated_start < group.size:
             pieces.append(flat[group.unrotated_start :])
         return xp.concat(pieces)
@@ -1095,9 +1121,9 @@ class Engine:
         its exact structure, matrix by matrix), then the unrotated entries as they are."""
         xp = self.xp
 
-        def rotate(b: int, block: _Block, stack: Array) -> Array:
-            r = _rotate_stack(stack, block, *stacks[b])
+        def rotate(b: int, block: _Block, stack: Array, out: Array | None) -> Array:
             flags = refreshed.get((number, b), False)
+            r = _rotate_stack(stack, block, *stacks[b], out if flags is False else None)
             if flags is False:
                 return r
             work = _transpose(r) if block.transposed else r
@@ -1108,7 +1134,8 @@ class Engine:
 
     def _unrotated(self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]]) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
-        return self._per_block(group, u_rot, lambda b, block, stack: _unrotate_stack(stack, block, *stacks[b]))
+        return self._per_block(group, u_rot, lambda b, block, stack, out: _unrotate_stack(stack, block, *stacks[b],
+                                                                                           out))  # fmt: skip
 
     def _commit(
         self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]], params: list[Array]
@@ -1119,18 +1146,15 @@ class Engine:
         out: list[Any] = [None] * len(self._keys)
         for number, (group, moments, w_new) in enumerate(zip(self._flat, pending.moments, pending.flat_params,
                                                              strict=True)):  # fmt: skip
-            if moments is None or w_new is None:  # stepped in place by its kernels
-                group.count += 1
-                for m in group.members:
-                    out[m.index] = params[m.index]
-                continue
-            group.moments = {f: moments.get(f, group.moments[f]) for f in group.moments}
+            if moments is not None:  # else stepped in place by its kernels
+                group.moments = {f: moments.get(f, group.moments[f]) for f in group.moments}
             for b, block in enumerate(group.blocks):
                 if (number, b) in bases:
                     block.P, block.Q = bases[(number, b)]
             group.count += 1
-            for m in group.members:
-                out[m.index] = xp.reshape(w_new[m.offset : m.offset + m.size], self._shapes[m.index])
+            for m in group.members:  # the parameters written by the kernels, or views of the flat result
+                out[m.index] = params[m.index] if w_new is None else xp.reshape(w_new[m.offset : m.offset + m.size],
+                                                                                self._shapes[m.index])  # fmt: skip
         for number, pgroup in enumerate(self._per_param):
             for s, stack in enumerate(pgroup.stacks):
                 stack.state = pending.states[(number, s)]

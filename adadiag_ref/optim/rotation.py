@@ -19,16 +19,19 @@ from .._xp import Array, Namespace
 __all__ = ["Basis", "parameter_velocity", "rotate", "unrotate"]
 
 
-def _product(a: Array, b: Array) -> Array:
+def _product(a: Array, b: Array, out: Array | None = None) -> Array:
     """``a @ b``; for NumPy matrices written into a pooled output (:func:`adadiag_ref.buffers.matmul`: the same BLAS
     call, so the same bits, without a fresh allocation per step).  A NumPy stack (``batch_dims > 0``, operands
     ``(*B, k, l)`` of equal ``B``) is one BLAS call per matrix: ``np.matmul`` over a stack of transposed views
-    (a tall parameter's work frame) takes NumPy's loop without BLAS, 20x slower."""
+    (a tall parameter's work frame) takes NumPy's loop without BLAS, 20x slower.  ``out`` (NumPy, C-contiguous,
+    the product's shape and dtype): written there instead, the same BLAS calls (the engine's flat buffers);
+    ignored by other backends (the caller copies)."""
     if type(a) is np.ndarray and type(b) is np.ndarray:
         if a.ndim == 2 and b.ndim == 2:
-            return buffers.matmul(a, b)
+            return buffers.matmul(a, b) if out is None else np.matmul(a, b, out=out)
         if a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2]:
-            out = np.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a, b))
+            if out is None:
+                out = np.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a, b))
             for index in np.ndindex(*a.shape[:-2]):
                 np.matmul(a[index], b[index], out=out[index])
             return out

@@ -69,7 +69,9 @@ class GroupKernels(Protocol):
     in the group's flat arrays) and ``W <- W_t - eta (U + lambda W_t)`` written into each member's parameter,
     with launches independent of the number of members and no gather of ``G`` or ``W`` (the kernels walk the
     members' memory by address).  Made once per group by a :attr:`Routes.group` factory; per step
-    :meth:`prepare`, then :meth:`nonfinite` (with the check) and :meth:`step` on what it returned.
+    :meth:`prepare`, then :meth:`nonfinite` (with the check) and :meth:`step` on what it returned.  A rotated
+    group (its gradients gathered for the batched GEMMs) takes :meth:`tail` only: its parameters are not gathered
+    and not written back.
 
     Attributes:
         name: the kernels, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
@@ -77,10 +79,11 @@ class GroupKernels(Protocol):
 
     name: str
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> Any:
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Any:
         """This step's members (their addresses), or ``None`` when it cannot run here: an array the kernels
         cannot walk by address (not dense, or not in the memory order of the flat moments), or a learning rate
-        ``eta`` they do not take (not a host number).  ``None`` sends the step to the gathering path."""
+        ``eta`` they do not take (not a host number).  ``None`` sends the step to the gathering path.
+        ``grads=None``: the parameters only, for :meth:`tail`."""
         ...
 
     def nonfinite(self, prepared: Any) -> Any:
@@ -92,6 +95,12 @@ class GroupKernels(Protocol):
         """Write step ``t`` into the prepared parameters and ``moments`` (the flat group's arrays).  ``proceed``:
         ``None``, or a 0-d device boolean; where it is false the kernels write nothing (the engine's finiteness
         verdict, read back afterwards)."""
+        ...
+
+    def tail(self, prepared: Any, direction: Any, proceed: Any = None) -> None:
+        """The tail of a rotated group, in place: ``W <- W + (-eta)(D + lambda W)`` in each prepared parameter,
+        ``D = P U~ Q^T`` the group's flat direction (the members' spans one after another, each in its
+        parameter's memory order); ``proceed`` as in :meth:`step`."""
         ...
 
 

@@ -16,7 +16,9 @@ against the reference.  So 7 array passes per entry (read ``G, W, M, V``, write 
 nothing written back, and the coefficients are the step's host numbers as kernel scalars.  A second kernel
 (:func:`nonfinite_source`) counts the gradients' NaN and Inf into a 0-d device integer (one read pass; no
 read-back): the engine's verdict.  The step kernel takes the verdict as ``proceed``, a 0-d device boolean, and
-writes nothing where it is false, so the engine reads it back once, after everything is queued.
+writes nothing where it is false, so the engine reads it back once, after everything is queued.  A rotated
+group's tail (:func:`tail_source`) writes ``W <- W + (-eta)(D + lambda W)`` through the members' addresses from
+the group's flat direction ``D = P U~ Q^T``, gated the same way: its parameters are never gathered.
 
 Compiled with :data:`~adadiag_ref._kernels.cupy_kernels.OPTIONS` (``--fmad=false``: no multiply-add
 contraction), one kernel per dtype (``typedef float T`` or ``double``) and decay.  ``tests/test_cupy_group.py``
@@ -35,10 +37,11 @@ from array_api_compat import is_cupy_namespace
 from ...._kernels import cupy_kernels as ck
 from ....config import BaseConfig
 from ...schedules import beta_hats
+from ...tail import decays
 from .cupy_route import ADAM_ENTRY
 from .numba_route import kernel_scalars
 
-__all__ = ["CupyGroup", "engine_group", "nonfinite_source", "step_source"]
+__all__ = ["CupyGroup", "engine_group", "nonfinite_source", "step_source", "tail_source"]
 
 THREADS = 256
 """Threads per block of both kernels."""
@@ -79,6 +82,20 @@ def step_source(dtype: str, decay: bool) -> str:
         "    const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];\n"
         + "".join("    " + line + "\n" for line in body.splitlines() if line)
         + "  }\n}\n"
+    )
+
+
+def tail_source(dtype: str, decay: bool) -> str:
+    """The CUDA source of a rotated group's tail: ``W <- W + (-eta)(D + lambda W)`` in each member's memory, ``D``
+    the group's flat direction."""
+    return (
+        f"typedef {_CTYPE[dtype]} T;\n"
+        f'extern "C" __global__ void {_name("tail", dtype, decay)}(\n'
+        "    const unsigned long long* w_at, const long long* starts, const int members, const long long size,\n"
+        "    const T* D, const bool* proceed, const T neg_lr, const T wd) {\n"
+        "  if (!proceed[0]) return;\n" + _LOOP + _LOCATE + "    T* wp = reinterpret_cast<T*>(w_at[lo]);\n"
+        f"    const T w = wp[j];\n    wp[j] = w + {ck.tail_expression('D[i]', 'w', decay)};\n"
+        "  }\n}\n"
     )
 
 
@@ -142,11 +159,13 @@ class CupyGroup:
             kept = self._tables[which] = (addresses, cupy.asarray(np.array(addresses, dtype=np.uint64)))
         return kept[1]
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> tuple[Any, Any, Any] | None:
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> tuple[Any, Any, Any] | None:
         if isinstance(eta, bool) or not isinstance(eta, int | float):
             return None
         w_at = self._table("W", params)
-        g_at = None if w_at is None else self._table("G", grads)
+        if w_at is None or grads is None:  # grads=None: the tail only
+            return None if w_at is None else (w_at, None, eta)
+        g_at = self._table("G", grads)
         return None if g_at is None else (w_at, g_at, eta)
 
     def _launch(self, kernel: Any, *args: Any) -> None:
@@ -168,6 +187,15 @@ class CupyGroup:
         flag = self.always if proceed is None else proceed
         self._launch(kernel, w_at, g_at, self.starts, np.int32(len(self.sizes)), np.int64(self.size),
                      moments["M"], moments["V"], flag, *sc)  # fmt: skip
+
+    def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
+        w_at, _, eta = prepared
+        neg_lr, wd = np.asarray(-eta, self.dtype)[()], np.asarray(self.cfg.weight_decay, self.dtype)[()]
+        decay = decays(self.cfg)
+        kernel = _kernel(_name("tail", self.dtype.name, decay), tail_source(self.dtype.name, decay))
+        flag = self.always if proceed is None else proceed
+        self._launch(kernel, w_at, self.starts, np.int32(len(self.sizes)), np.int64(self.size), direction, flag,
+                     neg_lr, wd)  # fmt: skip
 
 
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CupyGroup | None:

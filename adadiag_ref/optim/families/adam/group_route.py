@@ -36,10 +36,11 @@ import numpy as np
 from array_api_compat import is_numpy_namespace
 
 from .... import _kernels
-from ...._kernels import delta_entry, ema_entry, prange
+from ...._kernels import delta_entry, ema_entry, prange, scalar
 from ...._xp import Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
+from ...tail import decays
 from .numba_route import _adam_entry, _second_moment_entry, kernel_scalars
 
 __all__ = [
@@ -179,6 +180,23 @@ def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr,
 
 
 @_kernels._inline
+def _tail_span(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """``W <- W + (-eta)(D + lambda W)`` over one member's span (indexed from 0: vectorised)."""
+    for k in range(D.shape[0]):
+        w = W[k]
+        W[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
+
+
+def _engine_tail(w_at, chunks, offsets, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """The tail of a rotated flat group in place: ``W <- W + (-eta)(D + lambda W)`` in each member's own memory,
+    ``D = P U~ Q^T`` the group's flat direction (the members' spans at their offsets)."""
+    for c in prange(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        o = offsets[i]
+        _tail_span(_array(w_at[i], hi, D)[lo:hi], D[o + lo : o + hi], neg_lr, wd, decay)
+
+
+@_kernels._inline
 def _count_nonfinite(g):  # type: ignore[no-untyped-def]
     """The NaN and Inf entries of one span: ``x - x`` is 0 for every finite ``x`` and NaN otherwise, and an
     integer sum of that comparison vectorises (``np.isfinite`` per entry did not: 6x slower)."""
@@ -206,6 +224,7 @@ def _dense_address_of(a):  # type: ignore[no-untyped-def]
 if AVAILABLE:
     _dense_address: Any = numba.njit(cache=True, nogil=True)(_dense_address_of)
     engine_step, engine_step_parallel = _kernels._serial_and_parallel(_engine_step)
+    engine_tail, engine_tail_parallel = _kernels._serial_and_parallel(_engine_tail)
     nonfinite_at, nonfinite_at_parallel = _kernels._serial_and_parallel(_nonfinite_at)
     read_counters = _kernels._jit(_read_counters)
     advance_counters = _kernels._jit(_advance_counters)
@@ -217,6 +236,7 @@ else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
     read_counters = advance_counters = None
     engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
+    engine_tail = engine_tail_parallel = None
 
 
 def addresses(tensors: list[Any]) -> np.ndarray:
@@ -291,12 +311,16 @@ class NumpyGroup:
             return None
         return w_at
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any], eta: Any) -> _Prepared | None:
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> _Prepared | None:
         if isinstance(eta, bool) or not isinstance(eta, int | float):
             return None
         w_at = self._param_table(params)
-        g_at = None if w_at is None else self._table(grads)
-        return None if g_at is None or w_at is None else _Prepared(w_at, g_at, eta)
+        if w_at is None:
+            return None
+        if grads is None:  # the tail only
+            return _Prepared(w_at, w_at[:0], eta)
+        g_at = self._table(grads)
+        return None if g_at is None else _Prepared(w_at, g_at, eta)
 
     def nonfinite(self, prepared: _Prepared) -> int:
         kernel = nonfinite_at_parallel if self.parallel else nonfinite_at
@@ -309,6 +333,13 @@ class NumpyGroup:
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
         kernel = engine_step_parallel if self.parallel else engine_step
         kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, moments["M"], moments["V"], *sc)
+
+    def tail(self, prepared: _Prepared, direction: Any, proceed: Any = None) -> None:
+        if proceed is not None:
+            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
+        neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
+        kernel = engine_tail_parallel if self.parallel else engine_tail
+        kernel(prepared.w_at, self.chunks, self.offsets, direction, neg_lr, wd, decays(self.cfg))
 
 
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Namespace) -> NumpyGroup | None:
