@@ -503,6 +503,7 @@ def test_group_kernels_step_in_place_without_gathering(
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
         _assert_close(w, want, True, dtype)
         _assert_states(engine.state(i), states[i], True, dtype)
+    assert group.scratch == {}  # no gathering buffers held: the state is M and V alone
 
 
 def test_group_kernels_leave_everything_on_a_non_finite_gradient() -> None:
@@ -605,6 +606,29 @@ def test_cupy_group_kernels_step_in_place_and_skip_on_a_non_finite_gradient(weig
     bad = [cp.ones_like(p) for p in params]
     bad[2][3, 1] = cp.nan
     with pytest.raises(ValueError, match=r"1 NaN or Inf entry in the gradient of parameter \(shape \(20, 8\)\)"):
+        engine.step(bad, params)
+    for x, y in zip(before, _snapshot(engine, params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_cupy_rotated_group_tail_is_skipped_on_a_non_finite_gradient(name: str) -> None:
+    """On a CUDA device: a rotated group's tail kernel (its parameters written through their addresses) takes the
+    verdict as its device flag: a NaN at a step without refresh (the verdict read after the launches) leaves every
+    parameter and state as it was.  Its values against ``ar.step``: ``test_engine_equals_step_on_cupy``."""
+    cp = _load_backend("cupy")
+    cfg = ar.make_config(name, update_freq=10, weight_decay=0.05)
+    host_params, stream = _stream(SHAPES, np.float32, steps=3)
+    params = [cp.asarray(p) for p in host_params]
+    engine = ar.Engine(params, cfg)
+    assert all(g.kernels is not None for g in engine._flat)
+    for grads in stream[:2]:
+        engine.step([cp.asarray(g) for g in grads], params)
+    before = _snapshot(engine, params)
+    bad = [cp.asarray(g) for g in stream[2]]
+    bad[1][2, 3] = cp.nan
+    with pytest.raises(ValueError, match=r"1 NaN or Inf entry in the gradient of parameter \(shape \(8, 20\)\)"):
         engine.step(bad, params)
     for x, y in zip(before, _snapshot(engine, params), strict=True):
         np.testing.assert_array_equal(x, y)

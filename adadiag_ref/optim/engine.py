@@ -33,7 +33,7 @@ back a synchronisation), decided once, when the engine is built:
 One step of a flat group (:meth:`Engine.step`), whatever the number of its parameters:
 
 1. ``G`` and ``W`` gathered into flat arrays by one concatenation each (of reshape views): into the group's
-   scratch, allocated once, where the backend's ``concatenate`` writes into ``out=`` (NumPy, CuPy, torch), a new
+   scratch, allocated on first use, where the backend's ``concatenate`` writes into ``out=`` (NumPy, CuPy, torch), a new
    array of ``xp.concat`` otherwise (``array_api_strict``, JAX: no such call); cast to the state dtype once;
 2. per rotation block, ``G~ = P^T G Q`` as batched GEMMs over the block's stack (``matmul`` on stacks; on a
    refresh step set to its exact structure, :func:`~adadiag_ref.optim.core.refresh_step_structure`, per
@@ -61,7 +61,11 @@ The same per-entry arithmetic, so the same bits.  A step whose arrays the kernel
 array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
 handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
 Where a rotated optimizer has unrotated members (a side above ``cfg.max_basis_dim``: ``P = I``) and the kernels
-apply to them, they form a group of their own, stepped so, and only the rotated members are gathered.
+apply to them, they form a group of their own, stepped so.  A group with rotation blocks still gathers ``G`` (one
+stack per block for the batched GEMMs), but its kernels write the tail ``W <- W + (-eta)(D + lambda W)`` through
+the members' addresses from the flat direction ``D``: ``W`` is neither gathered nor written back.  Group kernels
+serve a family whose step size is its learning rate (:func:`~adadiag_ref.optim.families.common.
+constant_step_size`).  The gathering scratch is allocated on first use, so a group its kernels step holds none.
 
 A per-parameter group (Adafactor, Hfac) is split into *stacks*, one per parameter shape: the parameters of one
 shape are stepped as one ``batch_dims`` stack (``cfg.batch_dims + 1``; each matrix its own factored moments, as
@@ -122,6 +126,7 @@ from .core import (
     work_dtype,
 )
 from .families import FamilySpec, State, family_of
+from .families.common import constant_step_size
 from .families.registry import GroupKernels
 from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
 from .rotation import _product, unrotate
@@ -194,8 +199,8 @@ class _FlatGroup:
         self.update_route: Callable[..., Any] | None = None  # without rotation blocks: the family's fused update
         self.update_name = ""
         self.counter: tuple[int, Array] | None = None  # (count, the 0-d device counter made for it)
-        self.scratch: dict[str, Array] = {}  # "G", "W": the gathered gradients and parameters (mutable backends)
-        self.kernels: GroupKernels | None = None  # without rotation blocks: the family's multi-tensor step
+        self.scratch: dict[str, Array] = {}  # "G", "W": the gathered gradients and parameters, made on first use
+        self.kernels: GroupKernels | None = None  # the family's group kernels: the whole step, or with blocks the tail
         self.shared = False  # its moments handed out by Engine.state since its last step (copy before writing)
 
 
@@ -529,8 +534,6 @@ class Engine:
         if not group.blocks:
             group.update_route, group.update_name = self._resolve_update(group, family)
         group.kernels = self._resolve_kernels(group, family)
-        if self._native is not None:  # allocated once, written by one concatenate(..., out=) per step
-            group.scratch = {name: xp.empty((offset,), dtype=group.param_dtype, device=group.device) for name in "GW"}
         return group
 
     def _resolve_direction(self, group: _FlatGroup, family: FamilySpec) -> tuple[Callable[..., Any], str]:
@@ -561,7 +564,7 @@ class Engine:
         """For a group on a mutable backend whose parameters have the state dtype: the family's first group
         kernels (:attr:`~adadiag_ref.optim.families.registry.Routes.group`) that apply, else ``None`` (the
         gathering path).  Without rotation blocks they step the group; with, they write its tail."""
-        if self._immutable or group.param_dtype != group.dtype:
+        if self._immutable or group.param_dtype != group.dtype or family.step_size is not constant_step_size:
             return None
         sizes = [m.size for m in group.members]
         for factory in family.routes.group:
@@ -890,7 +893,9 @@ class Engine:
         pieces = [xp.reshape(arrays[m.index], (-1,)) for m in group.members]
         if self._native is None:
             return xp.concat(pieces)
-        out = group.scratch[which]
+        out = group.scratch.get(which)
+        if out is None:  # allocated on first use, then kept (a group its kernels step never needs one)
+            out = group.scratch[which] = xp.empty((group.size,), dtype=group.param_dtype, device=group.device)
         with self._writable():  # torch: cat(out=) refuses inputs that require grad outside no_grad
             self._native(pieces, out=out)
         return out
