@@ -14,6 +14,7 @@ nothing imports CuPy before a CuPy array arrives.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -1058,3 +1059,124 @@ def test_group_tail_kernel_run_on_the_host_gives_the_tails_bits(dtype: str, weig
     go = np.ones((), dtype=np.bool_)
     tail(w_at.ctypes.data, starts.ctypes.data, len(sizes), D.size, D.ctypes.data, go.ctypes.data, neg_lr, wd)
     np.testing.assert_array_equal(np.concatenate([p.ravel() for p in params]), want)
+
+
+# ----------------------------------------------------------------------------- CPU: the engine on the host kernels
+
+
+_C_TYPES = {"int": "c_int", "long long": "c_longlong"}
+
+
+def _parameters(source: str) -> list[str]:
+    """The C types of a kernel's parameters, in order (``T*`` and every pointer: ``pointer``)."""
+    head = source[source.index("(", source.index("__global__")) + 1 : source.index(")", source.index("__global__"))]
+    kinds = []
+    for parameter in head.split(","):
+        words = parameter.replace("const ", "").split()
+        kinds.append("pointer" if "*" in parameter else " ".join(words[:-1]))
+    return kinds
+
+
+class _HostLauncher:
+    """A :class:`~adadiag_ref.optim.families.adam.cupy_group.CudaGroup` launcher that runs the CUDA kernels
+    compiled as C++ on the host (:func:`_host_library`) over NumPy memory, for an engine on NumPy or
+    ``array_api_strict`` arrays (``wrap``: the engine's namespace's form of a small array)."""
+
+    def __init__(self, tmp_path: Any, xp: Any) -> None:
+        self.tmp_path, self.xp, self.functions = tmp_path, xp, {}
+        self.launches: list[str] = []
+
+    @staticmethod
+    def host(a: Any) -> np.ndarray:
+        return a if isinstance(a, np.ndarray) else a._array  # array_api_strict's NumPy array
+
+    def address(self, a: Any) -> int | None:
+        x = self.host(a)
+        return int(x.ctypes.data) if x.flags.c_contiguous else None
+
+    def upload(self, table: np.ndarray) -> Any:
+        return self.xp.asarray(table.astype(np.int64))
+
+    def zeros_int32(self) -> Any:
+        return self.xp.zeros((), dtype=self.xp.int32)
+
+    def true(self) -> Any:
+        return self.xp.ones((), dtype=self.xp.bool)
+
+    def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+        import ctypes
+
+        if name not in self.functions:
+            (self.tmp_path / name).mkdir()
+            lib = _host_library({name: source}, self.tmp_path / name)
+            kinds = _parameters(source)
+            real = ctypes.c_double if "typedef double T" in source else ctypes.c_float
+            types = [ctypes.c_void_p if k == "pointer" else real if k == "T" else getattr(ctypes, _C_TYPES[k])
+                     for k in kinds]  # fmt: skip
+            address = ctypes.cast(getattr(lib, name), ctypes.POINTER(ctypes.c_void_p)).contents.value
+            self.functions[name] = (lib, ctypes.CFUNCTYPE(None, *types)(address), kinds)
+        _, function, kinds = self.functions[name]
+        assert len(args) == len(kinds), (name, kinds)
+        values = [self.host(a).ctypes.data if k == "pointer" else a.item() for a, k in zip(args, kinds, strict=True)]
+        self.launches.append(name)
+        function(*values)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, tmp_path: Any) -> None:
+    """The engine with the CUDA group kernels (``CudaGroup``, the CuPy and torch launchers' code) launched on the
+    host, over ``array_api_strict`` arrays: every step the bits of per-parameter ``ar.step`` (AdamW: the whole
+    step by the kernels; AdaDiag and AdaDiag++: the tail), the verdict left on the "device" and read after the
+    launches; then a NaN at a step without refresh: the launches it gated wrote nothing, and the error names the
+    parameter."""
+    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
+
+    xs = pytest.importorskip("array_api_strict")
+    if not any(os.access(os.path.join(d, "g++"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("needs g++")
+    cfg = ar.make_config(name, update_freq=3, weight_decay=0.1)
+    rng = np.random.default_rng(7)
+    shapes = [(8, 8), (8, 20), (20, 8), (20,), ()]
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [xs.asarray(p.copy()) for p in host]
+    engine = ar.Engine(params, cfg)
+    launcher = _HostLauncher(tmp_path, xs)
+    for group in engine._flat:
+        group.kernels = CudaGroup(cfg, "float32", [m.size for m in group.members], launcher)
+    singles, states = [xs.asarray(p.copy()) for p in host], [ar.init(xs.asarray(p.copy()), cfg) for p in host]
+    stream = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(5)]
+    for k, grads in enumerate(stream):
+        engine.step([xs.asarray(g) for g in grads], params)
+        pairs = [ar.step(s, xs.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    kinds = {n.split("_")[3] for n in launcher.launches}  # adadiag_adam_group_<kind>...
+    assert kinds == ({"nonfinite", "step"} if name == "adamw" else {"tail"}), kinds
+    for i, (w, want) in enumerate(zip(params, singles, strict=True)):
+        np.testing.assert_array_equal(np.asarray(w._array), np.asarray(want._array))
+        for field in ("M", "V"):
+            np.testing.assert_array_equal(getattr(engine.state(i), field)._array, getattr(states[i], field)._array)
+    before = [p._array.copy() for p in params] + [engine.state(i).M._array.copy() for i in range(len(params))]
+    bad = [xs.asarray(g) for g in stream[0]]
+    bad[3] = xs.asarray(np.where(np.arange(20) == 4, np.nan, stream[0][3]).astype(np.float32))
+    launched = len(launcher.launches)
+    with pytest.raises(ValueError, match=r"1 NaN or Inf entry in the gradient of parameter \(shape \(20,\)\)"):
+        engine.step(bad, params)  # t = 6: no refresh (T = 3 refreshes at t = 1, 4, 7): the verdict is deferred
+    assert len(launcher.launches) > launched  # the kernels were launched, gated by the device verdict
+    after = [p._array for p in params] + [engine.state(i).M._array for i in range(len(params))]
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:
+    """No CUDA group kernels for NumPy, CPU torch tensors, ``kernels="reference"`` or float16: the factory says
+    ``None`` (the numba kernels, or the gathering path, take those), without importing CuPy."""
+    from adadiag_ref.optim.families.adam.cupy_group import engine_group
+
+    cfg = ar.make_config("adamw")
+    assert engine_group(cfg, np.float32, [3], "cpu", namespace(np.zeros(1))) is None
+    torch = pytest.importorskip("torch")
+    xp_torch = namespace(torch.zeros(1))
+    assert engine_group(cfg, torch.float32, [3], torch.device("cpu"), xp_torch) is None
+    assert engine_group(ar.make_config("adamw", kernels="reference"), torch.float32, [3], torch.device("cuda"),
+                        xp_torch) is None  # fmt: skip
+    assert engine_group(cfg, torch.float16, [3], torch.device("cuda"), xp_torch) is None

@@ -20,10 +20,17 @@ writes nothing where it is false, so the engine reads it back once, after everyt
 group's tail (:func:`tail_source`) writes ``W <- W + (-eta)(D + lambda W)`` through the members' addresses from
 the group's flat direction ``D = P U~ Q^T``, gated the same way: its parameters are never gathered.
 
+Launched through a *launcher* (:class:`CudaGroup` takes one): :class:`CupyLauncher` for CuPy arrays, and
+:class:`TorchCudaLauncher` for torch CUDA tensors (an engine over torch parameters on CUDA, where CuPy is
+installed: their ``data_ptr()`` as the pointers, the launch on torch's current stream).  Kernels written through
+raw addresses do not bump torch's version counters.
+
 Compiled with :data:`~adadiag_ref._kernels.cupy_kernels.OPTIONS` (``--fmad=false``: no multiply-add
-contraction), one kernel per dtype (``typedef float T`` or ``double``) and decay.  ``tests/test_cupy_group.py``
-compiles the sources with NVRTC for ``compute_80`` and ``compute_90`` without a device and checks their PTX;
-on a CUDA machine (marked ``gpu``) the engine's results against per-parameter ``ar.step``.
+contraction), one kernel per dtype (``typedef float T`` or ``double``) and decay.  ``tests/test_cupy_kernels.py``
+compiles the sources with NVRTC for ``compute_80`` and ``compute_90`` without a device and checks their PTX, and
+runs the engine on the very kernels compiled as C++ for the host through a launcher of its own (the bits of
+``ar.step``; a NaN's device verdict gating the launches); on a CUDA machine (marked ``gpu``) the engine's results
+against per-parameter ``ar.step``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from array_api_compat import is_cupy_namespace
+from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
 from ....config import BaseConfig
@@ -41,7 +48,15 @@ from ...tail import decays
 from .cupy_route import ADAM_ENTRY
 from .numba_route import kernel_scalars
 
-__all__ = ["CupyGroup", "engine_group", "nonfinite_source", "step_source", "tail_source"]
+__all__ = [
+    "CudaGroup",
+    "CupyLauncher",
+    "TorchCudaLauncher",
+    "engine_group",
+    "nonfinite_source",
+    "step_source",
+    "tail_source",
+]
 
 THREADS = 256
 """Threads per block of both kernels."""
@@ -125,38 +140,104 @@ def _kernel(name: str, source: str) -> Any:
     return kernel
 
 
-class CupyGroup:
-    """:class:`~adadiag_ref.optim.families.registry.GroupKernels` of the Adam family on CuPy (module docstring)."""
+class CupyLauncher:
+    """What :class:`CudaGroup` needs of a backend, for CuPy arrays: their addresses, small device arrays, and a
+    kernel launch (``cupy.RawKernel``, compiled once per name) on CuPy's current stream."""
 
-    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any) -> None:
+    def __init__(self, device: Any) -> None:
         import cupy
 
-        self.cfg, self.dtype, self.sizes = cfg, np.dtype(dtype), sizes
+        self.cupy = cupy
+        self.device_id = device.id if hasattr(device, "id") else int(device)
+
+    def address(self, a: Any) -> int | None:
+        """The address of ``a``'s first entry, or ``None`` unless it is a C-contiguous array on the device."""
+        if not isinstance(a, self.cupy.ndarray) or not a.flags.c_contiguous or a.device.id != self.device_id:
+            return None
+        return int(a.data.ptr)
+
+    def upload(self, table: np.ndarray) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.asarray(table)
+
+    def zeros_int32(self) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.zeros((), dtype=self.cupy.int32)
+
+    def true(self) -> Any:
+        with self.cupy.cuda.Device(self.device_id):
+            return self.cupy.ones((), dtype=self.cupy.bool_)
+
+    def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+        with self.cupy.cuda.Device(self.device_id):
+            _kernel(name, source)((grid,), (THREADS,), args)
+
+
+class TorchCudaLauncher(CupyLauncher):
+    """:class:`CupyLauncher` for torch CUDA tensors: their ``data_ptr()`` passed as the kernels' pointers, the
+    launch on torch's current stream (``cupy.cuda.ExternalStream``), so it is ordered with torch's own work;
+    the small arrays are torch tensors.  Needs CuPy for the compilation and the launch."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        super().__init__(device.index if device.index is not None else torch.cuda.current_device())
+        self.torch = torch
+
+    def address(self, a: Any) -> int | None:
+        torch = self.torch
+        if not isinstance(a, torch.Tensor) or not a.is_cuda or a.device.index != self.device_id:
+            return None
+        return int(a.data_ptr()) if a.is_contiguous() else None
+
+    def upload(self, table: np.ndarray) -> Any:
+        return self.torch.from_numpy(table.astype(np.int64, copy=False)).to(f"cuda:{self.device_id}")
+
+    def zeros_int32(self) -> Any:
+        return self.torch.zeros((), dtype=self.torch.int32, device=f"cuda:{self.device_id}")
+
+    def true(self) -> Any:
+        return self.torch.ones((), dtype=self.torch.bool, device=f"cuda:{self.device_id}")
+
+    def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+        torch, cupy = self.torch, self.cupy
+        pointers = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
+        stream = torch.cuda.current_stream(self.device_id)
+        with cupy.cuda.Device(self.device_id), cupy.cuda.ExternalStream(stream.cuda_stream, self.device_id):
+            _kernel(name, source)((grid,), (THREADS,), pointers)
+
+
+class CudaGroup:
+    """:class:`~adadiag_ref.optim.families.registry.GroupKernels` of the Adam family in CUDA (module docstring),
+    launched by ``launcher`` (:class:`CupyLauncher`, :class:`TorchCudaLauncher`; the tests run the same kernels
+    compiled for the host through a launcher of their own)."""
+
+    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int], launcher: Any) -> None:
+        self.cfg, self.dtype, self.sizes, self.launcher = cfg, np.dtype(dtype), sizes, launcher
         self.size = int(sum(sizes))
-        with cupy.cuda.Device(device.id if hasattr(device, "id") else device):
-            self.starts = cupy.asarray(np.cumsum([0, *sizes], dtype=np.int64))
-            self.always = cupy.ones((), dtype=cupy.bool_)
-        self.device_id = self.starts.device.id
+        self.starts = launcher.upload(np.cumsum([0, *sizes], dtype=np.int64))
+        self.always = launcher.true()
         self.grid = max(1, min(-(-self.size // THREADS), 65535))
         self._tables: dict[str, tuple[tuple[int, ...], Any]] = {}
-        self.name = (f"{__name__}: one launch over the members' own memory ({len(sizes)} arrays, {self.size} "
-                     "entries): moments and W in place, no gather; the check one more launch")  # fmt: skip
+        self.name = (f"{__name__} ({type(launcher).__name__}): one launch over the members' own memory "
+                     f"({len(sizes)} arrays, {self.size} entries): moments and W in place, no gather; the check "
+                     "one more launch")  # fmt: skip
 
     def _table(self, which: str, arrays: Sequence[Any]) -> Any:
-        """The members' addresses on the device, or ``None`` unless each is a C-contiguous CuPy array on the
-        group's device (the engine has checked their dtypes and shapes).  The last table is kept and reused
-        while the addresses do not change (a model's parameters, and gradient buffers that are reused, keep
-        theirs): no host-to-device copy then."""
-        import cupy
-
-        if not all(
-            isinstance(a, cupy.ndarray) and a.flags.c_contiguous and a.device.id == self.device_id for a in arrays
-        ):
-            return None
-        addresses = tuple(int(a.data.ptr) for a in arrays)
+        """The members' addresses on the device, or ``None`` unless the launcher can address each (dense, on the
+        group's device; the engine has checked dtypes and shapes).  The last table is kept and reused while the
+        addresses do not change (a model's parameters, and gradient buffers that are reused, keep theirs): no
+        host-to-device copy then."""
+        addresses = []
+        for a in arrays:
+            address = self.launcher.address(a)
+            if address is None:
+                return None
+            addresses.append(address)
+        key = tuple(addresses)
         kept = self._tables.get(which)
-        if kept is None or kept[0] != addresses:
-            kept = self._tables[which] = (addresses, cupy.asarray(np.array(addresses, dtype=np.uint64)))
+        if kept is None or kept[0] != key:
+            kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 
     def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> tuple[Any, Any, Any] | None:
@@ -168,42 +249,56 @@ class CupyGroup:
         g_at = self._table("G", grads)
         return None if g_at is None else (w_at, g_at, eta)
 
-    def _launch(self, kernel: Any, *args: Any) -> None:
-        kernel((self.grid,), (THREADS,), (*args,))
+    def _launch(self, name: str, source: str, *args: Any) -> None:
+        self.launcher.launch(name, source, self.grid, (*args,))
+
+    def _members(self) -> tuple[Any, Any, Any]:
+        return self.starts, np.int32(len(self.sizes)), np.int64(self.size)
 
     def nonfinite(self, prepared: tuple[Any, Any, Any]) -> Any:
-        import cupy
-
-        bad = cupy.zeros((), dtype=cupy.int32)
-        kernel = _kernel(_name("nonfinite", self.dtype.name), nonfinite_source(self.dtype.name))
-        self._launch(kernel, prepared[1], self.starts, np.int32(len(self.sizes)), np.int64(self.size), bad)
+        bad = self.launcher.zeros_int32()
+        dtype = self.dtype.name
+        self._launch(_name("nonfinite", dtype), nonfinite_source(dtype), prepared[1], *self._members(), bad)
         return bad
 
     def step(self, prepared: tuple[Any, Any, Any], moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         w_at, g_at, eta = prepared
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
-        kernel = _kernel(_name("step", self.dtype.name, decay), step_source(self.dtype.name, decay))
+        dtype = self.dtype.name
         flag = self.always if proceed is None else proceed
-        self._launch(kernel, w_at, g_at, self.starts, np.int32(len(self.sizes)), np.int64(self.size),
+        self._launch(_name("step", dtype, decay), step_source(dtype, decay), w_at, g_at, *self._members(),
                      moments["M"], moments["V"], flag, *sc)  # fmt: skip
 
     def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
         w_at, _, eta = prepared
         neg_lr, wd = np.asarray(-eta, self.dtype)[()], np.asarray(self.cfg.weight_decay, self.dtype)[()]
-        decay = decays(self.cfg)
-        kernel = _kernel(_name("tail", self.dtype.name, decay), tail_source(self.dtype.name, decay))
+        decay, dtype = decays(self.cfg), self.dtype.name
         flag = self.always if proceed is None else proceed
-        self._launch(kernel, w_at, self.starts, np.int32(len(self.sizes)), np.int64(self.size), direction, flag,
-                     neg_lr, wd)  # fmt: skip
+        self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
+                     flag, neg_lr, wd)  # fmt: skip
 
 
-def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CupyGroup | None:
-    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory on CuPy: a
-    :class:`CupyGroup` when ``xp`` is CuPy's, ``cfg.kernels == "auto"`` and ``dtype`` float32 or float64; else
+def _float_name(dtype: Any) -> str | None:
+    """``"float32"`` or ``"float64"`` for a NumPy/CuPy or torch dtype, else ``None``."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return name if name in ("float32", "float64") else None
+
+
+def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CudaGroup | None:
+    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory for CUDA: a
+    :class:`CudaGroup` for CuPy arrays (:class:`CupyLauncher`) and, where CuPy is installed, for torch CUDA tensors
+    (:class:`TorchCudaLauncher`), when ``cfg.kernels == "auto"`` and ``dtype`` is float32 or float64; else
     ``None``."""
-    if not is_cupy_namespace(xp) or getattr(cfg, "kernels", "auto") != "auto":
+    name = _float_name(dtype)
+    if getattr(cfg, "kernels", "auto") != "auto" or name is None:
         return None
-    if np.dtype(dtype) not in (np.float32, np.float64):
-        return None
-    return CupyGroup(cfg, dtype, sizes, device)
+    if is_cupy_namespace(xp):
+        return CudaGroup(cfg, name, sizes, CupyLauncher(device))
+    if is_torch_namespace(xp) and getattr(device, "type", None) == "cuda":
+        try:
+            import cupy  # noqa: F401  (compiles and launches the kernels)
+        except ImportError:
+            return None
+        return CudaGroup(cfg, name, sizes, TorchCudaLauncher(device))
+    return None
