@@ -39,6 +39,12 @@ SHAPES = BLOCK + BLOCK[:3]  # a second layer's matrices: stacks of two per work 
 VIEW_CALLS = {"reshape", "__getitem__", "astype", "matrix_transpose"}  # no kernel: views or same-dtype no-ops
 
 
+def _kernels_available() -> bool:
+    from adadiag_ref import _kernels
+
+    return bool(_kernels.AVAILABLE)
+
+
 def _strict(a: np.ndarray) -> Any:
     return xs.asarray(a.copy())  # its own memory: array_api_strict wraps a NumPy array without copying it
 
@@ -343,6 +349,8 @@ def test_routes_say_which_code_runs_each_part() -> None:
     fused = ar.explain_route(ar.make_config("adamw"), (8, 20))
     assert "numba_route.update once over the flat group (160 entries): moments, direction and tail" in fused.entrywise
     assert "numba_route.direction" in ar.explain_route(ar.make_config("adadiag"), (8, 20)).entrywise  # with blocks
+    if _kernels_available():  # a rotated group's tail by the group kernels (the parameters never gathered)
+        assert "tail in place: " in ar.explain_route(ar.make_config("adadiag"), (8, 20)).entrywise
 
 
 def test_from_states_takes_the_states_over_unchanged() -> None:

@@ -732,7 +732,11 @@ class Engine:
             if group.update_route is not None:
                 entrywise = (f"{group.update_name} once over the flat group ({group.size} entries): moments, "
                              "direction and tail in one call (an array lr: " + entrywise + ")")  # fmt: skip
-            if group.kernels is not None:
+            if group.kernels is not None and group.blocks:
+                entrywise = (f"{group.direction_name} once over the flat group ({group.size} entries), then the "
+                             f"tail in place: {group.kernels.tail_name} (in_place=False, an array lr, or arrays the "
+                             f"kernels do not take: W gathered, then adadiag_ref.optim.tail.decayed_step)")  # fmt: skip
+            elif group.kernels is not None:
                 entrywise = (f"in place: {group.kernels.name} (in_place=False, an array lr, or arrays the kernels "
                              f"do not take: gathered, then {entrywise})")  # fmt: skip
             label = f"{group.label}, {group.size} entries"

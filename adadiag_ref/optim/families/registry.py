@@ -74,10 +74,12 @@ class GroupKernels(Protocol):
     and not written back.
 
     Attributes:
-        name: the kernels, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
+        name: the kernels of the whole step, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
+        tail_name: the kernel of a rotated group's tail, in words.
     """
 
     name: str
+    tail_name: str
 
     def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Any:
         """This step's members (their addresses), or ``None`` when it cannot run here: an array the kernels

@@ -222,6 +222,8 @@ class CudaGroup:
         self.name = (f"{__name__} ({type(launcher).__name__}): one launch over the members' own memory "
                      f"({len(sizes)} arrays, {self.size} entries): moments and W in place, no gather; the check "
                      "one more launch")  # fmt: skip
+        self.tail_name = (f"{__name__} ({type(launcher).__name__}): one launch over the members' own memory: "
+                          "W <- W - eta (D + lambda W)")  # fmt: skip
 
     def _table(self, which: str, arrays: Sequence[Any]) -> Any:
         """The members' addresses on the device, or ``None`` unless the launcher can address each (dense, on the

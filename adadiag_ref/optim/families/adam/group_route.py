@@ -286,6 +286,7 @@ class NumpyGroup:
         kind = "parallel on numba's pool" if self.parallel else "serial"
         self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
                      f"{sum(sizes)} entries, {kind}): moments and W in place, no gather")  # fmt: skip
+        self.tail_name = f"{__name__}.engine_tail over the members' own memory ({kind}): W <- W - eta (D + lambda W)"
 
     def _table(self, arrays: Sequence[Any]) -> np.ndarray | None:
         """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (the engine has
