@@ -699,3 +699,43 @@ def test_unrotated_members_of_a_rotated_optimizer_are_stepped_by_group_kernels(
         _assert_close(w, want, True, np.float32)
         _assert_states(engine.state(i), states[i], True, np.float32)
     assert "in place" in engine.routes()[0].entrywise and "unrotated" in engine.routes()[0].group
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=5),
+    chunk=st.integers(1, 17),
+    parallel=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    lr=st.sampled_from([1e-3, 0.5]),
+    betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.0, 0.0)]),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    name=st.sampled_from(["adamw", "adadiag", "adadiag_pp"]),
+    max_basis_dim=st.sampled_from([4, 8192]),
+)
+def test_group_kernels_equal_step_for_any_shapes_chunks_and_hyperparameters(
+    shapes, chunk, parallel, dtype, lr, betas, weight_decay, name, max_basis_dim
+):
+    """NumPy engine with its group kernels (the whole step, or a rotated group's tail; members cut into chunks of
+    any size, serial or parallel kernels; ``max_basis_dim=4`` splits off unrotated members) against per-parameter
+    ``ar.step``: bit for bit over three steps with a refresh."""
+    pytest.importorskip("numba")
+    from adadiag_ref.optim.families.adam.group_route import chunk_table
+
+    cfg = ar.make_config(name, update_freq=2, lr=lr, betas=betas, weight_decay=weight_decay,
+                         max_basis_dim=max_basis_dim)  # fmt: skip
+    full = [*shapes, (shapes[0][1],), ()]
+    host_params, stream = _stream(full, dtype, steps=3, seed=len(shapes) * 31 + chunk)
+    params = [p.copy() for p in host_params]
+    engine = ar.Engine(params, cfg)
+    for group in engine._flat:
+        assert group.kernels is not None
+        group.kernels.chunks = chunk_table(group.kernels.sizes, chunk=chunk)
+        group.kernels.parallel = parallel
+    singles, states = [p.copy() for p in host_params], [ar.init(p, cfg) for p in host_params]
+    for k, grads in enumerate(stream):
+        engine.step(grads, params)
+        pairs = [ar.step(s, g, cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for i, want in enumerate(singles):
+        _assert_close(params[i], want, True, dtype)
+        _assert_states(engine.state(i), states[i], True, dtype)
