@@ -341,7 +341,9 @@ class Engine:
     Built once (``adadiag_ref/optim/engine.py``'s module docstring has the whole design): the parameters grouped by
     (family, state dtype, parameter dtype, device, kind, steps taken); an entrywise family's group keeps one flat
     array per moment field and steps all of its parameters at once (one gather, batched GEMMs per work shape, the
-    direction and the tail once); Adafactor and Hfac step one ``batch_dims`` stack per parameter shape on a device
+    direction and the tail once; with the family's group kernels, NumPy and CuPy, a group without rotation is
+    stepped in place through its members' addresses and a rotated group's tail written so, nothing gathered but
+    the rotated gradients); Adafactor and Hfac step one ``batch_dims`` stack per parameter shape on a device
     backend, per parameter on the CPU; the step counter is a host int per group.
 
     * :meth:`step` ``(grads, params, *, lr=None, check=True, in_place=None)``: one step of every parameter,
