@@ -739,3 +739,26 @@ def test_group_kernels_equal_step_for_any_shapes_chunks_and_hyperparameters(
     for i, want in enumerate(singles):
         _assert_close(params[i], want, True, dtype)
         _assert_states(engine.state(i), states[i], True, dtype)
+
+
+@pytest.mark.parametrize("aliased", ["twice", "overlapping views"])
+def test_parameters_sharing_memory_are_gathered_not_written_twice(aliased: str) -> None:
+    """One array handed over as two parameters (or two views of one buffer that overlap): the group kernels would
+    write it twice, racing; the step takes the gathering path instead, with its results (each parameter's new
+    value from the old one, the last write kept)."""
+    pytest.importorskip("numba")
+    from adadiag_ref.optim.families.adam.group_route import disjoint
+
+    assert disjoint([0, 16], [4, 4], 4) and not disjoint([0, 12], [4, 4], 4) and not disjoint([8, 8], [1, 1], 4)
+    cfg = ar.make_config("adamw", weight_decay=0.1)
+    buffer = np.arange(12, dtype=np.float32)
+    shared = [buffer, buffer] if aliased == "twice" else [buffer[:8], buffer[4:]]
+    twin = buffer.copy()
+    twins = [twin, twin] if aliased == "twice" else [twin[:8], twin[4:]]
+    grads = [np.ones(p.shape, np.float32) for p in shared]
+    engine, reference = ar.Engine(shared, cfg), ar.Engine(twins, cfg)
+    for group in reference._flat:
+        group.kernels = None  # the gathering path
+    engine.step(grads, shared)
+    reference.step(grads, twins)
+    np.testing.assert_array_equal(buffer, twin)

@@ -46,6 +46,7 @@ from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
 from .cupy_route import ADAM_ENTRY
+from .group_route import disjoint
 from .numba_route import kernel_scalars
 
 __all__ = [
@@ -239,6 +240,8 @@ class CudaGroup:
         key = tuple(addresses)
         kept = self._tables.get(which)
         if kept is None or kept[0] != key:
+            if which == "W" and not disjoint(key, self.sizes, self.dtype.itemsize):
+                return None  # parameters sharing memory: the gathering path
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 

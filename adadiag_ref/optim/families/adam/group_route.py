@@ -28,6 +28,7 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -52,6 +53,7 @@ __all__ = [
     "apply_unrotated",
     "chunk_table",
     "direction_rotated",
+    "disjoint",
     "engine_group",
     "read_counters",
     "second_moment",
@@ -256,6 +258,14 @@ def chunk_table(sizes: list[int], chunk: int = CHUNK) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
+def disjoint(addresses: Sequence[int], sizes: Sequence[int], itemsize: int) -> bool:
+    """Whether the memory spans ``[address, address + size * itemsize)`` are pairwise disjoint: the group kernels
+    write each parameter through its address, so two parameters sharing memory (one array handed over twice)
+    would be written twice, in an order the threads decide; such a step takes the gathering path instead."""
+    spans = sorted(zip(addresses, sizes, strict=True))
+    return all(a + n * itemsize <= b for (a, n), (b, _) in itertools.pairwise(spans))
+
+
 class _Prepared(NamedTuple):
     """One step's members: their address tables and the learning rate."""
 
@@ -307,6 +317,8 @@ class NumpyGroup:
             w_at: np.ndarray | None = kept[1]
         else:
             w_at = self._table(params)
+            if w_at is not None and not disjoint(w_at.tolist(), self.sizes, self.dtype.itemsize):
+                w_at = None
             self._params = None if w_at is None else ([weakref.ref(p) for p in params], w_at)
         if w_at is None or not all(p.flags.writeable for p in params):
             return None
