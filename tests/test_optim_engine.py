@@ -762,3 +762,51 @@ def test_parameters_sharing_memory_are_gathered_not_written_twice(aliased: str) 
     engine.step(grads, shared)
     reference.step(grads, twins)
     np.testing.assert_array_equal(buffer, twin)
+
+
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_the_threaded_gemm_phase_gives_step_s_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy: a rotation phase large enough to be spread over threads with single-threaded BLAS
+    (``blas_threads.run_balanced``) gives the bits of per-parameter ``ar.step``, whose products run on BLAS's
+    own threads: each product is the same BLAS call either way."""
+    pytest.importorskip("threadpoolctl")
+    from adadiag_ref.optim import blas_threads
+
+    spread = []
+    real = blas_threads.run_balanced
+
+    def spread_over_two(tasks: Any, n_threads: Any = None) -> None:
+        spread.append(len(tasks))
+        real(tasks, n_threads=2)
+
+    monkeypatch.setattr("adadiag_ref.optim.engine.run_balanced", spread_over_two)
+    monkeypatch.setattr(blas_threads, "MIN_FLOPS", 0.0)
+    cfg = ar.make_config(name, update_freq=2, weight_decay=0.1)
+    shapes = [(160, 240), (240, 160), (160, 240), (96,)]
+    host_params, stream = _stream(shapes, np.float64, steps=3, seed=11)
+    params = [p.copy() for p in host_params]
+    engine = ar.Engine(params, cfg)
+    singles, states = [p.copy() for p in host_params], [ar.init(p, cfg) for p in host_params]
+    for k, grads in enumerate(stream):
+        engine.step(grads, params)
+        pairs = [ar.step(s, g, cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    assert spread and max(spread) >= 3  # the phases were spread, one job per matrix
+    for i, want in enumerate(singles):
+        _assert_close(params[i], want, True, np.float64)
+        _assert_states(engine.state(i), states[i], True, np.float64)
+
+
+def test_run_balanced_runs_every_job_once_and_raises_their_error() -> None:
+    from adadiag_ref.optim.blas_threads import run_balanced
+
+    done: list[int] = []
+    run_balanced([(float(k), lambda k=k: done.append(k)) for k in range(7)], n_threads=3)
+    assert sorted(done) == list(range(7))
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run_balanced([(1e9, fail), (1e9, lambda: done.append(99))], n_threads=2)
+    assert 99 in done  # the other thread's job ran

@@ -104,6 +104,7 @@ route and the array tail).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_name
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, native_module
 from ..config import BaseConfig
 from .batched_refresh import host_counts, refresh_bases
+from .blas_threads import run_balanced
 from .core import (
     _check_static,
     _where,
@@ -295,6 +297,23 @@ def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Arr
     if block.transposed:
         return _product(u, _transpose(P), out) if Q is None else _product(Q, _product(u, _transpose(P)), out)
     return _product(P, u, out) if Q is None else _product(_product(P, u), _transpose(Q), out)
+
+
+def _bases_part(bases: tuple[Array, Array | None], part: slice) -> tuple[Array, Array | None]:
+    """A block's ``(P, Q)`` stacks cut to the matrices ``part`` (the whole stacks for ``slice(None)``)."""
+    if part == slice(None):
+        return bases
+    P, Q = bases
+    return P[part], None if Q is None else Q[part]
+
+
+def _product_into(product: Callable[..., Array], b: int, block: _Block, source: Array, target: Array,
+                  part: slice) -> None:  # fmt: skip
+    """One job of a NumPy rotation phase: ``product`` of matrices ``part`` of a block's stack into ``target``'s."""
+    out = target[part]
+    made = product(b, block, source[part], out, part)
+    if made is not out:  # a refresh step's structured G~: a new array
+        out[...] = made
 
 
 def _transpose(x: Array) -> Array:
@@ -1097,30 +1116,34 @@ class Engine:
         u_rot, moments = found if found is not None else family.direction(state, g_row, t, self.cfg, xp)
         return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
-    def _per_block(
-        self, group: _FlatGroup, flat: Array, product: Callable[[int, _Block, Array, Array | None], Array]
-    ) -> Array:
-        """``flat`` with each rotation block's entries replaced by ``product(b, block, stack, out)`` of its stack
-        ``(k, a, b)`` (one batched call per block), the unrotated entries as they are; ``flat`` itself without
-        blocks.  On NumPy each block's last product is written into its slice of one new flat array (``out``),
-        not concatenated afterwards (a copy of the group fewer)."""
+    def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[..., Array]) -> Array:
+        """``flat`` with each rotation block's entries replaced by ``product(b, block, stack, out, part)`` of its
+        stack ``(k, a, b)`` (``part``: which of the block's matrices ``stack`` holds; one batched call per block),
+        the unrotated entries as they are; ``flat`` itself without blocks.  On NumPy each matrix's last product is
+        written into its slice of one new flat array (``out``), not concatenated afterwards, and the products
+        are spread over threads with BLAS single-threaded (:func:`~adadiag_ref.optim.blas_threads.run_balanced`)."""
         if not group.blocks:
             return flat
         xp = self.xp
         if type(flat) is np.ndarray:
             result = np.empty(group.size, dtype=flat.dtype)
+            tasks = []
             for b, block in enumerate(group.blocks):
                 shape = (block.matrices, block.a, block.b)
-                target = result[block.start : block.stop].reshape(shape)
-                made = product(b, block, flat[block.start : block.stop].reshape(shape), target)
-                if made is not target:  # a refresh step's structured G~: a new array
-                    target[...] = made
+                span = slice(block.start, block.stop)
+                source, target = flat[span].reshape(shape), result[span].reshape(shape)
+                sides = min(block.a, block.b) + (max(block.a, block.b) if block.right else 0)
+                flops = 2.0 * block.a * block.b * sides  # P^T G (and G Q) of one matrix
+                for i in range(block.matrices):  # one job per matrix: the products are independent
+                    part = slice(i, i + 1)
+                    tasks.append((flops, functools.partial(_product_into, product, b, block, source, target, part)))
+            run_balanced(tasks)
             result[group.unrotated_start :] = flat[group.unrotated_start :]
             return result
         pieces = []
         for b, block in enumerate(group.blocks):
             stack = xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b))
-            pieces.append(xp.reshape(product(b, block, stack, None), (-1,)))
+            pieces.append(xp.reshape(product(b, block, stack, None, slice(None)), (-1,)))
         if group.unrotated_start < group.size:
             pieces.append(flat[group.unrotated_start :])
         return xp.concat(pieces)
@@ -1132,9 +1155,11 @@ class Engine:
         its exact structure, matrix by matrix), then the unrotated entries as they are."""
         xp = self.xp
 
-        def rotate(b: int, block: _Block, stack: Array, out: Array | None) -> Array:
+        def rotate(b: int, block: _Block, stack: Array, out: Array | None, part: slice) -> Array:
             flags = refreshed.get((number, b), False)
-            r = _rotate_stack(stack, block, *stacks[b], out if flags is False else None)
+            if flags is not True and flags is not False:
+                flags = flags[part]  # one flag per matrix
+            r = _rotate_stack(stack, block, *_bases_part(stacks[b], part), out if flags is False else None)
             if flags is False:
                 return r
             work = _transpose(r) if block.transposed else r
@@ -1145,8 +1170,8 @@ class Engine:
 
     def _unrotated(self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]]) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
-        return self._per_block(group, u_rot, lambda b, block, stack, out: _unrotate_stack(stack, block, *stacks[b],
-                                                                                           out))  # fmt: skip
+        return self._per_block(group, u_rot, lambda b, block, stack, out, part: _unrotate_stack(
+            stack, block, *_bases_part(stacks[b], part), out))  # fmt: skip
 
     def _commit(
         self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]], params: list[Array]
