@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["MIN_FLOPS", "run_balanced", "threads"]
+__all__ = ["MIN_FLOPS", "run_balanced", "spreads", "threads"]
 
 MIN_FLOPS = 5e7
 """A phase below this many flops runs in order: too short for the threads' hand-over (tens of microseconds) and
@@ -66,15 +66,22 @@ def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
         job()
 
 
+def spreads(flops: float, n_threads: int | None = None) -> bool:
+    """Whether :func:`run_balanced` would spread a phase of ``flops`` over threads (so that a caller with little
+    work hands over a few large jobs instead of one per product: each job costs microseconds of Python)."""
+    n = threads() if n_threads is None else n_threads
+    return n > 1 and flops >= MIN_FLOPS and _controller() is not None
+
+
 def run_balanced(tasks: Sequence[tuple[float, Callable[[], None]]], n_threads: int | None = None) -> None:
     """Run every ``(flops, job)`` of ``tasks``: spread over ``n_threads`` (default :func:`threads`) threads with BLAS
     single-threaded where that pays (module docstring), else in order here.  Jobs must be independent; the first
     error a job raises is raised here once every thread is done."""
     n = threads() if n_threads is None else n_threads
-    controller = _controller()
-    if n <= 1 or len(tasks) < 2 or controller is None or sum(cost for cost, _ in tasks) < MIN_FLOPS:
+    if len(tasks) < 2 or not spreads(sum(cost for cost, _ in tasks), n):
         _run_all([job for _, job in tasks])
         return
+    controller = _controller()
     n = min(n, len(tasks))
     shares: list[list[Callable[[], None]]] = [[] for _ in range(n)]
     loads = [0.0] * n

@@ -116,7 +116,7 @@ from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_name
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, native_module
 from ..config import BaseConfig
 from .batched_refresh import host_counts, refresh_bases
-from .blas_threads import run_balanced
+from .blas_threads import run_balanced, spreads
 from .core import (
     _check_static,
     _where,
@@ -1127,16 +1127,19 @@ class Engine:
         xp = self.xp
         if type(flat) is np.ndarray:
             result = np.empty(group.size, dtype=flat.dtype)
+            costs = [2.0 * block.a * block.b * (min(block.a, block.b) + (max(block.a, block.b) if block.right else 0))
+                     for block in group.blocks]  # P^T G (and G Q) of one matrix  # fmt: skip
+            spread = spreads(sum(c * block.matrices for c, block in zip(costs, group.blocks, strict=True)))
             tasks = []
             for b, block in enumerate(group.blocks):
                 shape = (block.matrices, block.a, block.b)
                 span = slice(block.start, block.stop)
                 source, target = flat[span].reshape(shape), result[span].reshape(shape)
-                sides = min(block.a, block.b) + (max(block.a, block.b) if block.right else 0)
-                flops = 2.0 * block.a * block.b * sides  # P^T G (and G Q) of one matrix
-                for i in range(block.matrices):  # one job per matrix: the products are independent
-                    part = slice(i, i + 1)
-                    tasks.append((flops, functools.partial(_product_into, product, b, block, source, target, part)))
+                # spread: one job per matrix (the products are independent); else one call per block, in order
+                parts = [slice(i, i + 1) for i in range(block.matrices)] if spread else [slice(None)]
+                for part in parts:
+                    job = functools.partial(_product_into, product, b, block, source, target, part)
+                    tasks.append((costs[b] * (1 if spread else block.matrices), job))
             run_balanced(tasks)
             result[group.unrotated_start :] = flat[group.unrotated_start :]
             return result
