@@ -811,3 +811,23 @@ def test_run_balanced_runs_every_job_once_and_raises_their_error() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         run_balanced([(1e9, fail), (1e9, lambda: done.append(99))], n_threads=2)
     assert 99 in done  # the other thread's job ran
+
+
+def test_a_small_rotation_phase_is_one_call_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``blas_threads.MIN_FLOPS`` a NumPy rotation phase is not spread: one job per block (each a batched
+    call over the block's stack), not one per matrix, whose Python costs more than the products of small ones."""
+    from adadiag_ref.optim import blas_threads
+
+    jobs: list[int] = []
+    real = blas_threads.run_balanced
+
+    def record(tasks: Any, n_threads: Any = None) -> None:
+        jobs.append(len(tasks))
+        real(tasks, n_threads)
+
+    monkeypatch.setattr("adadiag_ref.optim.engine.run_balanced", record)
+    cfg = ar.make_config("adadiag", weight_decay=0.1)
+    params = [np.ones(s, np.float32) for s in [(8, 8)] * 5 + [(8, 20)] * 3]
+    engine = ar.Engine(params, cfg)
+    engine.step([np.full(p.shape, 0.5, np.float32) for p in params], params)
+    assert jobs and set(jobs) == {2}  # two blocks (8 x 8: five matrices; 8 x 20: three), per phase
