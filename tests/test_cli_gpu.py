@@ -309,3 +309,19 @@ def test_reproduce_on_cuda_quick(tmp_path: Path, capsys) -> None:
     assert doc["device"] == "cuda" and doc["machine"]["gpu"]
     assert {r["optimizer"] for r in doc["runs"]} == {"adamw", "adadiag"}
     assert all(math.isfinite(r["final_val_loss"]) for r in doc["runs"])
+
+
+def test_torch_engine_row_steps_the_engine_over_torch_tensors_on_the_cpu() -> None:
+    """``bench --gpu``'s ``torch_engine_adamw`` row: ``ar.Engine`` over torch parameters (on the CPU here: the
+    gathering path; on CUDA with CuPy the CUDA group kernels) writes them in place, as the adapter's AdamW would."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.memory import llama_parameters
+    from adadiag_ref.perf.gpu import _TorchEngineSteps
+    from adadiag_ref.perf.params import QUICK
+
+    steps = _TorchEngineSteps(torch, llama_parameters(QUICK), torch.device("cpu"))
+    before = [p.detach().clone() for p in steps.params]
+    steps()
+    steps()
+    assert steps.engine.count(0) == 2
+    assert all(not torch.equal(a, b) for a, b in zip(steps.params, before, strict=True))

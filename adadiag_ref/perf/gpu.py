@@ -17,6 +17,10 @@ two device synchronisations, divided by ``inner``):
 * ``torch_direct_adadiag``: AdaDiag written directly in torch ops (:func:`torch_direct_adadiag`:
   ``G~ = P^T G``, Adam moments, ``U~ = M / (sqrt(V) + eps)``, ``W -= lr P U~``; ``P`` fixed);
 * ``torch_adapter_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``: the torch adapter's ``opt.step()`` on CUDA;
+* ``torch_engine_adamw``: AdamW through :class:`adadiag_ref.Engine` over the torch CUDA parameters
+  (``engine.step(grads, params, check=False)``: with CuPy installed, the CUDA group kernels launched on torch's
+  stream, :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), the route the adapter could
+  take on CUDA;
 * ``optax_adamw``: ``optax.adamw`` jitted on the JAX GPU device; ``optax_adapter_adamw`` /
   ``optax_adapter_adadiag``: the optax adapter's ``adamw`` / ``adadiag`` (the latter through
   ``optax.transforms.partition`` with the adapter's ``adamw`` for the unrotated parameters), jitted.
@@ -237,6 +241,21 @@ def _torch_params(torch: Any, specs: list[ParamSpec], device: Any, seed: int = 3
         p.grad = torch.randn(s.shape, generator=gen, device=device)
         params.append(p)
     return params
+
+
+class _TorchEngineSteps:
+    """AdamW through :class:`adadiag_ref.Engine` over torch parameters on ``device``; a call is one
+    ``engine.step(grads, params, check=False)`` (the host counter: nothing read back), in place."""
+
+    def __init__(self, torch: Any, specs: list[ParamSpec], device: Any) -> None:
+        import adadiag_ref as ar
+
+        self.params = _torch_params(torch, specs, device)
+        self.grads = [p.grad for p in self.params]
+        self.engine = ar.Engine(self.params, ar.make_config("adamw", lr=LR, update_freq=None))
+
+    def __call__(self) -> None:
+        self.engine.step(self.grads, self.params, check=False)
 
 
 def _torch_adapter_step(
@@ -504,7 +523,7 @@ def run(
                   "elements": size, "rotated": len(rotated), "reps": reps, "inner": inner, "period": period},
     }  # fmt: skip
     n_rows = (
-        3 + len(CORE_OPTIMIZERS) + 2 + len(ADAPTER_OPTIMIZERS) + 3 + (2 * len(REFRESH_METHODS) + 6 if refresh else 0)
+        3 + len(CORE_OPTIMIZERS) + 3 + len(ADAPTER_OPTIMIZERS) + 3 + (2 * len(REFRESH_METHODS) + 6 if refresh else 0)
     )
     bar = tqdm(total=n_rows, desc="bench --gpu", file=sys.stderr, leave=False, disable=bar_disable(progress))
     with bar:
@@ -536,6 +555,7 @@ def run(
             "torch_fused_adamw": "torch.optim.AdamW(fused=True)",
             "torch_direct_adadiag": "adadiag, direct torch ops",
             **{f"torch_adapter_{n}": f"{n}, torch adapter opt.step()" for n in ADAPTER_OPTIMIZERS},
+            "torch_engine_adamw": "adamw, ar.Engine over torch CUDA tensors",
         }
 
         def measure_torch(key: str) -> float:
@@ -545,6 +565,8 @@ def run(
                 del params  # held by the optimizer: freed with it
             elif key == "torch_direct_adadiag":
                 fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
+            elif key == "torch_engine_adamw":
+                fn = _TorchEngineSteps(torch, specs, torch.device("cuda"))
             else:
                 fn = _torch_adapter_step(torch, key.removeprefix("torch_adapter_"), specs, rule)
             try:
@@ -571,6 +593,7 @@ def run(
                  "cupy_adadiag_pp": "cupy_adadiag", "cupy_adafacdiag": "cupy_adadiag", "cupy_hfacdiag": "cupy_adadiag",
                  "torch_direct_adadiag": "torch_fused_adamw", "torch_adapter_adamw": "torch_fused_adamw",
                  "torch_adapter_adadiag": "torch_direct_adadiag", "torch_adapter_adadiag_pp": "torch_adapter_adadiag",
+                 "torch_engine_adamw": "torch_fused_adamw",
                  "optax_adapter_adamw": "optax_adamw", "optax_adapter_adadiag": "optax_adamw"}  # fmt: skip
         for key, row in step.items():
             if "adamw" in key:
