@@ -10,7 +10,11 @@ a namespace call a kernel launch).
 * the namespace calls of a step without refresh do not depend on the number of layers, for every family (the
   factored ones step one stack per parameter shape);
 * a non-finite gradient names its parameter and leaves every state and parameter as it was;
-* ``routes()`` says which code runs; ``from_states`` takes states over; ``bench --gpu``'s CuPy rows run the engine.
+* ``routes()`` says which code runs; ``from_states`` takes states over; ``bench --gpu``'s CuPy rows run the engine;
+* the group kernels (NumPy, numba): a group without rotation stepped in place, a rotated group's tail written
+  through the parameters' addresses, nothing gathered but the rotated gradients: ``ar.step``'s bits for any
+  shapes, chunk sizes and hyperparameters (hypothesis); snapshots, aliasing, strided views, an array ``lr`` and
+  ``in_place=False`` handled; the NumPy GEMM phase spread over threads with the same bits.
 """
 
 from __future__ import annotations
