@@ -181,40 +181,23 @@ def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr,
                    decay)  # fmt: skip
 
 
-@_kernels._inline
-def _tail_span(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """``W <- W + (-eta)(D + lambda W)`` over one member's span (indexed from 0: vectorised)."""
-    for k in range(D.shape[0]):
-        w = W[k]
-        W[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
-
-
 def _engine_tail(w_at, chunks, offsets, D, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """The tail of a rotated flat group in place: ``W <- W + (-eta)(D + lambda W)`` in each member's own memory,
-    ``D = P U~ Q^T`` the group's flat direction (the members' spans at their offsets)."""
+    ``D = P U~ Q^T`` the group's flat direction (the members' spans at their offsets), per span the shared
+    :func:`adadiag_ref._kernels.apply_direction_flat`."""
     for c in prange(chunks.shape[0]):
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
         o = offsets[i]
-        _tail_span(_array(w_at[i], hi, D)[lo:hi], D[o + lo : o + hi], neg_lr, wd, decay)
-
-
-@_kernels._inline
-def _count_nonfinite(g):  # type: ignore[no-untyped-def]
-    """The NaN and Inf entries of one span: ``x - x`` is 0 for every finite ``x`` and NaN otherwise, and an
-    integer sum of that comparison vectorises (``np.isfinite`` per entry did not: 6x slower)."""
-    count = 0
-    for k in range(g.shape[0]):
-        x = g[k]
-        count += (x - x) != 0
-    return count
+        _kernels.apply_direction_flat(_array(w_at[i], hi, D)[lo:hi], D[o + lo : o + hi], neg_lr, wd, decay)
 
 
 def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
-    """The number of NaN or Inf entries of the members' gradients (one read of each)."""
+    """The number of NaN or Inf entries of the members' gradients (one read of each), per span the shared
+    :func:`adadiag_ref._kernels._nonfinite_count_flat`."""
     total = 0
     for c in prange(chunks.shape[0]):
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        total += _count_nonfinite(_array(g_at[i], hi, like)[lo:hi])
+        total += _kernels._nonfinite_count_flat(_array(g_at[i], hi, like)[lo:hi])
     return total
 
 
