@@ -530,12 +530,14 @@ def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, d
 def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch):
     """A forked child inherits the helper pool's object but none of its threads; the route makes a new pool there
     instead of queueing work nobody runs (a hang)."""
+    from adadiag_ref.optim import blas_threads
     from adadiag_ref.optim.families.adam import torch_route
 
-    workers = torch_route._Workers()
+    assert isinstance(torch_route._WORKERS, blas_threads.Workers)  # the route's pool (shared with the GEMM phases)
+    workers = blas_threads.Workers()
     pool = workers.get(1)
     assert workers.get(1) is pool
-    monkeypatch.setattr(torch_route.os, "getpid", lambda: -1)  # as seen from a child process
+    monkeypatch.setattr(blas_threads.os, "getpid", lambda: -1)  # as seen from a child process
     child_pool = workers.get(1)
     assert child_pool is not pool and child_pool.submit(lambda: 7).result(timeout=10) == 7
     pool.shutdown()

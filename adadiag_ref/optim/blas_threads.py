@@ -20,16 +20,43 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["MIN_FLOPS", "run_balanced", "spreads", "threads"]
+__all__ = ["MIN_FLOPS", "Workers", "balanced", "run_balanced", "spreads", "threads"]
+
+T = TypeVar("T")
 
 MIN_FLOPS = 5e7
 """A phase below this many flops runs in order: too short for the threads' hand-over (tens of microseconds) and
 the BLAS thread switch to pay."""
 
-_STATE: dict[str, Any] = {"pool": None, "pid": None, "controller": None}
-_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"controller": None}
+
+
+class Workers:
+    """Persistent helper threads: created on first use, grown on demand, idle between calls, and made anew in a
+    forked child (whose copy of the pool has no threads behind it).  This module's GEMM phases and the torch
+    adapter's CPU kernels (``families/adam/torch_route.py``) each keep one."""
+
+    def __init__(self, prefix: str = "adadiag-ref") -> None:
+        self.pool: Any = None
+        self.size = 0
+        self.pid = 0
+        self.prefix = prefix
+        self.lock = threading.Lock()
+
+    def get(self, n: int) -> ThreadPoolExecutor:
+        with self.lock:
+            if self.pool is None or self.size < n or self.pid != os.getpid():
+                old, self.pool, self.size = self.pool, ThreadPoolExecutor(n, thread_name_prefix=self.prefix), n
+                if old is not None and self.pid == os.getpid():
+                    old.shutdown(wait=False)
+                self.pid = os.getpid()
+            pool: ThreadPoolExecutor = self.pool
+            return pool
+
+
+_WORKERS = Workers("adadiag-ref-blas")
 
 
 def threads() -> int:
@@ -52,13 +79,16 @@ def _controller() -> Any:
     return _STATE["controller"] or None
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    with _LOCK:  # a fork's child makes its own threads
-        if _STATE["pool"] is None or _STATE["pid"] != os.getpid() or _STATE["pool"]._max_workers < n:
-            _STATE["pool"] = ThreadPoolExecutor(n, thread_name_prefix="adadiag-ref-blas")
-            _STATE["pid"] = os.getpid()
-        pool: ThreadPoolExecutor = _STATE["pool"]
-        return pool
+def balanced(items: Sequence[T], weight: Callable[[T], float], k: int) -> list[list[T]]:
+    """``items`` in at most ``k`` groups of near-equal total ``weight``: the heaviest first, each to the lightest
+    group so far (longest processing time first); the empty groups left out."""
+    groups: list[list[T]] = [[] for _ in range(k)]
+    loads = [0.0] * k
+    for item in sorted(items, key=lambda it: -weight(it)):
+        j = loads.index(min(loads))
+        groups[j].append(item)
+        loads[j] += weight(item)
+    return [g for g in groups if g]
 
 
 def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
@@ -82,15 +112,9 @@ def run_balanced(tasks: Sequence[tuple[float, Callable[[], None]]], n_threads: i
         _run_all([job for _, job in tasks])
         return
     controller = _controller()
-    n = min(n, len(tasks))
-    shares: list[list[Callable[[], None]]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for cost, job in sorted(tasks, key=lambda task: -task[0]):  # longest first, to the least loaded
-        k = loads.index(min(loads))
-        shares[k].append(job)
-        loads[k] += cost
+    shares = [[job for _, job in share] for share in balanced(tasks, lambda task: task[0], min(n, len(tasks)))]
     with controller.limit(limits=1, user_api="blas"):
-        futures = [_pool(n - 1).submit(_run_all, share) for share in shares[1:]]
+        futures = [_WORKERS.get(len(shares) - 1).submit(_run_all, share) for share in shares[1:]]
         try:
             _run_all(shares[0])
         finally:

@@ -43,6 +43,7 @@ from threadpoolctl import ThreadpoolController
 
 from .. import _kernels
 from ..memory import ParamSpec
+from ..optim.blas_threads import balanced
 from ..optim.families.adam import numba_route as adam_kernels
 from .params import coefficients, is_rotated, work_shape
 
@@ -76,14 +77,9 @@ class AdamWEngine:
 
 
 def balanced_groups(items: list[dict[str, np.ndarray]], k: int) -> list[list[dict[str, np.ndarray]]]:
-    """The matrices in ``k`` groups of near-equal GEMM work (``m^2 n`` each): largest first, to the lightest group."""
-    groups: list[list[dict[str, np.ndarray]]] = [[] for _ in range(k)]
-    load = [0] * k
-    for it in sorted(items, key=lambda it: -(it["P"].shape[0] ** 2) * it["G"].shape[1]):
-        j = load.index(min(load))
-        groups[j].append(it)
-        load[j] += it["P"].shape[0] ** 2 * it["G"].shape[1]
-    return [g for g in groups if g]
+    """The matrices in ``k`` groups of near-equal GEMM work (``m^2 n`` each): largest first, to the lightest group
+    (:func:`adadiag_ref.optim.blas_threads.balanced`, which the core engine's GEMM phases use too)."""
+    return balanced(items, lambda it: float(it["P"].shape[0] ** 2 * it["G"].shape[1]), k)
 
 
 class AdaDiagEngine:

@@ -18,7 +18,6 @@ thread.  Every entry is computed by the same code whatever the cut, so the bits 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -28,6 +27,7 @@ from .... import _kernels
 from ...._kernels import alike, flat, vml
 from ...._xp import Array
 from ....config import BaseConfig
+from ...blas_threads import Workers
 from ...layout import from_work
 from ...rotation import unrotate
 from ...schedules import beta_hats
@@ -94,27 +94,7 @@ def _scratch(dtype: Any) -> Any:
     return block
 
 
-class _Workers:
-    """Persistent helper threads for :func:`_split`: created on first use, grown on demand, idle between calls,
-    and made anew in a forked child (whose copy of the pool has no threads behind it)."""
-
-    def __init__(self) -> None:
-        self.pool: Any = None
-        self.size = 0
-        self.pid = 0
-
-    def get(self, n: int) -> Any:
-        if self.pool is None or self.size < n or self.pid != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
-
-            old, self.pool, self.size = self.pool, ThreadPoolExecutor(n, thread_name_prefix="adadiag-ref"), n
-            if old is not None and self.pid == os.getpid():
-                old.shutdown(wait=False)
-            self.pid = os.getpid()
-        return self.pool
-
-
-_WORKERS = _Workers()
+_WORKERS = Workers()  # helper threads for _split
 _COMPILED: set[tuple[Any, Any]] = set()
 
 
