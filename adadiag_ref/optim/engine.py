@@ -1030,17 +1030,16 @@ class Engine:
                 flat_params.append(None)
                 continue
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
+            g_rot = self._rotated(group, number, g, stacks, refreshed)
+            t = host_step(group.count, group.dtype, xp)
             if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
-                t = host_step(group.count, group.dtype, xp)
-                u_rot, moments = self._direction(group, self._rotated(group, number, g, stacks, refreshed), t)
+                u_rot, moments = self._direction(group, g_rot, t)
                 tails[number] = self._unrotated(group, u_rot, stacks)
                 moments_out.append(moments)
                 flat_params.append(None)
                 continue
             w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
-            g_rot = self._rotated(group, number, g, stacks, refreshed)
-            t = host_step(group.count, group.dtype, xp)
             fused = self._fused_update(group, g, w, t, eta)
             if fused is not None:
                 delta, moments = fused

@@ -42,6 +42,7 @@ import numpy as np
 from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
+from ...._kernels import scalar
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
@@ -277,7 +278,7 @@ class CudaGroup:
 
     def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
         w_at, _, eta = prepared
-        neg_lr, wd = np.asarray(-eta, self.dtype)[()], np.asarray(self.cfg.weight_decay, self.dtype)[()]
+        neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         decay, dtype = decays(self.cfg), self.dtype.name
         flag = self.always if proceed is None else proceed
         self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
