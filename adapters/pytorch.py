@@ -54,7 +54,7 @@ from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
 from adadiag_ref.optim.dispatch import direction as family_direction
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.families.adam import group_route
+from adadiag_ref.optim.families.adam import cupy_group, group_route
 from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
 from adadiag_ref.optim.layout import (
     Layout,
@@ -265,6 +265,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
         self._host_plan: _HostPlan | None = None  # the routes resolved once (:meth:`_resolve_routes`)
+        self._group_kernels: dict[tuple[Any, ...], Any] = {}  # CUDA group kernels per batch (:func:`_launch_group`)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
@@ -297,6 +298,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._configs = {}
         self._frames = {}
         self._host_plan = None
+        self._group_kernels = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
         self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
@@ -437,11 +439,23 @@ class CoreOptimizer(torch.optim.Optimizer):
         frames: dict[int, _Frame] = {}
         plans = []
         commits: list[tuple[Callable[[], None], list[_Batched]]] = []
+        launched: list[tuple[Callable[[], None], list[_Batched]]] = []  # by the CUDA group kernels, gated
+        gate = None  # on the device: every gradient's sum is finite (made when a launch needs it)
         for key, batch in batches.items():
             adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
             if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
+            if adam and not deferred:  # the unrotated members in place by one launch, where the kernels take them
+                if gate is None and verdict is not None:
+                    gate = verdict[1].all()
+                taken, relaunch, batch = _launch_group(batch, self._group_kernels, self._frames, frames, gate)
+                if taken:
+                    launched.append((relaunch, taken))
+                    if verdict is None:
+                        self._commit_batch(lambda: None, taken)  # written already: the counters advance
+                if not batch:
+                    continue
             if adam:
                 commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
             else:
@@ -449,7 +463,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             if verdict is None:
                 self._commit_batch(*commits.pop())
         if verdict is not None:  # every batch's work is queued: now the one synchronisation of the step
-            self._raise_if_nonfinite(work, verdict)
+            clean = self._raise_if_nonfinite(work, verdict)
+            for relaunch, taken in launched:
+                if not clean:  # finite gradients whose sum overflowed: the gate held the launch back
+                    relaunch()
+                self._commit_batch(lambda: None, taken)
             for commit, batch in commits:
                 self._commit_batch(commit, batch)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
@@ -494,6 +512,19 @@ class CoreOptimizer(torch.optim.Optimizer):
                 reason = _host_route_refusal(p, flat, cfg, foreach, sharded, layout, xp)
                 if sharded:
                     moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
+                elif (
+                    foreach
+                    and family_of(cfg) is ADAM_FAMILY
+                    and not rotated
+                    and layout is not None
+                    and _addressable(p, flat, layout, xp)
+                    and _group_kernels_for(cfg, p.dtype, (p.numel(),), p.device) is not None
+                ):
+                    moments = (
+                        "CUDA group kernel (cupy_group, moments by address: one launch for the group's unrotated "
+                        "parameters of a step, W, M, V in place; foreach multi-tensor on a refresh step's new state "
+                        "or a gradient of another dtype or not dense)"
+                    )
                 elif foreach and family_of(cfg) is ADAM_FAMILY:
                     moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
                 elif foreach:
@@ -654,18 +685,20 @@ class CoreOptimizer(torch.optim.Optimizer):
         sums = _sharded.agree(torch.stack([r.to(device) for r in reductions]), [item.grad for item in work])
         return order, torch.isfinite(sums)
 
-    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> None:
+    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> bool:
         """Read the verdict (the one synchronisation of a step without refresh) and raise ``ValueError`` naming
-        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient."""
+        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient.  Returns
+        whether every gradient's sum was finite (``False``: finite entries whose sum overflowed, so the device
+        gate ``all(finite)`` held back what it gates)."""
         if verdict is None:
-            return
+            return True
         order, finite = verdict
         if bool(finite.all()):
-            return
+            return True
         suspects = [work[order[int(i)]] for i in torch.nonzero(~finite).flatten()]
         bad = next((item for item in suspects if not _sharded.all_finite(item.grad)), None)
         if bad is None:  # finite entries whose sum overflowed
-            return
+            return False
         raise ValueError(
             f"gradient of {bad.where} contains NaN or Inf at step {int(bad.flat['step']) + 1}; "
             "no parameter and no optimizer state was changed"
@@ -1382,6 +1415,102 @@ def _host_number(x: Any) -> float:
     return float(x)
 
 
+def _group_kernels_for(cfg: BaseConfig, dtype: torch.dtype, sizes: tuple[int, ...], device: torch.device) -> Any:
+    """The Adam family's CUDA group kernels (:class:`~adadiag_ref.optim.families.adam.cupy_group.CudaGroup`
+    through its :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`) for members of ``sizes``
+    entries on ``device``, or ``None``: not a CUDA device, CuPy not installed, ``kernels="reference"``, or not
+    float32/float64 (the factory the engine uses for torch CUDA tensors)."""
+    return cupy_group.engine_group(cfg, dtype, list(sizes), device, torch_namespace())
+
+
+def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, xp: Any) -> bool:
+    """Whether entry ``j`` of ``p``'s memory is entry ``j`` of its moments' (the group kernel's addressing): ``p``
+    dense, and ``M``, ``V`` of its state dense in ``p``'s shape (an unrotated moment is kept in the work frame,
+    which is ``p`` transposed for a tall matrix)."""
+    moments = [flat.get(name) for name in ("M", "V")]
+    return p.is_contiguous() and all(
+        m is not None and m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in moments
+    )
+
+
+def _host_betas(state: Any, cfg: BaseConfig) -> tuple[float, float, float, float]:
+    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``state.count`` (the host counter), computed by the
+    core's torch code as ``prepare_step`` computes ``t``, as exact Python floats."""
+    t = torch_namespace().astype(state.count + 1, state.M.dtype)
+    b1_t, b2_t = beta_hats(cfg, t, torch_namespace())
+    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
+    return b1, b2, c1, c2
+
+
+def _launch_group(
+    batch: list[_Batched],
+    kernels: dict[tuple[Any, ...], Any],
+    cache: Mapping[int, _Frame],
+    frames: dict[int, _Frame],
+    gate: torch.Tensor | None,
+) -> tuple[list[_Batched], Callable[[], None], list[_Batched]]:
+    r"""The Adam family's step of the unrotated members of ``batch`` (one group, device, dtype pair and step) on
+    CUDA by **one launch** of the group kernel (:func:`~adadiag_ref.optim.families.adam.cupy_group.step_source`,
+    ``moments="address"``), whatever their number: entry ``j`` of member ``s`` reads ``G``, ``W``, ``M``, ``V``
+    through the members' addresses and writes::
+
+        M_t = b1_t M + (1 - b1_t) G,   V_t = b2_t V + (1 - b2_t) G^2,   U = M_t / (sqrt(V_t) + eps)
+        W  <- W + (-eta) (U + lambda W)                      (lambda W only when lambda != 0)
+
+    in place: 7 array passes per entry, the arithmetic of :func:`_foreach_adam` operation for operation (IEEE,
+    no contraction: ``--fmad=false``), so the same bits, with ``b_t`` the same host numbers (:func:`_host_betas`).
+    ``gate``: ``None``, or the step's finiteness verdict as a 0-d device boolean; the kernel writes nothing
+    where it is false, so the verdict is read once, after the launch is queued.
+
+    Returns ``(taken, relaunch, rest)``: the members launched, the launch again without the gate (for finite
+    gradients whose sums overflowed), and the members left to :func:`_foreach_adam` (rotated, refreshed or
+    new, another dtype than their state).  Nothing is launched, and ``taken`` is empty, where the kernels are
+    not available (:func:`_group_kernels_for`) or cannot address every member (a non-contiguous tensor, an
+    array learning rate)."""
+    first = batch[0]
+    cfg, dtype, device = first.item.cfg, first.state.M.dtype, first.item.p.device
+    available = kernels.get((cfg, dtype, device))  # asked once per config, dtype and device: no work per member
+    if available is None:
+        available = kernels[(cfg, dtype, device)] = _group_kernels_for(cfg, dtype, (1,), device) is not None
+    if not available:
+        return [], lambda: None, batch
+    taken: list[_Batched] = []
+    rest: list[_Batched] = []
+    moments, seconds = [], []
+    for entry in batch:
+        state, item = entry.state, entry.item
+        plain = state.P is None and state.Q is None and not (entry.refreshed or entry.new_bases or item.fresh)
+        alike = item.p.dtype == dtype and item.grad.dtype == dtype and state.V.dtype == dtype
+        if plain and alike and item.p.is_contiguous() and item.grad.is_contiguous():
+            layout = layout_for(tuple(item.p.shape), cfg)
+            m, v = (_param_frame(x, layout, cache, frames) for x in (state.M, state.V))
+            if m.is_contiguous() and v.is_contiguous():  # entry j of W's memory is entry j of theirs
+                taken.append(entry)
+                moments.append(m)
+                seconds.append(v)
+                continue
+        rest.append(entry)
+    if not taken:
+        return [], lambda: None, batch
+    sizes = tuple(entry.item.p.numel() for entry in taken)
+    key = (sizes, dtype, device, cfg)
+    group = kernels.get(key)
+    if group is None:
+        group = _group_kernels_for(cfg, dtype, sizes, device)
+        if group is None:
+            return [], lambda: None, batch
+        if len(kernels) >= _CONFIG_CACHE_SIZE:
+            kernels.clear()
+        kernels[key] = group
+    prepared = group.prepare([e.item.p for e in taken], [e.item.grad for e in taken], learning_rate(cfg, first.item.lr))
+    tables = None if prepared is None else group.moment_tables(moments, seconds)
+    if tables is None:
+        return [], lambda: None, batch
+    b1, b2, _, _ = _host_betas(first.state, cfg)
+    group.step_at(prepared, tables, b1, b2, gate)
+    return taken, lambda: group.step_at(prepared, tables, b1, b2), rest
+
+
 def _foreach_adam(
     batch: list[_Batched], count: int, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
 ) -> Callable[[], None]:
@@ -1485,10 +1614,7 @@ def _foreach_plan(
     """The host side of :func:`_foreach_adam`: ``b_t`` from the host counter, the moments' frames."""
     first = batch[0]
     cfg = first.item.cfg
-    xp = torch_namespace()
-    t = xp.astype(first.state.count + 1, first.state.M.dtype)  # prepare_step's t, from the host counter
-    b1_t, b2_t = beta_hats(cfg, t, xp)
-    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
+    b1, b2, c1, c2 = _host_betas(first.state, cfg)  # prepare_step's t, from the host counter
     layouts = [layout_for(tuple(entry.item.p.shape), cfg) for entry in batch]
     moments, seconds = [], []
     for entry, layout in zip(batch, layouts, strict=True):

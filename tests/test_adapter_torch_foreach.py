@@ -322,3 +322,41 @@ def test_foreach_on_cuda_matches_the_per_parameter_route(name, dtype):
         assert set(sa) == set(sb)
         for key in sa:
             torch.testing.assert_close(sa[key].cpu(), sb[key].cpu(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_group_kernel_gives_the_per_parameter_bits(dtype, weight_decay):
+    """With CuPy installed, AdamW's device route steps a group's parameters by one launch of the CUDA group kernel
+    (``opt.routes()`` says so): bit for bit the per-parameter route (``foreach=False``: ``ar.update_in_place``
+    in torch's own CUDA ops, IEEE and correctly rounded as the kernel, built with ``--fmad=false``); a NaN then
+    changes nothing and names the parameter."""
+    pytest.importorskip("cupy")
+    w0, grads = _streams(dtype)
+    results = []
+    for foreach in (False, None):
+        params = [torch.nn.Parameter(w.clone().cuda()) for w in w0]
+        opt = _optimizer("adamw", params, foreach, weight_decay)
+        for gs in grads:
+            for p, g in zip(params, gs, strict=True):
+                p.grad = g.cuda()
+            opt.step()
+        results.append((params, opt))
+    (ref_params, ref_opt), (params, opt) = results
+    assert all("CUDA group kernel" in entry["moments"] for entry in opt.routes().values())
+    for p, q in zip(ref_params, params, strict=True):
+        assert torch.equal(p, q)
+        for key in ("M", "V"):
+            assert torch.equal(ref_opt.state[p][key], opt.state[q][key])
+    before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in ("M", "V")]
+    bad = grads[0][1].clone().cuda()
+    bad.view(-1)[0] = float("nan")
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g.cuda()
+    params[1].grad = bad
+    with pytest.raises(ValueError, match="contains NaN or Inf"):
+        opt.step()
+    after = [p.detach() for p in params] + [opt.state[p][k] for p in params for k in ("M", "V")]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

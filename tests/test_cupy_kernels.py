@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -890,14 +891,18 @@ def test_group_step_kernel_carries_the_in_place_kernels_arithmetic(monkeypatch: 
     monkeypatch.setattr(ck, "elementwise", lambda *source: source)
     for decay in (False, True):
         _, _, _, in_place = adam_route._step_in_place_kernel(decay)
-        source = cupy_group.step_source("float32", decay)
-        for line in adam_route.ADAM_ENTRY.splitlines():
-            assert not line or line in source, line
-        tail = ck.tail_expression("u", "w", decay)
-        assert f"W = w + {tail};" in in_place and f"wp[j] = w + {tail};" in source
-        assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
-        assert "const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];" in source
-        assert "if (!proceed[0]) return;" in source
+        for moments, at in (("flat", "i"), ("address", "j")):  # the engine's flat moments, the adapter's own
+            source = cupy_group.step_source("float32", decay, moments)
+            for line in adam_route.ADAM_ENTRY.splitlines():
+                assert not line or line in source, line
+            tail = ck.tail_expression("u", "w", decay)
+            assert f"W = w + {tail};" in in_place and f"wp[j] = w + {tail};" in source
+            assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
+            assert f"const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];" in source
+            assert f"mp[{at}] = m; vp[{at}] = v;" in source
+            assert "if (!proceed[0]) return;" in source
+    with pytest.raises(ValueError, match="moments must be"):
+        cupy_group.step_source("float32", False, "gathered")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -911,6 +916,8 @@ def test_group_kernel_sources_compile_with_nvrtc(
     from adadiag_ref.optim.families.adam import cupy_group
 
     sources = {cupy_group._name("step", dtype, d): cupy_group.step_source(dtype, d) for d in (False, True)}
+    sources.update({cupy_group._name("step_at", dtype, d): cupy_group.step_source(dtype, d, "address")
+                    for d in (False, True)})  # fmt: skip
     sources[cupy_group._name("nonfinite", dtype)] = cupy_group.nonfinite_source(dtype)
     sources.update({cupy_group._name("tail", dtype, d): cupy_group.tail_source(dtype, d) for d in (False, True)})
     for name, source in sources.items():
@@ -1165,6 +1172,151 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, tmp_pat
     after = [p._array for p in params] + [engine.state(i).M._array for i in range(len(params))]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class _TorchHostLauncher(_HostLauncher):
+    """:class:`_HostLauncher` over torch CPU tensors, as :class:`~adadiag_ref.optim.families.adam.cupy_group.
+    TorchCudaLauncher` over CUDA ones: the tensors' own memory as the kernels' pointers, small arrays as torch
+    tensors."""
+
+    def __init__(self, tmp_path: Any) -> None:
+        super().__init__(tmp_path, None)
+        import torch
+
+        self.torch = torch
+
+    @staticmethod
+    def host(a: Any) -> np.ndarray:
+        return a if isinstance(a, np.ndarray) else a.numpy()
+
+    def address(self, a: Any) -> int | None:
+        return int(a.data_ptr()) if a.is_contiguous() else None
+
+    def upload(self, table: np.ndarray) -> Any:
+        return self.torch.from_numpy(table.astype(np.int64))
+
+    def zeros_int32(self) -> Any:
+        return self.torch.zeros((), dtype=self.torch.int32)
+
+    def true(self) -> Any:
+        return self.torch.ones((), dtype=self.torch.bool)
+
+
+def _numpy_step(opt: Any, p: Any, cfg: Any, grad: np.ndarray, lr: float) -> tuple[np.ndarray, Any]:
+    """``ar.step`` on NumPy copies of ``p`` and its adapter state: the reference of one kernel step."""
+    from adapters.pytorch import to_core_state
+
+    state = to_core_state(opt.state[p], cfg)
+    state = state._replace(
+        **{f: getattr(state, f).numpy().copy() for f in ("M", "V")}, count=state.count.numpy().copy()
+    )
+    for f in ("P", "Q"):
+        if getattr(state, f) is not None:
+            state = state._replace(**{f: getattr(state, f).numpy().copy()})
+    return ar.step(state, grad, cfg, p.detach().numpy().copy(), lr=lr)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["adamw", "adadiag"])
+def test_the_torch_adapter_steps_its_unrotated_parameters_by_one_group_launch(
+    name: str, dtype: str, weight_decay: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch adapter's device route (``foreach=True``) steps the unrotated parameters of a step with the CUDA
+    group kernel (moments by address: the parameters' own ``M``, ``V``), here compiled for the host and launched
+    over CPU tensors: one launch per step whatever the number of parameters, each step the bits of ``ar.step``
+    on NumPy from the same state (IEEE, correctly rounded root: as CUDA's, where torch's CPU root is VML's), and
+    a rotated parameter (AdaDiag) the bits of the foreach route.  Then a NaN: the launch was queued, gated by the
+    device verdict, and wrote nothing; the error names the parameter; and finite gradients whose sum overflows
+    (the verdict's suspicion) are stepped after all."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
+    from adapters import pytorch as tp
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    rng = np.random.default_rng(3)
+    # AdaDiag (max_basis_dim=8): (6, 5) rotated; (9, 20) unrotated; (20, 9) unrotated, its moments made dense in
+    # the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j of its
+    # memory is not entry j of theirs, so the kernel leaves it to the foreach route
+    shapes = [(6, 5), (20,), (7,), ()] if name == "adamw" else [(6, 5), (9, 20), (20, 9)]
+    by_kernel = [True] * 4 if name == "adamw" else [False, True, False]
+    values = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    stream = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(7)]
+    lr, options = 1e-2, {"weight_decay": weight_decay, "update_freq": 3, **({} if name == "adamw" else
+                                                                          {"max_basis_dim": 8})}  # fmt: skip
+
+    def make() -> tuple[Any, list[Any]]:
+        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+        return tp.optimizer_class(name)(params, lr=lr, foreach=True, **options), params
+
+    reference, ref_params = make()  # the foreach route throughout (no group kernels on the CPU)
+    foreach_route = []
+    for grads in stream:
+        for q, g in zip(ref_params, grads, strict=True):
+            q.grad = torch.from_numpy(g.copy())
+        reference.step()
+        foreach_route.append([q.detach().numpy().copy() for q in ref_params])
+    launcher = _TorchHostLauncher(tmp_path)
+    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(cfg, dtype, list(sizes),
+                                                                                           launcher))  # fmt: skip
+    opt, params = make()
+    # the reference: ar.step's reference arithmetic on NumPy, with b_t computed as the adapter computes them (the
+    # core's torch code on the host counter; torch's pow and NumPy's differ in the last bit at some t)
+    from adadiag_ref.optim import schedules
+    from adadiag_ref.optim.families.adam import reference as adam_reference
+
+    def torch_beta_hats(cfg: Any, t: Any, xp: Any) -> tuple[Any, Any]:
+        found = schedules.beta_hats(cfg, torch.from_numpy(np.asarray(t)), tp.torch_namespace())
+        return tuple(xp.asarray(b.numpy()) for b in found)  # type: ignore[return-value]
+
+    monkeypatch.setattr(adam_reference, "beta_hats", torch_beta_hats)
+    cfg = ar.make_config(name, lr=lr, kernels="reference", **options)
+    for k, grads in enumerate(stream):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = torch.from_numpy(g.copy())
+        wanted = [_numpy_step(opt, p, cfg, g, lr) if k and kernel else None
+                  for p, g, kernel in zip(params, grads, by_kernel, strict=True)]  # fmt: skip
+        launches = len(launcher.launches)
+        opt.step()
+        assert len(launcher.launches) - launches == (1 if k else 0)  # the first step makes the states
+        if not k and name != "adamw":
+            opt.state[params[2]].update({f: opt.state[params[2]][f].contiguous() for f in ("M", "V")})
+        for p, q, want, kernel in zip(params, foreach_route[k], wanted, by_kernel, strict=True):
+            if not kernel or not k:  # the foreach route's: another member, or the first step
+                np.testing.assert_array_equal(p.detach().numpy(), q, err_msg=f"step {k}")
+                continue
+            np.testing.assert_array_equal(p.detach().numpy(), want[0])
+            for field in ("M", "V"):
+                np.testing.assert_array_equal(opt.state[p][field].numpy(), getattr(want[1], field))
+    assert {n.split("_group_")[1] for n in launcher.launches} == {f"step_at{'_decay' if weight_decay else ''}_{dtype}"}
+    routes = opt.routes()
+    assert ["CUDA group kernel" in entry["moments"] for entry in routes.values()] == by_kernel
+
+    before = [p.detach().numpy().copy() for p in params] + [
+        opt.state[p][f].numpy().copy() for p in params for f in ("M", "V", "step")
+    ]
+    params[1].grad = torch.from_numpy(np.where(np.arange(stream[0][1].size).reshape(shapes[1]) == 4, np.nan,
+                                               stream[0][1]).astype(dtype))  # fmt: skip
+    launches = len(launcher.launches)
+    with pytest.raises(ValueError, match=r"gradient of parameter 1 of param_groups\[0\] contains NaN or Inf at step 8"):
+        opt.step()  # no refresh at t = 8 (T = 3: t = 1, 4, 7, ...), so the verdict is read after the launch
+    assert len(launcher.launches) == launches + 1
+    after = [p.detach().numpy() for p in params] + [opt.state[p][f].numpy() for p in params for f in ("M", "V", "step")]
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    huge = np.zeros(shapes[1], dtype=dtype)
+    huge.flat[:2] = np.finfo(dtype).max / 1.5  # finite entries whose sum of |G| overflows: a suspicion, not a NaN
+    for p, g in zip(params, stream[1], strict=True):
+        p.grad = torch.from_numpy(g.copy())
+    params[1].grad = torch.from_numpy(huge)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = _numpy_step(opt, params[1], cfg, huge, lr)
+    opt.step()
+    assert len(launcher.launches) == launches + 3  # gated, then again without the gate
+    np.testing.assert_array_equal(params[1].detach().numpy(), want[0])
+    np.testing.assert_array_equal(opt.state[params[1]]["V"].numpy(), want[1].V)
 
 
 def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:

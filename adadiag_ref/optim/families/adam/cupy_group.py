@@ -81,22 +81,37 @@ def _name(kind: str, dtype: str, decay: bool = False) -> str:
     return f"adadiag_adam_group_{kind}{'_decay' if decay else ''}_{dtype}"
 
 
-def step_source(dtype: str, decay: bool) -> str:
+def step_source(dtype: str, decay: bool, moments: str = "flat") -> str:
     """The CUDA source of the group step kernel for ``dtype`` (``"float32"``, ``"float64"``) and ``decay``
-    (``lambda != 0``: the reference adds ``lambda W`` only then)."""
-    body = ADAM_ENTRY + f"M[i] = m; V[i] = v; wp[j] = w + {ck.tail_expression('u', 'w', decay)};\n"
+    (``lambda != 0``: the reference adds ``lambda W`` only then).
+
+    ``moments``: ``"flat"``, the group's flat ``M``, ``V`` at the entry's place ``i`` (the engine's persistent
+    buffers); ``"address"``, each member's own ``M``, ``V`` through two more address tables at its place ``j``
+    (the torch adapter's per-parameter state tensors, in the parameter's memory order).  The same arithmetic."""
+    if moments not in ("flat", "address"):
+        raise ValueError(f"moments must be 'flat' or 'address', not {moments!r}")
+    flat = moments == "flat"
+    at = "i" if flat else "j"
+    body = ADAM_ENTRY + f"mp[{at}] = m; vp[{at}] = v; wp[j] = w + {ck.tail_expression('u', 'w', decay)};\n"
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
-        f'extern "C" __global__ void {_name("step", dtype, decay)}(\n'
+        f'extern "C" __global__ void {_name("step" if flat else "step_at", dtype, decay)}(\n'
         "    const unsigned long long* w_at, const unsigned long long* g_at, const long long* starts,\n"
-        "    const int members, const long long size, T* M, T* V, const bool* proceed,\n"
+        "    const int members, const long long size, "
+        + ("T* M, T* V" if flat else "const unsigned long long* m_at, const unsigned long long* v_at")
+        + ", const bool* proceed,\n"
         "    const T b1, const T c1, const T b2, const T c2, const T eps, const T neg_lr, const T wd) {\n"
         "  if (!proceed[0]) return;  // the verdict: a non-finite gradient somewhere, nothing written\n"
         + _LOOP
         + _LOCATE
         + "    T* wp = reinterpret_cast<T*>(w_at[lo]);\n"
-        "    const T x = reinterpret_cast<const T*>(g_at[lo])[j];\n"
-        "    const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];\n"
+        + (
+            "    T* mp = M; T* vp = V;\n"
+            if flat
+            else "    T* mp = reinterpret_cast<T*>(m_at[lo]); T* vp = reinterpret_cast<T*>(v_at[lo]);\n"
+        )
+        + "    const T x = reinterpret_cast<const T*>(g_at[lo])[j];\n"
+        f"    const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];\n"
         + "".join("    " + line + "\n" for line in body.splitlines() if line)
         + "  }\n}\n"
     )
@@ -241,8 +256,8 @@ class CudaGroup:
         key = tuple(addresses)
         kept = self._tables.get(which)
         if kept is None or kept[0] != key:
-            if which == "W" and not disjoint(key, self.sizes, self.dtype.itemsize):
-                return None  # parameters sharing memory: the gathering path
+            if which in ("W", "M", "V") and not disjoint(key, self.sizes, self.dtype.itemsize):
+                return None  # arrays sharing memory: the gathering path
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 
@@ -267,14 +282,31 @@ class CudaGroup:
         self._launch(_name("nonfinite", dtype), nonfinite_source(dtype), prepared[1], *self._members(), bad)
         return bad
 
+    def moment_tables(self, moments: Sequence[Any], seconds: Sequence[Any]) -> tuple[Any, Any] | None:
+        """The members' own ``M`` and ``V`` (one array per member, each in its parameter's memory order) as
+        address tables for :meth:`step_at`, or ``None`` unless the launcher can address each."""
+        m_at = self._table("M", moments)
+        v_at = None if m_at is None else self._table("V", seconds)
+        return None if v_at is None else (m_at, v_at)
+
     def step(self, prepared: tuple[Any, Any, Any], moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        w_at, g_at, eta = prepared
         b1_t, b2_t = beta_hats(self.cfg, t, np)
+        self._step(prepared, "flat", (moments["M"], moments["V"]), b1_t, b2_t, proceed)
+
+    def step_at(self, prepared: tuple[Any, Any, Any], tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
+                proceed: Any = None) -> None:  # fmt: skip
+        """:meth:`step` with the moments in the members' own arrays (``tables`` from :meth:`moment_tables`) and
+        the step's ``b1_t``, ``b2_t`` as the caller computed them (host numbers)."""
+        self._step(prepared, "address", tables, b1_t, b2_t, proceed)
+
+    def _step(self, prepared: tuple[Any, Any, Any], moments: str, where: tuple[Any, Any], b1_t: Any, b2_t: Any,
+              proceed: Any) -> None:  # fmt: skip
+        w_at, g_at, eta = prepared
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
         dtype = self.dtype.name
         flag = self.always if proceed is None else proceed
-        self._launch(_name("step", dtype, decay), step_source(dtype, decay), w_at, g_at, *self._members(),
-                     moments["M"], moments["V"], flag, *sc)  # fmt: skip
+        name = _name("step" if moments == "flat" else "step_at", dtype, decay)
+        self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where, flag, *sc)
 
     def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
         w_at, _, eta = prepared
