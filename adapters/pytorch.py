@@ -449,7 +449,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             if adam and not deferred:  # the unrotated members in place by one launch, where the kernels take them
                 if gate is None and verdict is not None:
                     gate = verdict[1].all()
-                taken, relaunch, batch = _launch_group(batch, self._group_kernels, self._frames, frames, gate)
+                taken, relaunch, batch = _launch_group(batch, key[-1], self._group_kernels, self._frames, frames,
+                                                       gate)  # fmt: skip
                 if taken:
                     launched.append((relaunch, taken))
                     if verdict is None:
@@ -515,15 +516,20 @@ class CoreOptimizer(torch.optim.Optimizer):
                 elif (
                     foreach
                     and family_of(cfg) is ADAM_FAMILY
-                    and not rotated
                     and layout is not None
-                    and _addressable(p, flat, layout, xp)
+                    and _addressable(p, flat, layout, rotated, xp)
                     and _group_kernels_for(cfg, p.dtype, (p.numel(),), p.device) is not None
                 ):
                     moments = (
-                        "CUDA group kernel (cupy_group, moments by address: one launch for the group's unrotated "
-                        "parameters of a step, W, M, V in place; foreach multi-tensor on a refresh step's new state "
-                        "or a gradient of another dtype or not dense)"
+                        "CUDA group kernel (cupy_group, by address: one launch for the step's unrotated parameters "
+                        "of the group, W, M, V in place"
+                        + (
+                            "; for its rotated ones one launch for M, V and U~ over G~, the GEMMs per parameter, one "
+                            "launch for the tail W <- W - eta (D + lambda W)"
+                            if rotated
+                            else ""
+                        )
+                        + "; foreach multi-tensor on a refresh step or a gradient of another dtype or not dense)"
                     )
                 elif foreach and family_of(cfg) is ADAM_FAMILY:
                     moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
@@ -1423,14 +1429,19 @@ def _group_kernels_for(cfg: BaseConfig, dtype: torch.dtype, sizes: tuple[int, ..
     return cupy_group.engine_group(cfg, dtype, list(sizes), device, torch_namespace())
 
 
-def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, xp: Any) -> bool:
-    """Whether entry ``j`` of ``p``'s memory is entry ``j`` of its moments' (the group kernel's addressing): ``p``
-    dense, and ``M``, ``V`` of its state dense in ``p``'s shape (an unrotated moment is kept in the work frame,
-    which is ``p`` transposed for a tall matrix)."""
+def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, rotated: bool, xp: Any) -> bool:
+    """Whether the group kernels can address ``p``'s step (:func:`_launch_group`): ``p`` dense; unrotated, its
+    moments dense in ``p``'s shape (entry ``j`` of ``p``'s memory is entry ``j`` of theirs; an unrotated moment is
+    kept in the work frame, which is ``p`` transposed for a tall matrix); rotated, ``M`` and ``V`` dense in one
+    memory order (``G~``'s, checked at each step)."""
     moments = [flat.get(name) for name in ("M", "V")]
-    return p.is_contiguous() and all(
-        m is not None and m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in moments
-    )
+    if not p.is_contiguous() or any(m is None for m in moments):
+        return False
+    M, V = moments
+    assert M is not None and V is not None
+    if rotated:
+        return M.stride() == V.stride() and _dense(M) is not None
+    return all(m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in (M, V))
 
 
 def _host_betas(state: Any, cfg: BaseConfig) -> tuple[float, float, float, float]:
@@ -1444,71 +1455,136 @@ def _host_betas(state: Any, cfg: BaseConfig) -> tuple[float, float, float, float
 
 def _launch_group(
     batch: list[_Batched],
+    count: int,
     kernels: dict[tuple[Any, ...], Any],
     cache: Mapping[int, _Frame],
     frames: dict[int, _Frame],
     gate: torch.Tensor | None,
 ) -> tuple[list[_Batched], Callable[[], None], list[_Batched]]:
-    r"""The Adam family's step of the unrotated members of ``batch`` (one group, device, dtype pair and step) on
-    CUDA by **one launch** of the group kernel (:func:`~adadiag_ref.optim.families.adam.cupy_group.step_source`,
-    ``moments="address"``), whatever their number: entry ``j`` of member ``s`` reads ``G``, ``W``, ``M``, ``V``
-    through the members' addresses and writes::
+    r"""The Adam family's step of ``batch`` (one group, device, dtype pair and step ``t``, ``count = t - 1``) on
+    CUDA by the group kernels (:mod:`~adadiag_ref.optim.families.adam.cupy_group`), launches independent of the
+    number of parameters, each entry reading and writing the tensors' own memory by address:
 
-        M_t = b1_t M + (1 - b1_t) G,   V_t = b2_t V + (1 - b2_t) G^2,   U = M_t / (sqrt(V_t) + eps)
-        W  <- W + (-eta) (U + lambda W)                      (lambda W only when lambda != 0)
+    - the unrotated members, **one launch** (:func:`~adadiag_ref.optim.families.adam.cupy_group.step_source`,
+      ``moments="address"``)::
 
-    in place: 7 array passes per entry, the arithmetic of :func:`_foreach_adam` operation for operation (IEEE,
-    no contraction: ``--fmad=false``), so the same bits, with ``b_t`` the same host numbers (:func:`_host_betas`).
-    ``gate``: ``None``, or the step's finiteness verdict as a 0-d device boolean; the kernel writes nothing
-    where it is false, so the verdict is read once, after the launch is queued.
+          M_t = b1_t M + (1 - b1_t) G,   V_t = b2_t V + (1 - b2_t) G^2,   U = M_t / (sqrt(V_t) + eps)
+          W  <- W + (-eta) (U + lambda W)                      (lambda W only when lambda != 0)
 
-    Returns ``(taken, relaunch, rest)``: the members launched, the launch again without the gate (for finite
-    gradients whose sums overflowed), and the members left to :func:`_foreach_adam` (rotated, refreshed or
-    new, another dtype than their state).  Nothing is launched, and ``taken`` is empty, where the kernels are
-    not available (:func:`_group_kernels_for`) or cannot address every member (a non-contiguous tensor, an
-    array learning rate)."""
+      7 array passes per entry;
+    - the rotated members: ``G~ = P^T G Q`` per parameter (the core's GEMMs, as :func:`_foreach_adam`), one launch
+      for ``M_t``, ``V_t`` and ``U~`` over ``G~`` in place
+      (:func:`~adadiag_ref.optim.families.adam.cupy_group.direction_source`), ``D = P U~ Q^T`` per parameter,
+      and one launch for the tail ``W <- W + (-eta)(D + lambda W)`` (``tail_source(direction="address")``).
+
+    The arithmetic of :func:`_foreach_adam` operation for operation (IEEE, ``--fmad=false``), with ``b_t`` the
+    same host numbers (:func:`_host_betas`) and the GEMMs on operands of the same layouts, so the same bits.
+    ``gate``: ``None``, or the step's finiteness verdict as a 0-d device boolean; the kernels write nothing where it
+    is false, so the verdict is read once, after the launches are queued.
+
+    Returns ``(taken, relaunch, rest)``: the members launched, the launches again without the gate (for finite
+    gradients whose sums overflowed), and the members left to :func:`_foreach_adam`: on a refresh step or a new
+    state, of another dtype than their state, or not dense in one memory order with their moments.  Nothing is
+    launched where the kernels are not available (:func:`_group_kernels_for`: not CUDA, no CuPy,
+    ``kernels="reference"``) or a learning rate is an array."""
     first = batch[0]
     cfg, dtype, device = first.item.cfg, first.state.M.dtype, first.item.p.device
     available = kernels.get((cfg, dtype, device))  # asked once per config, dtype and device: no work per member
     if available is None:
         available = kernels[(cfg, dtype, device)] = _group_kernels_for(cfg, dtype, (1,), device) is not None
-    if not available:
+    eta = learning_rate(cfg, first.item.lr)
+    if not available or isinstance(eta, torch.Tensor):
         return [], lambda: None, batch
-    taken: list[_Batched] = []
+    xp = torch_namespace()
+    plain: list[tuple[_Batched, torch.Tensor, torch.Tensor]] = []
+    rotated: list[tuple[_Batched, Layout, torch.Tensor, list[torch.Tensor]]] = []  # G~, and G~, M, V dense
     rest: list[_Batched] = []
-    moments, seconds = [], []
     for entry in batch:
         state, item = entry.state, entry.item
-        plain = state.P is None and state.Q is None and not (entry.refreshed or entry.new_bases or item.fresh)
         alike = item.p.dtype == dtype and item.grad.dtype == dtype and state.V.dtype == dtype
-        if plain and alike and item.p.is_contiguous() and item.grad.is_contiguous():
-            layout = layout_for(tuple(item.p.shape), cfg)
+        if entry.refreshed or entry.new_bases or item.fresh or not alike or not item.p.is_contiguous():
+            rest.append(entry)
+            continue
+        layout = layout_for(tuple(item.p.shape), cfg)
+        if state.P is None and state.Q is None:
             m, v = (_param_frame(x, layout, cache, frames) for x in (state.M, state.V))
-            if m.is_contiguous() and v.is_contiguous():  # entry j of W's memory is entry j of theirs
-                taken.append(entry)
-                moments.append(m)
-                seconds.append(v)
+            if item.grad.is_contiguous() and m.is_contiguous() and v.is_contiguous():  # entry j of W's memory
+                plain.append((entry, m, v))  # is entry j of theirs
+                continue
+        else:
+            g_rot = prepare_step(state, item.grad, cfg, item.p, False, xp, count).g_rot  # as _foreach_compute
+            dense = [_dense(x) for x in (g_rot, state.M, state.V)]
+            if g_rot.stride() == state.M.stride() == state.V.stride() and all(x is not None for x in dense):
+                rotated.append((entry, layout, g_rot, dense))  # type: ignore[arg-type]
                 continue
         rest.append(entry)
-    if not taken:
-        return [], lambda: None, batch
-    sizes = tuple(entry.item.p.numel() for entry in taken)
-    key = (sizes, dtype, device, cfg)
+    b1, b2, _, _ = _host_betas(first.state, cfg)
+    launches: list[Callable[[torch.Tensor | None], None]] = []
+    if plain:
+        group = _group_of(kernels, "plain", [e.item.p for e, _, _ in plain], cfg, dtype, device)
+        prepared = group.prepare([e.item.p for e, _, _ in plain], [e.item.grad for e, _, _ in plain], eta)
+        tables = None if prepared is None else group.moment_tables([m for _, m, _ in plain], [v for _, _, v in plain])
+        if tables is None:
+            rest += [e for e, _, _ in plain]
+            plain = []
+        else:
+            launches.append(lambda flag: group.step_at(prepared, tables, b1, b2, flag))
+    if rotated:
+        turned = _group_of(kernels, "rotated", [e.item.p for e, *_ in rotated], cfg, dtype, device)
+        turned_in = turned.prepare([e.item.p for e, *_ in rotated], [d[0] for *_, d in rotated], eta)
+        if turned_in is not None:
+            turned_tables = turned.moment_tables([d[1] for *_, d in rotated], [d[2] for *_, d in rotated])
+        if turned_in is None or turned_tables is None:
+            rest += [e for e, *_ in rotated]
+            rotated = []
+        else:
+
+            def rotated_step(flag: torch.Tensor | None) -> None:
+                turned.direction_at(turned_in, turned_tables, b1, b2, flag)  # U~ over G~, in G~'s memory
+                directions = []
+                for entry, layout, u, _ in rotated:
+                    d = from_work(_unrotate(u, entry.state.P, entry.state.Q, layout.transposed), layout, xp)
+                    directions.append(d if d.is_contiguous() else d.contiguous())  # W's memory order
+                if not turned.tail_at(turned_in, directions, flag):  # pragma: no cover - contiguous above
+                    raise RuntimeError("the tail kernel could not address a direction")
+
+            launches.append(rotated_step)
+
+    def run_all(flag: torch.Tensor | None = None) -> None:
+        for launch in launches:
+            launch(flag)
+
+    run_all(gate)
+    return [e for e, _, _ in plain] + [e for e, *_ in rotated], run_all, rest
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` or its transpose, whichever is C-contiguous (the same memory, as the kernels address it), or ``None``."""
+    if x.is_contiguous():
+        return x
+    if x.ndim == 2 and x.mT.is_contiguous():
+        return x.mT
+    return None
+
+
+def _group_of(
+    kernels: dict[tuple[Any, ...], Any],
+    role: str,
+    params: list[torch.Tensor],
+    cfg: BaseConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Any:
+    """The CUDA group kernels of these members (sizes, config, dtype, device), made once and kept."""
+    sizes = tuple(p.numel() for p in params)
+    key = (role, sizes, dtype, device, cfg)
     group = kernels.get(key)
     if group is None:
-        group = _group_kernels_for(cfg, dtype, sizes, device)
-        if group is None:
-            return [], lambda: None, batch
         if len(kernels) >= _CONFIG_CACHE_SIZE:
             kernels.clear()
-        kernels[key] = group
-    prepared = group.prepare([e.item.p for e in taken], [e.item.grad for e in taken], learning_rate(cfg, first.item.lr))
-    tables = None if prepared is None else group.moment_tables(moments, seconds)
-    if tables is None:
-        return [], lambda: None, batch
-    b1, b2, _, _ = _host_betas(first.state, cfg)
-    group.step_at(prepared, tables, b1, b2, gate)
-    return taken, lambda: group.step_at(prepared, tables, b1, b2), rest
+        group = kernels[key] = _group_kernels_for(cfg, dtype, sizes, device)
+    assert group is not None, "the kernels were available for this config, dtype and device"
+    return group
 
 
 def _foreach_adam(

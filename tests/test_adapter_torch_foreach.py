@@ -328,28 +328,34 @@ def test_foreach_on_cuda_matches_the_per_parameter_route(name, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_group_kernel_gives_the_per_parameter_bits(dtype, weight_decay):
-    """With CuPy installed, AdamW's device route steps a group's parameters by one launch of the CUDA group kernel
-    (``opt.routes()`` says so): bit for bit the per-parameter route (``foreach=False``: ``ar.update_in_place``
-    in torch's own CUDA ops, IEEE and correctly rounded as the kernel, built with ``--fmad=false``); a NaN then
-    changes nothing and names the parameter."""
+@pytest.mark.parametrize("name", ADAM_NAMES)
+def test_cuda_group_kernels_give_the_multi_tensor_bits(name, dtype, weight_decay, monkeypatch):
+    """With CuPy installed, the device route steps a group by the CUDA group kernels (``opt.routes()`` says so):
+    bit for bit the ``torch._foreach_*`` chain they replace (the same IEEE operations, torch's CUDA root and
+    division correctly rounded as the kernels', built with ``--fmad=false``; the same GEMMs), refresh steps
+    included; and against ``foreach=False`` to the tolerance of the existing comparison; a NaN then changes
+    nothing and names the parameter."""
     pytest.importorskip("cupy")
     w0, grads = _streams(dtype)
+    made = at._group_kernels_for
     results = []
-    for foreach in (False, None):
+    for kernels in (False, True, None):  # the chain, the kernels, the per-parameter route
+        monkeypatch.setattr(at, "_group_kernels_for", made if kernels else lambda *args: None)
         params = [torch.nn.Parameter(w.clone().cuda()) for w in w0]
-        opt = _optimizer("adamw", params, foreach, weight_decay)
+        opt = _optimizer(name, params, False if kernels is None else None, weight_decay)
         for gs in grads:
             for p, g in zip(params, gs, strict=True):
                 p.grad = g.cuda()
             opt.step()
         results.append((params, opt))
-    (ref_params, ref_opt), (params, opt) = results
-    assert all("CUDA group kernel" in entry["moments"] for entry in opt.routes().values())
-    for p, q in zip(ref_params, params, strict=True):
+    (chain_params, chain), (params, opt), (single_params, _) = results
+    assert all(entry["moments"].startswith("CUDA group kernel") for entry in opt.routes().values())
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    for p, q, r in zip(chain_params, params, single_params, strict=True):
         assert torch.equal(p, q)
+        torch.testing.assert_close(q, r, **tol)
         for key in ("M", "V"):
-            assert torch.equal(ref_opt.state[p][key], opt.state[q][key])
+            assert torch.equal(chain.state[p][key], opt.state[q][key])
     before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in ("M", "V")]
     bad = grads[0][1].clone().cuda()
     bad.view(-1)[0] = float("nan")

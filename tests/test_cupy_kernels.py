@@ -901,8 +901,20 @@ def test_group_step_kernel_carries_the_in_place_kernels_arithmetic(monkeypatch: 
             assert f"const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];" in source
             assert f"mp[{at}] = m; vp[{at}] = v;" in source
             assert "if (!proceed[0]) return;" in source
+    direction = cupy_group.direction_source("float32")  # the rotated members' moments and U~, by address
+    for line in adam_route.ADAM_ENTRY.splitlines():
+        assert not line or line in direction, line
+    assert "const T x = gp[j]; const T m0 = mp[j]; const T v0 = vp[j];" in direction
+    assert "mp[j] = m; vp[j] = v; gp[j] = u;" in direction
+    for decay in (False, True):  # the tail, D flat (the engine) or each member's own (the torch adapter)
+        tail = ck.tail_expression("D[i]", "w", decay)
+        assert f"wp[j] = w + {tail};" in cupy_group.tail_source("float32", decay)
+        tail = ck.tail_expression("reinterpret_cast<const T*>(d_at[lo])[j]", "w", decay)
+        assert f"wp[j] = w + {tail};" in cupy_group.tail_source("float32", decay, "address")
     with pytest.raises(ValueError, match="moments must be"):
         cupy_group.step_source("float32", False, "gathered")
+    with pytest.raises(ValueError, match="direction must be"):
+        cupy_group.tail_source("float32", False, "gathered")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -918,6 +930,9 @@ def test_group_kernel_sources_compile_with_nvrtc(
     sources = {cupy_group._name("step", dtype, d): cupy_group.step_source(dtype, d) for d in (False, True)}
     sources.update({cupy_group._name("step_at", dtype, d): cupy_group.step_source(dtype, d, "address")
                     for d in (False, True)})  # fmt: skip
+    sources.update({cupy_group._name("tail_at", dtype, d): cupy_group.tail_source(dtype, d, "address")
+                    for d in (False, True)})  # fmt: skip
+    sources[cupy_group._name("direction_at", dtype)] = cupy_group.direction_source(dtype)
     sources[cupy_group._name("nonfinite", dtype)] = cupy_group.nonfinite_source(dtype)
     sources.update({cupy_group._name("tail", dtype, d): cupy_group.tail_source(dtype, d) for d in (False, True)})
     for name, source in sources.items():
@@ -1202,121 +1217,123 @@ class _TorchHostLauncher(_HostLauncher):
         return self.torch.ones((), dtype=self.torch.bool)
 
 
-def _numpy_step(opt: Any, p: Any, cfg: Any, grad: np.ndarray, lr: float) -> tuple[np.ndarray, Any]:
-    """``ar.step`` on NumPy copies of ``p`` and its adapter state: the reference of one kernel step."""
-    from adapters.pytorch import to_core_state
+def _correctly_rounded_foreach_sqrt(torch: Any) -> Any:
+    """``torch._foreach_sqrt`` with NumPy's correctly rounded root, each result in its input's layout: CUDA's
+    ``sqrt`` (and the kernels', compiled for the host), where torch's CPU root is MKL VML's (not correctly
+    rounded)."""
 
-    state = to_core_state(opt.state[p], cfg)
-    state = state._replace(
-        **{f: getattr(state, f).numpy().copy() for f in ("M", "V")}, count=state.count.numpy().copy()
-    )
-    for f in ("P", "Q"):
-        if getattr(state, f) is not None:
-            state = state._replace(**{f: getattr(state, f).numpy().copy()})
-    return ar.step(state, grad, cfg, p.detach().numpy().copy(), lr=lr)
+    def foreach_sqrt(xs: list[Any]) -> list[Any]:
+        out = [torch.empty_like(x) for x in xs]
+        for x, y in zip(xs, out, strict=True):
+            y.copy_(torch.from_numpy(np.asarray(np.sqrt(x.detach().numpy()))))
+        return out
+
+    return foreach_sqrt
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("name", ["adamw", "adadiag"])
-def test_the_torch_adapter_steps_its_unrotated_parameters_by_one_group_launch(
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     name: str, dtype: str, weight_decay: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The torch adapter's device route (``foreach=True``) steps the unrotated parameters of a step with the CUDA
-    group kernel (moments by address: the parameters' own ``M``, ``V``), here compiled for the host and launched
-    over CPU tensors: one launch per step whatever the number of parameters, each step the bits of ``ar.step``
-    on NumPy from the same state (IEEE, correctly rounded root: as CUDA's, where torch's CPU root is VML's), and
-    a rotated parameter (AdaDiag) the bits of the foreach route.  Then a NaN: the launch was queued, gated by the
-    device verdict, and wrote nothing; the error names the parameter; and finite gradients whose sum overflows
-    (the verdict's suspicion) are stepped after all."""
+    """The torch adapter's device route (``foreach=True``) steps a group with the CUDA group kernels (the CUDA
+    sources compiled for the host, launched over CPU tensors by address): the unrotated parameters by one launch
+    (moments in their own state tensors), the rotated ones by one launch for ``M_t``, ``V_t`` and ``U~`` over
+    ``G~`` and one for the tail around the per-parameter GEMMs.  Against the multi-tensor chain it replaces, both
+    with a correctly rounded root (as on CUDA): the same bits, every parameter and moment at every step, refresh
+    steps included; launches independent of the number of parameters.  Then a NaN: the launches were queued,
+    gated by the device verdict, and wrote nothing, and the error names the parameter; and finite gradients whose
+    sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
+    monkeypatch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
+    launcher = _TorchHostLauncher(tmp_path)
+    kernels_on = [False]
+    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
+        cfg, dtype, list(sizes), launcher) if kernels_on[0] else None)  # fmt: skip
     rng = np.random.default_rng(3)
-    # AdaDiag (max_basis_dim=8): (6, 5) rotated; (9, 20) unrotated; (20, 9) unrotated, its moments made dense in
-    # the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j of its
-    # memory is not entry j of theirs, so the kernel leaves it to the foreach route
-    shapes = [(6, 5), (20,), (7,), ()] if name == "adamw" else [(6, 5), (9, 20), (20, 9)]
-    by_kernel = [True] * 4 if name == "adamw" else [False, True, False]
+    # (6, 5): rotated by AdaDiag(PP); (9, 20) unrotated (max_basis_dim=8); (20, 9) unrotated, its moments made
+    # dense in the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j
+    # of its memory is not entry j of theirs, so it stays on the multi-tensor chain; (20,) and (): vectors
+    shapes = [(6, 5), (9, 20), (20, 9), (20,), ()]
     values = [rng.standard_normal(s).astype(dtype) for s in shapes]
     stream = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(7)]
-    lr, options = 1e-2, {"weight_decay": weight_decay, "update_freq": 3, **({} if name == "adamw" else
-                                                                          {"max_basis_dim": 8})}  # fmt: skip
+    options = {"lr": 1e-2, "weight_decay": weight_decay, "update_freq": 3, "foreach": True}
+    if name != "adamw":
+        options["max_basis_dim"] = 8
+    sides = [] if name == "adamw" else [len(s) != 0 for s in shapes]  # AdaDiag rotates vectors too (1 x n)
+    rotated = [bool(sides) and k in (0, 3, 4) and shapes[k] != () for k in range(len(shapes))]
 
-    def make() -> tuple[Any, list[Any]]:
+    runs = []
+    for on in (False, True):
         params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
-        return tp.optimizer_class(name)(params, lr=lr, foreach=True, **options), params
+        runs.append((tp.optimizer_class(name)(params, **options), params, on))
 
-    reference, ref_params = make()  # the foreach route throughout (no group kernels on the CPU)
-    foreach_route = []
-    for grads in stream:
-        for q, g in zip(ref_params, grads, strict=True):
-            q.grad = torch.from_numpy(g.copy())
-        reference.step()
-        foreach_route.append([q.detach().numpy().copy() for q in ref_params])
-    launcher = _TorchHostLauncher(tmp_path)
-    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(cfg, dtype, list(sizes),
-                                                                                           launcher))  # fmt: skip
-    opt, params = make()
-    # the reference: ar.step's reference arithmetic on NumPy, with b_t computed as the adapter computes them (the
-    # core's torch code on the host counter; torch's pow and NumPy's differ in the last bit at some t)
-    from adadiag_ref.optim import schedules
-    from adadiag_ref.optim.families.adam import reference as adam_reference
+    def step_both(grads: list[np.ndarray]) -> list[int]:
+        launched = []
+        for opt, params, on in runs:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = torch.from_numpy(g.copy())
+            kernels_on[0] = on
+            before = len(launcher.launches)
+            opt.step()
+            launched.append(len(launcher.launches) - before)
+        return launched
 
-    def torch_beta_hats(cfg: Any, t: Any, xp: Any) -> tuple[Any, Any]:
-        found = schedules.beta_hats(cfg, torch.from_numpy(np.asarray(t)), tp.torch_namespace())
-        return tuple(xp.asarray(b.numpy()) for b in found)  # type: ignore[return-value]
+    def assert_same() -> None:
+        (ref, ref_params, _), (opt, params, _) = runs
+        for k, (q, p) in enumerate(zip(ref_params, params, strict=True)):
+            np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy(), err_msg=f"parameter {k}")
+            for field in ("M", "V", "step"):
+                np.testing.assert_array_equal(opt.state[p][field].numpy(), ref.state[q][field].numpy())
 
-    monkeypatch.setattr(adam_reference, "beta_hats", torch_beta_hats)
-    cfg = ar.make_config(name, lr=lr, kernels="reference", **options)
     for k, grads in enumerate(stream):
-        for p, g in zip(params, grads, strict=True):
-            p.grad = torch.from_numpy(g.copy())
-        wanted = [_numpy_step(opt, p, cfg, g, lr) if k and kernel else None
-                  for p, g, kernel in zip(params, grads, by_kernel, strict=True)]  # fmt: skip
-        launches = len(launcher.launches)
-        opt.step()
-        assert len(launcher.launches) - launches == (1 if k else 0)  # the first step makes the states
-        if not k and name != "adamw":
+        launched = step_both(grads)
+        refresh = name != "adamw" and k % 3 == 0  # t = 1, 4, 7: the rotated members' refresh steps
+        wanted = 0 if not k else 1 + (0 if refresh or not any(rotated) else 2)
+        assert launched == [0, wanted], (k, launched)
+        assert_same()
+        if not k:
+            opt, params, _ = runs[1]
             opt.state[params[2]].update({f: opt.state[params[2]][f].contiguous() for f in ("M", "V")})
-        for p, q, want, kernel in zip(params, foreach_route[k], wanted, by_kernel, strict=True):
-            if not kernel or not k:  # the foreach route's: another member, or the first step
-                np.testing.assert_array_equal(p.detach().numpy(), q, err_msg=f"step {k}")
-                continue
-            np.testing.assert_array_equal(p.detach().numpy(), want[0])
-            for field in ("M", "V"):
-                np.testing.assert_array_equal(opt.state[p][field].numpy(), getattr(want[1], field))
-    assert {n.split("_group_")[1] for n in launcher.launches} == {f"step_at{'_decay' if weight_decay else ''}_{dtype}"}
-    routes = opt.routes()
-    assert ["CUDA group kernel" in entry["moments"] for entry in routes.values()] == by_kernel
+    kernels_on[0] = True
+    routes = [entry["moments"] for entry in runs[1][0].routes().values()]
+    assert [r.startswith("CUDA group kernel") for r in routes] == [True, True, False, True, True], routes
+    assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == (
+        {"step_at" + ("_decay" if weight_decay else "")}
+        | ({"direction_at", "tail_at" + ("_decay" if weight_decay else "")} if any(rotated) else set())
+    )
 
+    bad = [g.copy() for g in stream[0]]
+    bad[1].flat[4] = np.nan  # at t = 8, no refresh: the verdict is read after the launches
+    opt, params, _ = runs[1]
     before = [p.detach().numpy().copy() for p in params] + [
         opt.state[p][f].numpy().copy() for p in params for f in ("M", "V", "step")
     ]
-    params[1].grad = torch.from_numpy(np.where(np.arange(stream[0][1].size).reshape(shapes[1]) == 4, np.nan,
-                                               stream[0][1]).astype(dtype))  # fmt: skip
-    launches = len(launcher.launches)
-    with pytest.raises(ValueError, match=r"gradient of parameter 1 of param_groups\[0\] contains NaN or Inf at step 8"):
-        opt.step()  # no refresh at t = 8 (T = 3: t = 1, 4, 7, ...), so the verdict is read after the launch
-    assert len(launcher.launches) == launches + 1
+    for opt, params, on in runs:
+        kernels_on[0] = on
+        for p, g in zip(params, bad, strict=True):
+            p.grad = torch.from_numpy(g.copy())
+        count = len(launcher.launches)
+        with pytest.raises(ValueError, match=r"gradient of parameter 1 of param_groups\[0\] contains NaN or Inf"):
+            opt.step()
+        if on:
+            assert len(launcher.launches) > count  # queued, gated
     after = [p.detach().numpy() for p in params] + [opt.state[p][f].numpy() for p in params for f in ("M", "V", "step")]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
 
-    huge = np.zeros(shapes[1], dtype=dtype)
-    huge.flat[:2] = np.finfo(dtype).max / 1.5  # finite entries whose sum of |G| overflows: a suspicion, not a NaN
-    for p, g in zip(params, stream[1], strict=True):
-        p.grad = torch.from_numpy(g.copy())
-    params[1].grad = torch.from_numpy(huge)
+    huge = [g.copy() for g in stream[1]]
+    huge[1].flat[:2] = np.finfo(dtype).max / 1.5  # finite entries whose sum of |G| overflows: a suspicion, no NaN
     with np.errstate(over="ignore", invalid="ignore"):
-        want = _numpy_step(opt, params[1], cfg, huge, lr)
-    opt.step()
-    assert len(launcher.launches) == launches + 3  # gated, then again without the gate
-    np.testing.assert_array_equal(params[1].detach().numpy(), want[0])
-    np.testing.assert_array_equal(opt.state[params[1]]["V"].numpy(), want[1].V)
+        launched = step_both(huge)
+    assert launched[1] == 2 * (1 + (2 if any(rotated) else 0))  # gated, then again without the gate
+    assert_same()
 
 
 def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:

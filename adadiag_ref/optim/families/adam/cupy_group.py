@@ -54,6 +54,7 @@ __all__ = [
     "CudaGroup",
     "CupyLauncher",
     "TorchCudaLauncher",
+    "direction_source",
     "engine_group",
     "nonfinite_source",
     "step_source",
@@ -117,16 +118,42 @@ def step_source(dtype: str, decay: bool, moments: str = "flat") -> str:
     )
 
 
-def tail_source(dtype: str, decay: bool) -> str:
-    """The CUDA source of a rotated group's tail: ``W <- W + (-eta)(D + lambda W)`` in each member's memory, ``D``
-    the group's flat direction."""
+def direction_source(dtype: str) -> str:
+    """The CUDA source of the rotated members' moments and direction, each in its own arrays (the torch adapter's
+    per-parameter state): ``M_t``, ``V_t`` written over ``M``, ``V`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over
+    ``G~`` (a temporary of the step, in the moments' memory order), the arithmetic of :func:`step_source`."""
+    body = ADAM_ENTRY + "mp[j] = m; vp[j] = v; gp[j] = u;\n"
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
-        f'extern "C" __global__ void {_name("tail", dtype, decay)}(\n'
+        f'extern "C" __global__ void {_name("direction_at", dtype)}(\n'
+        "    const unsigned long long* g_at, const long long* starts, const int members, const long long size,\n"
+        "    const unsigned long long* m_at, const unsigned long long* v_at, const bool* proceed,\n"
+        "    const T b1, const T c1, const T b2, const T c2, const T eps) {\n"
+        "  if (!proceed[0]) return;\n" + _LOOP + _LOCATE + "    T* gp = reinterpret_cast<T*>(g_at[lo]);\n"
+        "    T* mp = reinterpret_cast<T*>(m_at[lo]); T* vp = reinterpret_cast<T*>(v_at[lo]);\n"
+        "    const T x = gp[j]; const T m0 = mp[j]; const T v0 = vp[j];\n"
+        + "".join("    " + line + "\n" for line in body.splitlines() if line)
+        + "  }\n}\n"
+    )
+
+
+def tail_source(dtype: str, decay: bool, direction: str = "flat") -> str:
+    """The CUDA source of a rotated group's tail: ``W <- W + (-eta)(D + lambda W)`` in each member's memory.
+
+    ``direction``: ``"flat"``, ``D`` the group's flat direction at the entry's place ``i`` (the engine);
+    ``"address"``, each member's own ``D`` through an address table at its place ``j`` (the torch adapter)."""
+    if direction not in ("flat", "address"):
+        raise ValueError(f"direction must be 'flat' or 'address', not {direction!r}")
+    flat = direction == "flat"
+    d = "D[i]" if flat else "reinterpret_cast<const T*>(d_at[lo])[j]"
+    return (
+        f"typedef {_CTYPE[dtype]} T;\n"
+        f'extern "C" __global__ void {_name("tail" if flat else "tail_at", dtype, decay)}(\n'
         "    const unsigned long long* w_at, const long long* starts, const int members, const long long size,\n"
-        "    const T* D, const bool* proceed, const T neg_lr, const T wd) {\n"
+        f"    {'const T* D' if flat else 'const unsigned long long* d_at'}, const bool* proceed, const T neg_lr,\n"
+        "    const T wd) {\n"
         "  if (!proceed[0]) return;\n" + _LOOP + _LOCATE + "    T* wp = reinterpret_cast<T*>(w_at[lo]);\n"
-        f"    const T w = wp[j];\n    wp[j] = w + {ck.tail_expression('D[i]', 'w', decay)};\n"
+        f"    const T w = wp[j];\n    wp[j] = w + {ck.tail_expression(d, 'w', decay)};\n"
         "  }\n}\n"
     )
 
@@ -308,13 +335,36 @@ class CudaGroup:
         name = _name("step" if moments == "flat" else "step_at", dtype, decay)
         self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where, flag, *sc)
 
+    def direction_at(self, prepared: tuple[Any, Any, Any], tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
+                     proceed: Any = None) -> None:  # fmt: skip
+        """The prepared members' ``M_t``, ``V_t`` into their own arrays (``tables`` from :meth:`moment_tables`) and
+        ``U~`` over the prepared gradients (``G~``) in place (:func:`direction_source`)."""
+        _, g_at, _ = prepared
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(b1_t, b2_t, self.cfg, 0.0, self.dtype)
+        dtype = self.dtype.name
+        flag = self.always if proceed is None else proceed
+        self._launch(_name("direction_at", dtype), direction_source(dtype), g_at, *self._members(), *tables, flag,
+                     b1, c1, b2, c2, eps)  # fmt: skip
+
     def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
+        self._tail(prepared, "flat", direction, proceed)
+
+    def tail_at(self, prepared: tuple[Any, Any, Any], directions: Sequence[Any], proceed: Any = None) -> bool:
+        """:meth:`tail` with each member's direction in an array of its own (in its parameter's memory order);
+        ``False``, having launched nothing, unless the launcher can address each."""
+        d_at = self._table("D", directions)
+        if d_at is None:
+            return False
+        self._tail(prepared, "address", d_at, proceed)
+        return True
+
+    def _tail(self, prepared: tuple[Any, Any, Any], direction: str, where: Any, proceed: Any) -> None:
         w_at, _, eta = prepared
         neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         decay, dtype = decays(self.cfg), self.dtype.name
         flag = self.always if proceed is None else proceed
-        self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
-                     flag, neg_lr, wd)  # fmt: skip
+        name = _name("tail" if direction == "flat" else "tail_at", dtype, decay)
+        self._launch(name, tail_source(dtype, decay, direction), w_at, *self._members(), where, flag, neg_lr, wd)
 
 
 def _float_name(dtype: Any) -> str | None:
