@@ -235,7 +235,10 @@ class TorchCudaLauncher(CupyLauncher):
         return int(a.data_ptr()) if a.is_contiguous() else None
 
     def upload(self, table: np.ndarray) -> Any:
-        return self.torch.from_numpy(table.astype(np.int64, copy=False)).to(f"cuda:{self.device_id}")
+        # from pinned memory, asynchronously: torch's copy from pageable memory waits for the stream's queued work
+        # (the backward pass) before returning; torch's pinned allocator keeps the buffer until the copy is done
+        host = self.torch.from_numpy(table.astype(np.int64, copy=False))
+        return host.pin_memory().to(f"cuda:{self.device_id}", non_blocking=True)
 
     def zeros_int32(self) -> Any:
         return self.torch.zeros((), dtype=self.torch.int32, device=f"cuda:{self.device_id}")
