@@ -48,13 +48,14 @@ from typing import Any, NamedTuple
 import numpy
 
 import adadiag_ref as ar
+from adadiag_ref._kernels import vml
 from adadiag_ref._xp import namespace
 from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
 from adadiag_ref.optim.dispatch import direction as family_direction
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.families.adam import cupy_group, group_route
+from adadiag_ref.optim.families.adam import cupy_group, group_route, torch_route
 from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
 from adadiag_ref.optim.layout import (
     Layout,
@@ -494,6 +495,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
         idle: list[torch.Tensor] = []
         singles: dict[int, _Singles] = {}
+        large_lanes: dict[tuple[int, torch.dtype], _LargeLane] = {}
         eligible = True
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
@@ -560,6 +562,14 @@ class CoreOptimizer(torch.optim.Optimizer):
                     eligible = False
                     continue
                 assert layout is not None
+                if p.numel() > _GROUP_MAX_ENTRIES and not rotated and vml.available():
+                    routes[label]["moments"] = (
+                        f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries: one numba call per "
+                        "thread for all of them, torch's VML root block by block)"
+                    )
+                    large = large_lanes.setdefault((group_index, p.dtype), _LargeLane(group_index, cfg, p.dtype))
+                    large.add(p, flat, _where(names, index, group_index))
+                    continue
                 if p.numel() > _GROUP_MAX_ENTRIES:  # the torch route's blocks (one parameter at a time) are faster
                     routes[label]["moments"] = (
                         f"per parameter: update_in_place (more than {_GROUP_MAX_ENTRIES} entries: the torch CPU "
@@ -571,11 +581,12 @@ class CoreOptimizer(torch.optim.Optimizer):
                 lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
                 lane.add(p, flat, layout, _where(names, index, group_index))
         finished: list[Any] = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
+        finished += [lane.finish() for lane in large_lanes.values()] if eligible else []
         finished += list(singles.values()) if eligible else []
         lanes = [lane for lane in finished if lane is not None]
         if len(lanes) != len(finished) or not lanes:
             for entry in routes.values():
-                if entry["moments"].startswith("numba group"):
+                if entry["moments"].startswith(("numba group", "large-parameter group")):
                     entry["moments"] = (
                         "per parameter: update_in_place (the family's in-place routes, first that applies)"
                     )
@@ -1024,7 +1035,6 @@ class _Lane:
         self.vt, self.root = self.scratch.numpy()
         self.split = split
         self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
-        self.np_dtype = self.vt.dtype
         return self
 
     def still_valid(self) -> bool:
@@ -1047,40 +1057,16 @@ class _Lane:
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
         """Validate this step's gradients, rotate, run the first kernel (scratch only); ``None``: not this route."""
-        grads = []
-        dtype = self.dtype
-        for p in self.params:
-            g = p.grad
-            if (
-                g is None
-                or g.layout is not torch.strided
-                or g.dtype != dtype
-                or not g.is_cpu
-                or g.shape != p.shape
-                or not g.is_contiguous()
-                or type(g) is not torch.Tensor
-                or g.is_neg()
-            ):
-                return None
-            grads.append(g)
-        if not group_route.read_counters(self.c_at, self.counts):
+        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
+        if inputs is None:
             return None
-        count = int(self.counts[0])
+        count, grads, lr = inputs
         k = self.n_unrot
         if k < len(self.params) and ar.refresh_due(count, self.cfg):
             return None
-        lr = _number(group["lr"])
-        if not _finite_at_least(lr, 0.0):
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if group["maximize"]:
-            grads = list(torch._foreach_neg(grads))
         for g, rotation in zip(grads[k:], self.rotations, strict=True):
             rotation.rotate(g)
-        cfg = self.cfg
-        t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
-        b1_t, b2_t = beta_hats(cfg, t, xp)
-        b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
-        scalars = kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), self.np_dtype)
+        scalars = _lane_scalars(self.cfg, count, lr, self.dtype, xp)
         g_at = group_route.addresses(grads)
         x_at = numpy.concatenate([g_at[:k], self.x_tail]) if k < len(grads) else g_at
         group_route.second_moment(g_at, x_at, self.v_at, self.sizes, self.offsets, scalars[2], scalars[3], self.vt,
@@ -1110,6 +1096,123 @@ class _Lane:
             group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
                                         self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
                                         self.root)  # fmt: skip
+        group_route.advance_counters(self.c_at, self.counts)
+
+
+def _lane_inputs(
+    params: list[torch.Tensor], dtype: torch.dtype, c_at: Any, counts: Any, group: Mapping[str, Any]
+) -> tuple[int, list[torch.Tensor], Any] | None:
+    """A lane's step inputs, ``(count, gradients, lr)``: the gradients validated (plain dense CPU tensors of the
+    lane's dtype and the parameters' shapes; negated under ``maximize``), the host counters read (all equal), the
+    learning rate checked; ``None`` when the lane's kernels cannot take the step."""
+    grads = []
+    for p in params:
+        g = p.grad
+        if (
+            g is None
+            or g.layout is not torch.strided
+            or g.dtype != dtype
+            or not g.is_cpu
+            or g.shape != p.shape
+            or not g.is_contiguous()
+            or type(g) is not torch.Tensor
+            or g.is_neg()
+        ):
+            return None
+        grads.append(g)
+    if not group_route.read_counters(c_at, counts):
+        return None
+    lr = _number(group["lr"])
+    if not _finite_at_least(lr, 0.0):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if group["maximize"]:
+        grads = list(torch._foreach_neg(grads))
+    return int(counts[0]), grads, lr
+
+
+def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype, xp: Any) -> tuple[Any, ...]:
+    """``b1, c1, b2, c2, eps, -eta, lambda, decay`` of step ``count + 1`` for the kernels, ``b_t`` computed by the
+    core's torch code on ``prepare_step``'s ``t`` (the per-parameter route's bits)."""
+    t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
+    b1_t, b2_t = beta_hats(cfg, t, xp)
+    b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
+    return kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), numpy.dtype(str(dtype).rsplit(".", 1)[-1]))
+
+
+class _LargeStep(NamedTuple):
+    taken: int  # the steps taken (the host counters' value)
+    bad: int  # NaN/Inf entries of all the gradients
+    scalars: tuple[Any, ...]
+    grads: list[torch.Tensor]  # kept alive while the kernels read them
+    g_at: Any
+
+
+class _LargeLane:
+    """The large unrotated parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries), where
+    torch's VML root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`): one read pass
+    counts the gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), then
+    one kernel call per thread (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`) writes ``M``,
+    ``V`` and ``W`` of all of them in place, block by block with VML's root (the per-parameter torch CPU route's
+    arithmetic, :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do not
+    depend on the number of parameters."""
+
+    def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
+        self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
+        self.params: list[torch.Tensor] = []
+        self.flats: list[dict[str, torch.Tensor]] = []
+        self.wheres: list[str] = []
+
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], where: str) -> None:
+        self.params.append(p)
+        self.flats.append(flat)
+        self.wheres.append(where)
+
+    def finish(self) -> _LargeLane | None:
+        """Fix the addresses and the chunk table; ``None`` when a counter is not a host int32 tensor."""
+        self.counters = [f["step"] for f in self.flats]
+        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
+            return None
+        self.moments = [f["M"] for f in self.flats]
+        self.seconds = [f["V"] for f in self.flats]
+        self.c_at = group_route.addresses(self.counters)
+        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
+        self.w_at = group_route.addresses(self.params)
+        self.m_at = group_route.addresses(self.moments)
+        self.v_at = group_route.addresses(self.seconds)
+        self.rows = group_route.chunk_table([p.numel() for p in self.params])
+        self.like = numpy.empty(0, dtype=str(self.dtype).rsplit(".", 1)[-1])
+        return self
+
+    def still_valid(self) -> bool:
+        """As :meth:`_Lane.still_valid`: the same tensors in the state dicts, the same memory."""
+        return (
+            numpy.array_equal(group_route.addresses(self.params), self.w_at)
+            and all(
+                f.get("M") is m and f.get("V") is v and f.get("step") is c
+                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
+            )
+            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)
+            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+        )
+
+    def prepare(self, group: Mapping[str, Any], xp: Any) -> _LargeStep | None:
+        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
+        if inputs is None:
+            return None
+        count, grads, lr = inputs
+        g_at = group_route.addresses(grads)
+        bad = sum(torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.rows, (self.like,), self.like.dtype))
+        return _LargeStep(count, int(bad), _lane_scalars(self.cfg, count, lr, self.dtype, xp), grads, g_at)
+
+    def failure(self, step_in: _LargeStep) -> str | None:
+        if not step_in.bad:
+            return None
+        first = next(i for i, g in enumerate(step_in.grads) if not bool(torch.isfinite(g).all()))
+        return f"{self.wheres[first]} contains NaN or Inf at step {step_in.taken + 1}"
+
+    def apply(self, step_in: _LargeStep) -> None:
+        torch_route.split_rows(group_route.step_vml_at, (self.w_at, step_in.g_at, self.m_at, self.v_at), self.rows,
+                               step_in.scalars, self.like.dtype, scratch=True)  # fmt: skip
         group_route.advance_counters(self.c_at, self.counts)
 
 

@@ -450,10 +450,12 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(
 @pytest.mark.parametrize("name", ["adamw", "adadiag"])
 def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypatch):
     """Issue 31: on MKL builds the route takes ``sqrt(V_t)`` by VML's ``vm?Sqrt`` (the function eager
-    ``torch.sqrt`` calls) inside one numba kernel per parameter, with no ``torch.sqrt`` call and no Python
-    round trip per block; the result is still the reference route's bit for bit (test above)."""
+    ``torch.sqrt`` calls) inside the numba kernels, with no ``torch.sqrt`` call and no Python round trip per
+    block: AdamW's large parameters all in one kernel call per thread (``group_route.step_vml_at``, whatever
+    their number), a rotated one's moments in one call per parameter; the result is still the reference route's
+    bit for bit (test above)."""
     from adadiag_ref._kernels import vml
-    from adadiag_ref.optim.families.adam import numba_route
+    from adadiag_ref.optim.families.adam import group_route, numba_route
 
     if not vml.available():
         pytest.skip("this torch build's sqrt is not MKL VML's")
@@ -464,6 +466,7 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
     calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
+    group_calls = _count_calls(monkeypatch, group_route, ["step_vml_at"])
     roots = []
     real_sqrt = torch.sqrt
 
@@ -473,8 +476,11 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
 
     monkeypatch.setattr(torch, "sqrt", counted_sqrt)
     opt.step()
-    vml_kernel = "adam_step_vml_flat" if name == "adamw" else "adam_moments_vml_flat"
-    assert calls[vml_kernel] == len(params) if name == "adamw" else calls[vml_kernel] >= 1, calls
+    if name == "adamw":
+        assert 1 <= group_calls["step_vml_at"] <= torch.get_num_threads(), group_calls
+        assert calls["adam_step_vml_flat"] == 0, calls
+    else:
+        assert calls["adam_moments_vml_flat"] >= 1 and group_calls["step_vml_at"] == 0, (calls, group_calls)
     assert calls["adam_apply_root_flat"] == calls["adam_direction_root_flat"] == 0, calls
     assert roots == []
 
@@ -549,9 +555,10 @@ def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypat
     one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
     from adadiag_ref.optim.families.adam import torch_route
 
-    # large enough for the per-parameter route (smaller parameters take the group kernels, one call per group)
+    # rotated and large enough for the per-parameter route (smaller parameters take the group kernels, one call per
+    # group; large unrotated ones the large-parameter group kernel, whose coefficients are computed once per lane)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(130, 300), (20000,), (150, 120), (17000,)]]
-    opt = CLASSES["adamw"](params, lr=1e-3, update_freq=None)
+    opt = CLASSES["adadiag"](params, lr=1e-3, update_freq=None)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

@@ -274,3 +274,50 @@ def test_moment_storage_moved_by_hand_is_followed():
     runs = _pair("adamw", lr=0.01, update_freq=None)
     _steps(runs, range(6), edit)
     _assert_same(runs)
+
+
+LARGE_SHAPES = [(130, 300), (20000,), (170, 100), (5, 7), (7,)]  # three above 16384 entries, two below
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weight_decay, threads, monkeypatch):
+    """AdamW's parameters above 16384 entries (embeddings, heads, MLP matrices) are stepped together: one read
+    pass counts their gradients' NaN/Inf, then one kernel call per thread writes all of them in place with VML's
+    root (``group_route.step_vml_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
+    rows cut between threads; a NaN in one of them changes nothing and names it."""
+    from adadiag_ref._kernels import vml
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    if not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
+    calls = []
+    original = group_route.step_vml_at
+    monkeypatch.setattr(group_route, "step_vml_at", lambda *a: calls.append(1) or original(*a))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = []
+        for kernels in ("auto", "reference"):
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_SHAPES]
+            runs.append((params, at.AdamW(params, lr=0.01, weight_decay=weight_decay, kernels=kernels)))
+        _steps(runs, range(5))
+        _assert_same(runs)
+        assert 4 <= len(calls) <= 4 * threads  # steps 2 to 5, one call per thread part
+        routes = list(runs[0][1].routes().values())
+        assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 3 + [
+            "numba group kernels"
+        ] * 2
+        params, opt = runs[0]
+        before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in opt.state[p]]
+        _grads(params, 7)
+        params[2].grad[3, 4] = float("nan")
+        with pytest.raises(ValueError, match=r"parameter 2 of param_groups\[0\] contains NaN or Inf at step 6"):
+            opt.step()
+        after = [p.detach() for p in params] + [opt.state[p][k] for p in params for k in opt.state[p]]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    finally:
+        torch.set_num_threads(previous)

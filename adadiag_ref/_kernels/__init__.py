@@ -38,6 +38,7 @@ __all__ = [
     "alike",
     "ema_coefficients",
     "flat",
+    "is_host_number",
     "nonfinite_count",
     "one_float_dtype",
     "pivoted_cholesky_columns",
@@ -169,6 +170,12 @@ def nonfinite_count(a: Any) -> int | None:
 
 
 # ----------------------------------------------------------------------------- scalars and layout
+
+
+def is_host_number(x: Any) -> bool:
+    """Whether ``x`` is a Python ``int`` or ``float`` (not a ``bool``, not an array): a learning rate the kernels
+    take as a scalar argument; an array one (a schedule's tensor) keeps the array code."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def scalar(x: Any, dtype: Any) -> Any:

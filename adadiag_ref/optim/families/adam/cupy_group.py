@@ -42,7 +42,7 @@ import numpy as np
 from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
-from ...._kernels import scalar
+from ...._kernels import is_host_number, scalar
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
@@ -292,7 +292,7 @@ class CudaGroup:
         return kept[1]
 
     def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> tuple[Any, Any, Any] | None:
-        if isinstance(eta, bool) or not isinstance(eta, int | float):
+        if not is_host_number(eta):
             return None
         w_at = self._table("W", params)
         if w_at is None or grads is None:  # grads=None: the tail only

@@ -37,12 +37,12 @@ import numpy as np
 from array_api_compat import is_numpy_namespace
 
 from .... import _kernels
-from ...._kernels import delta_entry, ema_entry, prange, scalar
+from ...._kernels import delta_entry, ema_entry, is_host_number, prange, scalar
 from ...._xp import Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
-from .numba_route import _adam_entry, _second_moment_entry, kernel_scalars
+from .numba_route import _adam_entry, _second_moment_entry, adam_step_vml_flat, kernel_scalars
 
 __all__ = [
     "AVAILABLE",
@@ -57,6 +57,7 @@ __all__ = [
     "engine_group",
     "read_counters",
     "second_moment",
+    "step_vml_at",
 ]
 
 AVAILABLE = _kernels.AVAILABLE
@@ -201,6 +202,17 @@ def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
     return total
 
 
+def _step_vml_at(w_at, g_at, m_at, v_at, chunks, b1, c1, b2, c2, eps, neg_lr, wd, decay, root):  # type: ignore[no-untyped-def]
+    """The unrotated Adam step in place over the members' own memory, row by row of ``chunks``
+    (``(member, lo, hi)``), each span by :func:`~.numba_route.adam_step_vml_flat` (``sqrt(V_t)`` by torch's VML
+    root into the scratch ``root``): one call for any number of large parameters instead of one per parameter."""
+    for c in range(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        adam_step_vml_flat(_array(w_at[i], hi, root)[lo:hi], _array(g_at[i], hi, root)[lo:hi],
+                           _array(m_at[i], hi, root)[lo:hi], _array(v_at[i], hi, root)[lo:hi], b1, c1, b2, c2, eps,
+                           neg_lr, wd, decay, root)  # fmt: skip
+
+
 def _dense_address_of(a):  # type: ignore[no-untyped-def]
     """The address of a C-contiguous array's first entry, -1 for any other (numba reads both in a few ns)."""
     return a.ctypes.data if a.flags.c_contiguous else -1
@@ -217,9 +229,10 @@ if AVAILABLE:
     apply_unrotated = _kernels._jit(_apply_unrotated)
     direction_rotated = _kernels._jit(_direction_rotated)
     apply_rotated = _kernels._jit(_apply_rotated)
+    step_vml_at = _kernels._jit(_step_vml_at)
 else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
-    read_counters = advance_counters = None
+    read_counters = advance_counters = step_vml_at = None
     engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
     engine_tail = engine_tail_parallel = None
 
@@ -308,7 +321,7 @@ class NumpyGroup:
         return w_at
 
     def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> _Prepared | None:
-        if isinstance(eta, bool) or not isinstance(eta, int | float):
+        if not is_host_number(eta):
             return None
         w_at = self._param_table(params)
         if w_at is None:

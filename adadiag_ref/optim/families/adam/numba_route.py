@@ -319,7 +319,7 @@ def _applies(
     state: AdamState, t: Array, g_rot: Array, w: Array, cfg: BaseConfig, lr: Any, xp: Namespace
 ) -> _Scalars | None:
     """The fused route's scalars, or ``None`` when it does not apply (see the module docstring)."""
-    if isinstance(lr, bool) or not isinstance(lr, int | float):
+    if not _kernels.is_host_number(lr):
         return None
     M0, V0 = state.M, state.V  # type: ignore[union-attr]
     if M0 is None or not _kernels.selected(cfg, xp, g_rot, M0, V0, w):

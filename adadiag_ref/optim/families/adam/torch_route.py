@@ -18,6 +18,7 @@ thread.  Every entry is computed by the same code whatever the cut, so the bits 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -35,7 +36,7 @@ from . import numba_route
 from .numba_route import kernel_scalars
 from .reference import AdamState
 
-__all__ = ["in_place"]
+__all__ = ["in_place", "split_rows"]
 
 
 def _host_views(*tensors: Any) -> list[Any] | None:
@@ -126,6 +127,36 @@ def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size:
         future.result()
 
 
+def split_rows(
+    kernel: Any, before: tuple[Any, ...], rows: Any, after: tuple[Any, ...], dtype: Any, scratch: bool = False
+) -> list[Any]:
+    """``kernel(*before, part, *after[, scratch])`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
+    :func:`~.group_route.chunk_table`), cut into contiguous runs of about equal entries run at once on
+    ``torch.get_num_threads()`` threads, as :func:`_split` cuts a flat array; returns each call's result, in order.
+    Each entry is computed by the same code whatever the cut, so the bits do not depend on the thread count."""
+    import numpy
+    import torch
+
+    entries = rows[:, 2] - rows[:, 1]
+    total = int(entries.sum())
+    parts = min(torch.get_num_threads(), total // SPLIT_MIN_SIZE, len(rows))
+    key = (kernel, numpy.dtype(dtype))
+
+    def call(part: Any) -> Any:
+        return kernel(*before, part, *after, *((_scratch(dtype),) if scratch else ()))
+
+    if parts <= 1 or key not in _COMPILED:  # numba compiles (or loads) a kernel on one thread, at its first call
+        _COMPILED.add(key)
+        return [call(rows)]
+    ends = numpy.cumsum(entries)
+    cuts = numpy.searchsorted(ends, [total * k / parts for k in range(1, parts)]) + 1
+    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(rows)}), len(rows)]
+    pool = _WORKERS.get(len(bounds) - 2)
+    futures = [pool.submit(call, rows[lo:hi]) for lo, hi in itertools.pairwise(bounds[1:])]
+    results = [call(rows[: bounds[1]])]
+    return results + [future.result() for future in futures]
+
+
 def _adam_torch_cpu(
     state: AdamState,
     layout: Any,
@@ -161,12 +192,7 @@ def _adam_torch_cpu(
       output), ``D = P U~ Q^T`` (torch GEMM, new), one pass ``W <- W + (-eta) (D + lambda W)``, then ``M``
       and ``V`` adopt the new tensors' storage (``Tensor.set_``): the state is written only after the GEMM.
     """
-    if (
-        cfg.kernels == "reference"
-        or not _kernels.AVAILABLE
-        or isinstance(eta, bool)
-        or not isinstance(eta, int | float)
-    ):
+    if cfg.kernels == "reference" or not _kernels.AVAILABLE or not _kernels.is_host_number(eta):
         return False
     M, V = state.M, state.V
     if param.dtype != M.dtype or not param.is_contiguous() or w.data_ptr() != param.data_ptr():
