@@ -1038,21 +1038,10 @@ class _Lane:
         return self
 
     def still_valid(self) -> bool:
-        """The parameters and moments still own the memory the addresses point to (``p.data = ...`` or
-        ``Tensor.set_`` change it) and the state dicts still hold the tensors the addresses were taken of (a
-        replaced state tensor, a loaded state): the kernels never write memory a tensor gave up."""
-        return (
-            numpy.array_equal(group_route.addresses(self.params), self.w_at)
-            and all(
-                f.get("M") is m and f.get("V") is v and f.get("step") is c
-                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
-            )
-            and all(
-                f.get("P") is r.P and f.get("Q") is r.Q
-                for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
-            )
-            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)  # storage moved (Tensor.set_)
-            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+        """The same memory and state tensors (:func:`_same_memory`), and the same bases."""
+        return _same_memory(self) and all(
+            f.get("P") is r.P and f.get("Q") is r.Q
+            for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
         )
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
@@ -1099,6 +1088,21 @@ class _Lane:
         group_route.advance_counters(self.c_at, self.counts)
 
 
+def _same_memory(lane: Any) -> bool:
+    """A lane's tensors still own the memory its addresses point to (``p.data = ...`` or ``Tensor.set_`` change
+    it) and the state dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded
+    state): its kernels never write memory a tensor gave up."""
+    return (
+        numpy.array_equal(group_route.addresses(lane.params), lane.w_at)
+        and all(
+            f.get("M") is m and f.get("V") is v and f.get("step") is c
+            for f, m, v, c in zip(lane.flats, lane.moments, lane.seconds, lane.counters, strict=True)
+        )
+        and numpy.array_equal(group_route.addresses(lane.moments), lane.m_at)  # storage moved (Tensor.set_)
+        and numpy.array_equal(group_route.addresses(lane.seconds), lane.v_at)
+    )
+
+
 def _lane_inputs(
     params: list[torch.Tensor], dtype: torch.dtype, c_at: Any, counts: Any, group: Mapping[str, Any]
 ) -> tuple[int, list[torch.Tensor], Any] | None:
@@ -1136,10 +1140,12 @@ def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype, xp: 
     t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
     b1_t, b2_t = beta_hats(cfg, t, xp)
     b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
-    return kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), numpy.dtype(str(dtype).rsplit(".", 1)[-1]))
+    return kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), torch.empty(0, dtype=dtype).numpy().dtype)
 
 
 class _LargeStep(NamedTuple):
+    """One large lane's step after validation: what :meth:`_LargeLane.apply` writes from."""
+
     taken: int  # the steps taken (the host counters' value)
     bad: int  # NaN/Inf entries of all the gradients
     scalars: tuple[Any, ...]
@@ -1180,20 +1186,12 @@ class _LargeLane:
         self.m_at = group_route.addresses(self.moments)
         self.v_at = group_route.addresses(self.seconds)
         self.rows = group_route.chunk_table([p.numel() for p in self.params])
-        self.like = numpy.empty(0, dtype=str(self.dtype).rsplit(".", 1)[-1])
+        self.like = torch.empty(0, dtype=self.dtype).numpy()  # the kernels' dtype
         return self
 
     def still_valid(self) -> bool:
         """As :meth:`_Lane.still_valid`: the same tensors in the state dicts, the same memory."""
-        return (
-            numpy.array_equal(group_route.addresses(self.params), self.w_at)
-            and all(
-                f.get("M") is m and f.get("V") is v and f.get("step") is c
-                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
-            )
-            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)
-            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
-        )
+        return _same_memory(self)
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LargeStep | None:
         inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
