@@ -42,12 +42,12 @@ import numpy as np
 from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
-from ...._kernels import is_host_number, scalar
+from ...._kernels import scalar
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
 from .cupy_route import ADAM_ENTRY
-from .group_route import disjoint
+from .group_route import Prepared, disjoint, prepare_members
 from .numba_route import kernel_scalars
 
 __all__ = [
@@ -291,14 +291,9 @@ class CudaGroup:
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> tuple[Any, Any, Any] | None:
-        if not is_host_number(eta):
-            return None
-        w_at = self._table("W", params)
-        if w_at is None or grads is None:  # grads=None: the tail only
-            return None if w_at is None else (w_at, None, eta)
-        g_at = self._table("G", grads)
-        return None if g_at is None else (w_at, g_at, eta)
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+        return prepare_members(eta, lambda: self._table("W", params),
+                               None if grads is None else lambda: self._table("G", grads))  # fmt: skip
 
     def _launch(self, name: str, source: str, *args: Any) -> None:
         self.launcher.launch(name, source, self.grid, (*args,))
@@ -306,10 +301,10 @@ class CudaGroup:
     def _members(self) -> tuple[Any, Any, Any]:
         return self.starts, np.int32(len(self.sizes)), np.int64(self.size)
 
-    def nonfinite(self, prepared: tuple[Any, Any, Any]) -> Any:
+    def nonfinite(self, prepared: Prepared) -> Any:
         bad = self.launcher.zeros_int32()
         dtype = self.dtype.name
-        self._launch(_name("nonfinite", dtype), nonfinite_source(dtype), prepared[1], *self._members(), bad)
+        self._launch(_name("nonfinite", dtype), nonfinite_source(dtype), prepared.g_at, *self._members(), bad)
         return bad
 
     def moment_tables(self, moments: Sequence[Any], seconds: Sequence[Any]) -> tuple[Any, Any] | None:
@@ -319,17 +314,17 @@ class CudaGroup:
         v_at = None if m_at is None else self._table("V", seconds)
         return None if v_at is None else (m_at, v_at)
 
-    def step(self, prepared: tuple[Any, Any, Any], moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
+    def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         self._step(prepared, "flat", (moments["M"], moments["V"]), b1_t, b2_t, proceed)
 
-    def step_at(self, prepared: tuple[Any, Any, Any], tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
+    def step_at(self, prepared: Prepared, tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
                 proceed: Any = None) -> None:  # fmt: skip
         """:meth:`step` with the moments in the members' own arrays (``tables`` from :meth:`moment_tables`) and
         the step's ``b1_t``, ``b2_t`` as the caller computed them (host numbers)."""
         self._step(prepared, "address", tables, b1_t, b2_t, proceed)
 
-    def _step(self, prepared: tuple[Any, Any, Any], moments: str, where: tuple[Any, Any], b1_t: Any, b2_t: Any,
+    def _step(self, prepared: Prepared, moments: str, where: tuple[Any, Any], b1_t: Any, b2_t: Any,
               proceed: Any) -> None:  # fmt: skip
         w_at, g_at, eta = prepared
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
@@ -338,7 +333,7 @@ class CudaGroup:
         name = _name("step" if moments == "flat" else "step_at", dtype, decay)
         self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where, flag, *sc)
 
-    def direction_at(self, prepared: tuple[Any, Any, Any], tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
+    def direction_at(self, prepared: Prepared, tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
                      proceed: Any = None) -> None:  # fmt: skip
         """The prepared members' ``M_t``, ``V_t`` into their own arrays (``tables`` from :meth:`moment_tables`) and
         ``U~`` over the prepared gradients (``G~``) in place (:func:`direction_source`)."""
@@ -349,10 +344,10 @@ class CudaGroup:
         self._launch(_name("direction_at", dtype), direction_source(dtype), g_at, *self._members(), *tables, flag,
                      b1, c1, b2, c2, eps)  # fmt: skip
 
-    def tail(self, prepared: tuple[Any, Any, Any], direction: Any, proceed: Any = None) -> None:
+    def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         self._tail(prepared, "flat", direction, proceed)
 
-    def tail_at(self, prepared: tuple[Any, Any, Any], directions: Sequence[Any], proceed: Any = None) -> bool:
+    def tail_at(self, prepared: Prepared, directions: Sequence[Any], proceed: Any = None) -> bool:
         """:meth:`tail` with each member's direction in an array of its own (in its parameter's memory order);
         ``False``, having launched nothing, unless the launcher can address each."""
         d_at = self._table("D", directions)
@@ -361,7 +356,7 @@ class CudaGroup:
         self._tail(prepared, "address", d_at, proceed)
         return True
 
-    def _tail(self, prepared: tuple[Any, Any, Any], direction: str, where: Any, proceed: Any) -> None:
+    def _tail(self, prepared: Prepared, direction: str, where: Any, proceed: Any) -> None:
         w_at, _, eta = prepared
         neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         decay, dtype = decays(self.cfg), self.dtype.name

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -47,6 +47,7 @@ from .numba_route import _adam_entry, _second_moment_entry, adam_step_vml_flat, 
 __all__ = [
     "AVAILABLE",
     "NumpyGroup",
+    "Prepared",
     "addresses",
     "advance_counters",
     "apply_rotated",
@@ -55,6 +56,7 @@ __all__ = [
     "direction_rotated",
     "disjoint",
     "engine_group",
+    "prepare_members",
     "read_counters",
     "second_moment",
     "step_vml_at",
@@ -262,12 +264,28 @@ def disjoint(addresses: Sequence[int], sizes: Sequence[int], itemsize: int) -> b
     return all(a + n * itemsize <= b for (a, n), (b, _) in itertools.pairwise(spans))
 
 
-class _Prepared(NamedTuple):
-    """One step's members: their address tables and the learning rate."""
+class Prepared(NamedTuple):
+    """One step's members (:meth:`~adadiag_ref.optim.families.registry.GroupKernels.prepare`): their address
+    tables (``g_at`` ``None`` for the tail only) and the learning rate."""
 
-    w_at: np.ndarray
-    g_at: np.ndarray
+    w_at: Any
+    g_at: Any
     eta: Any
+
+
+def prepare_members(eta: Any, params_at: Callable[[], Any], grads_at: Callable[[], Any] | None) -> Prepared | None:
+    """:meth:`~adadiag_ref.optim.families.registry.GroupKernels.prepare`'s steps, whatever the address tables:
+    ``None`` unless ``eta`` is a host number and ``params_at()`` (then ``grads_at()``, unless ``None``: the tail
+    only) gives a table (``None``: an array the kernels cannot walk)."""
+    if not is_host_number(eta):
+        return None
+    w_at = params_at()
+    if w_at is None:
+        return None
+    if grads_at is None:
+        return Prepared(w_at, None, eta)
+    g_at = grads_at()
+    return None if g_at is None else Prepared(w_at, g_at, eta)
 
 
 class NumpyGroup:
@@ -320,22 +338,15 @@ class NumpyGroup:
             return None
         return w_at
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> _Prepared | None:
-        if not is_host_number(eta):
-            return None
-        w_at = self._param_table(params)
-        if w_at is None:
-            return None
-        if grads is None:  # the tail only
-            return _Prepared(w_at, w_at[:0], eta)
-        g_at = self._table(grads)
-        return None if g_at is None else _Prepared(w_at, g_at, eta)
+    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+        return prepare_members(eta, lambda: self._param_table(params),
+                               None if grads is None else lambda: self._table(grads))  # fmt: skip
 
-    def nonfinite(self, prepared: _Prepared) -> int:
+    def nonfinite(self, prepared: Prepared) -> int:
         kernel = nonfinite_at_parallel if self.parallel else nonfinite_at
         return int(kernel(prepared.g_at, self.chunks, self.like))
 
-    def step(self, prepared: _Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
+    def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         if proceed is not None:  # the engine reads the verdict first on NumPy
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         b1_t, b2_t = beta_hats(self.cfg, t, np)
@@ -343,7 +354,7 @@ class NumpyGroup:
         kernel = engine_step_parallel if self.parallel else engine_step
         kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, moments["M"], moments["V"], *sc)
 
-    def tail(self, prepared: _Prepared, direction: Any, proceed: Any = None) -> None:
+    def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         if proceed is not None:
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
