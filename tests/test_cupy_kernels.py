@@ -27,6 +27,8 @@ import pytest
 from _cuda_c import ElementwiseKernel, ReductionKernel, Unsupported
 from array_api_compat import is_numpy_namespace
 from conftest import _load_backend, to_np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
@@ -1334,6 +1336,81 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
         launched = step_both(huge)
     assert launched[1] == 2 * (1 + (2 if any(rotated) else 0))  # gated, then again without the gate
     assert_same()
+
+
+@pytest.fixture(scope="module")
+def torch_host_launcher(tmp_path_factory: Any) -> Any:
+    """One :class:`_TorchHostLauncher` for the module: each kernel compiled for the host once."""
+    pytest.importorskip("torch")
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    return _TorchHostLauncher(tmp_path_factory.mktemp("host_kernels"))
+
+
+@settings(max_examples=20)
+@given(
+    shapes=st.lists(
+        st.sampled_from([(), (1,), (7,), (3, 5), (5, 3), (9, 4), (2, 3, 4), (1, 6)]), min_size=1, max_size=5
+    ),
+    name=st.sampled_from(["adamw", "adadiag", "adadiag_pp"]),
+    dtype=st.sampled_from(["float32", "float64"]),
+    lr=st.sampled_from([1e-3, 0.3]),
+    betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.0, 0.0)]),
+    eps=st.sampled_from([1e-8, 1e-3]),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+    maximize=st.booleans(),
+    max_basis_dim=st.sampled_from([8192, 4]),
+)
+def test_property_the_cuda_group_kernels_give_the_chains_bits(
+    torch_host_launcher: Any,
+    shapes: list[tuple[int, ...]],
+    name: str,
+    dtype: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    max_basis_dim: int,
+) -> None:
+    """Any parameter shapes (0-d, vectors, wide, tall, conv-like, repeated), hyperparameters and ``maximize``: the
+    torch adapter's device route through the CUDA group kernels (compiled for the host, launched over CPU tensors)
+    gives the ``torch._foreach_*`` chain's bits at every step, refresh steps included, both with a correctly
+    rounded root; a ``max_basis_dim`` of 4 leaves the larger matrices unrotated (their own launch)."""
+    import torch
+
+    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
+    from adapters import pytorch as tp
+
+    on = [False]
+    options: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                               "maximize": maximize, "update_freq": 3, "foreach": True}  # fmt: skip
+    if name != "adamw":
+        options["max_basis_dim"] = max_basis_dim
+    gen = torch.Generator().manual_seed(len(shapes))
+    start = [torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes]
+    stream = [[torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes] for _ in range(5)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
+        patch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
+            cfg, dtype, list(sizes), torch_host_launcher) if on[0] else None)  # fmt: skip
+        runs = []
+        launched = len(torch_host_launcher.launches)
+        for kernels in (False, True):
+            on[0] = kernels
+            params = [torch.nn.Parameter(w.clone()) for w in start]
+            opt = tp.optimizer_class(name)(params, **options)
+            for grads in stream:
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g.clone()
+                opt.step()
+            runs.append((params, opt))
+    assert len(torch_host_launcher.launches) >= launched + 3  # steps 2, 3 and 5 at least (4 may refresh)
+    (ref_params, ref), (params, opt) = runs
+    for q, p in zip(ref_params, params, strict=True):
+        np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy())
+        for field in ("M", "V"):
+            np.testing.assert_array_equal(opt.state[p][field].numpy(), ref.state[q][field].numpy())
 
 
 def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:
