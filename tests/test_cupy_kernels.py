@@ -1258,6 +1258,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     kernels_on = [False]
     monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
         cfg, dtype, list(sizes), launcher) if kernels_on[0] else None)  # fmt: skip
+    monkeypatch.setattr(tp, "_READY", {})  # the kernels' probe runs at the first step (its three launches)
     rng = np.random.default_rng(3)
     # (6, 5): rotated by AdaDiag(PP); (9, 20) unrotated (max_basis_dim=8); (20, 9) unrotated, its moments made
     # dense in the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j
@@ -1297,7 +1298,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     for k, grads in enumerate(stream):
         launched = step_both(grads)
         refresh = name != "adamw" and k % 3 == 0  # t = 1, 4, 7: the rotated members' refresh steps
-        wanted = 0 if not k else 1 + (0 if refresh or not any(rotated) else 2)
+        wanted = 3 if not k else 1 + (0 if refresh or not any(rotated) else 2)  # t = 1: the probe's launches
         assert launched == [0, wanted], (k, launched)
         assert_same()
         if not k:
@@ -1306,10 +1307,9 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     kernels_on[0] = True
     routes = [entry["moments"] for entry in runs[1][0].routes().values()]
     assert [r.startswith("CUDA group kernel") for r in routes] == [True, True, False, True, True], routes
-    assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == (
-        {"step_at" + ("_decay" if weight_decay else "")}
-        | ({"direction_at", "tail_at" + ("_decay" if weight_decay else "")} if any(rotated) else set())
-    )
+    decay = "_decay" if weight_decay else ""
+    assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == {
+        "step_at" + decay, "direction_at", "tail_at" + decay}  # fmt: skip
 
     bad = [g.copy() for g in stream[0]]
     bad[1].flat[4] = np.nan  # at t = 8, no refresh: the verdict is read after the launches
@@ -1336,6 +1336,57 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
         launched = step_both(huge)
     assert launched[1] == 2 * (1 + (2 if any(rotated) else 0))  # gated, then again without the gate
     assert_same()
+
+
+class _RaisingLauncher(_TorchHostLauncher):
+    """A launcher whose kernels cannot be built (as with a compiler or a CuPy the device cannot use)."""
+
+    def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+        raise RuntimeError("NVRTC_ERROR_BUILTIN_OPERATION_FAILURE")
+
+
+class _SilentLauncher(_TorchHostLauncher):
+    """A launcher whose launches do nothing (as kernels handed wrong pointers might)."""
+
+    def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+        self.launches.append(name)
+
+
+@pytest.mark.parametrize(("launcher_type", "why"), [(_RaisingLauncher, "RuntimeError: NVRTC"),
+                                                    (_SilentLauncher, "step_at gave")])  # fmt: skip
+def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
+    launcher_type: type, why: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels that raise at their first launch, or give other bits than the chain's torch ops, are probed once
+    (three launches over two tiny members), warn once (``RuntimeWarning`` naming the device and the reason) and are
+    not used: the routes say the chain, and the trajectory is the chain's, bit for bit."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
+    from adapters import pytorch as tp
+
+    launcher = launcher_type(tmp_path)
+    on = [False]
+    monkeypatch.setattr(tp, "_READY", {})
+    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
+        cfg, "float32", list(sizes), launcher) if on[0] else None)  # fmt: skip
+    runs = []
+    for kernels in (False, True):
+        on[0] = kernels
+        params = [torch.nn.Parameter(torch.ones(s)) for s in [(3, 4), (5,)]]
+        opt = tp.AdaDiag(params, lr=0.1, update_freq=3, foreach=True)
+        for k in range(4):
+            for p in params:
+                p.grad = torch.full(p.shape, 0.5 + k)
+            if kernels and not k:
+                with pytest.warns(RuntimeWarning, match=f"CUDA group kernels failed their probe on cpu .*{why}"):
+                    opt.step()
+            else:
+                opt.step()
+        runs.append((params, opt))
+    assert len(launcher.launches) <= 3  # the probe's, once
+    (ref_params, _), (params, opt) = runs
+    assert all(torch.equal(p, q) for p, q in zip(ref_params, params, strict=True))
+    assert all(r["moments"].startswith("foreach multi-tensor") for r in opt.routes().values())
 
 
 @pytest.fixture(scope="module")
