@@ -42,7 +42,6 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -1531,79 +1530,16 @@ def _group_kernels_for(cfg: BaseConfig, dtype: torch.dtype, sizes: tuple[int, ..
     return cupy_group.engine_group(cfg, dtype, list(sizes), device, torch_namespace())
 
 
-_READY: dict[tuple[Any, ...], bool] = {}
-"""Probed once per process: (launcher type, dtype, device, decay) -> whether the group kernels passed."""
-
-
 def _group_kernels_ready(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the CUDA group kernels step ``cfg``'s parameters of ``dtype`` on ``device``: the factory gives them
-    (:func:`_group_kernels_for`) and, once per process, launcher, dtype, device and decay, a probe of their three
-    launches over two tiny members agreed bit for bit with the multi-tensor chain's torch ops on the device
-    (:func:`_probe_group_kernels`).  A probe that raises (a compiler or a CuPy the device cannot use) or disagrees
-    warns once (``RuntimeWarning``) and leaves the ``torch._foreach_*`` chain to step them."""
+    (:func:`_group_kernels_for`) and they passed their probe against the chain's own operations on the device
+    (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, ``torch._foreach_sqrt`` as the root; once per
+    process: a failure warns once and leaves the ``torch._foreach_*`` chain to step them)."""
     group = _group_kernels_for(cfg, dtype, (1, 2), device)
     if group is None:
         return False
-    key = (type(group.launcher), dtype, str(device), decays(cfg))
-    ready = _READY.get(key)
-    if ready is None:
-        try:
-            problem = _probe_group_kernels(group, cfg, dtype, device)
-        except Exception as exc:  # any failure of a device path means: not this route
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is not None:
-            warnings.warn(
-                f"adadiag_ref: the CUDA group kernels failed their probe on {device} ({dtype}): {problem}; the "
-                "torch._foreach_* chain steps these parameters instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        ready = _READY[key] = problem is None
-    return ready
-
-
-def _probe_group_kernels(group: Any, cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The three launches of :func:`_launch_group` (``step_at``, ``direction_at``, ``tail_at``) over two members of
-    1 and 2 entries against the chain's operations (:func:`_foreach_compute`) in torch on the device: ``None`` when
-    every result is the same bit for bit, else what differed."""
-
-    def tensors(*values: tuple[float, ...]) -> list[torch.Tensor]:
-        return [torch.tensor(v, dtype=dtype, device=device) for v in values]
-
-    W, G, M, V = (tensors(*pair) for pair in (((1.5,), (-0.5, 2.0)), ((0.25,), (-1.0, 0.5)), ((0.1,), (0.2, -0.3)),
-                                              ((0.4,), (0.5, 0.6))))  # fmt: skip
-    b1, b2, c1, c2 = (_host_number(x) for x in (torch.tensor(0.9, dtype=dtype), torch.tensor(0.99, dtype=dtype),
-                                                1.0 - torch.tensor(0.9, dtype=dtype),
-                                                1.0 - torch.tensor(0.99, dtype=dtype)))  # fmt: skip
-    eta, wd = 0.125, cfg.weight_decay
-    new_v = [v * b2 + (g * g) * c2 for v, g in zip(V, G, strict=True)]
-    new_m = [g * c1 + m * b1 for m, g in zip(M, G, strict=True)]
-    roots = torch._foreach_sqrt(new_v)  # the chain's own root
-    u = [m / (r + cfg.eps) for m, r in zip(new_m, roots, strict=True)]
-
-    def tail(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        return w + (d + w * wd if decays(cfg) else d) * -eta
-
-    wanted: dict[str, tuple[list[torch.Tensor], ...]] = {
-        "step_at": ([tail(w, x) for w, x in zip(W, u, strict=True)], new_m, new_v),
-        "direction_at": (u, new_m, new_v),
-        "tail_at": ([tail(w, g) for w, g in zip(W, G, strict=True)],),
-    }
-    got: dict[str, tuple[list[torch.Tensor], ...]] = {}
-    params, moments, seconds = ([x.clone() for x in xs] for xs in (W, M, V))
-    group.step_at(group.prepare(params, G, eta), group.moment_tables(moments, seconds), b1, b2)
-    got["step_at"] = (params, moments, seconds)
-    g_rot, moments, seconds = ([x.clone() for x in xs] for xs in (G, M, V))
-    group.direction_at(group.prepare(W, g_rot, eta), group.moment_tables(moments, seconds), b1, b2)
-    got["direction_at"] = (g_rot, moments, seconds)
-    params = [x.clone() for x in W]
-    group.tail_at(group.prepare(params, None, eta), G)
-    got["tail_at"] = (params,)
-    for kernel, arrays in wanted.items():
-        for want, have in zip(arrays, got[kernel], strict=True):
-            if not all(torch.equal(a, b) for a, b in zip(want, have, strict=True)):
-                return f"{kernel} gave {[x.tolist() for x in have]} where the chain gives {[x.tolist() for x in want]}"
-    return None
+    return bool(cupy_group.ready(cfg, group.dtype.name, group.launcher, torch_namespace(), device,
+                                 sqrt=lambda v: torch._foreach_sqrt([v])[0]))  # fmt: skip
 
 
 def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, rotated: bool, xp: Any) -> bool:

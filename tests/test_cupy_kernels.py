@@ -1248,6 +1248,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     gated by the device verdict, and wrote nothing, and the error names the parameter; and finite gradients whose
     sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
     torch = pytest.importorskip("torch")
+    from adadiag_ref.optim.families.adam import cupy_group
     from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
@@ -1258,7 +1259,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     kernels_on = [False]
     monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
         cfg, dtype, list(sizes), launcher) if kernels_on[0] else None)  # fmt: skip
-    monkeypatch.setattr(tp, "_READY", {})  # the kernels' probe runs at the first step (its three launches)
+    monkeypatch.setattr(cupy_group, "_READY", {})  # the kernels' probe runs at the first step (its five launches)
     rng = np.random.default_rng(3)
     # (6, 5): rotated by AdaDiag(PP); (9, 20) unrotated (max_basis_dim=8); (20, 9) unrotated, its moments made
     # dense in the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j
@@ -1298,7 +1299,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     for k, grads in enumerate(stream):
         launched = step_both(grads)
         refresh = name != "adamw" and k % 3 == 0  # t = 1, 4, 7: the rotated members' refresh steps
-        wanted = 3 if not k else 1 + (0 if refresh or not any(rotated) else 2)  # t = 1: the probe's launches
+        wanted = 5 if not k else 1 + (0 if refresh or not any(rotated) else 2)  # t = 1: the probe's launches
         assert launched == [0, wanted], (k, launched)
         assert_same()
         if not k:
@@ -1309,7 +1310,7 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     assert [r.startswith("CUDA group kernel") for r in routes] == [True, True, False, True, True], routes
     decay = "_decay" if weight_decay else ""
     assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == {
-        "step_at" + decay, "direction_at", "tail_at" + decay}  # fmt: skip
+        "step" + decay, "step_at" + decay, "direction_at", "tail" + decay, "tail_at" + decay}  # fmt: skip
 
     bad = [g.copy() for g in stream[0]]
     bad[1].flat[4] = np.nan  # at t = 8, no refresh: the verdict is read after the launches
@@ -1353,20 +1354,21 @@ class _SilentLauncher(_TorchHostLauncher):
 
 
 @pytest.mark.parametrize(("launcher_type", "why"), [(_RaisingLauncher, "RuntimeError: NVRTC"),
-                                                    (_SilentLauncher, "step_at gave")])  # fmt: skip
+                                                    (_SilentLauncher, "step gave")])  # fmt: skip
 def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
     launcher_type: type, why: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Kernels that raise at their first launch, or give other bits than the chain's torch ops, are probed once
-    (three launches over two tiny members), warn once (``RuntimeWarning`` naming the device and the reason) and are
+    (its five launches over two tiny members), warn once (``RuntimeWarning`` naming the device and the reason) and are
     not used: the routes say the chain, and the trajectory is the chain's, bit for bit."""
     torch = pytest.importorskip("torch")
+    from adadiag_ref.optim.families.adam import cupy_group
     from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
     launcher = launcher_type(tmp_path)
     on = [False]
-    monkeypatch.setattr(tp, "_READY", {})
+    monkeypatch.setattr(cupy_group, "_READY", {})
     monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
         cfg, "float32", list(sizes), launcher) if on[0] else None)  # fmt: skip
     runs = []
@@ -1383,10 +1385,43 @@ def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
             else:
                 opt.step()
         runs.append((params, opt))
-    assert len(launcher.launches) <= 3  # the probe's, once
+    assert len(launcher.launches) <= 5  # the probe's, once
     (ref_params, _), (params, opt) = runs
     assert all(torch.equal(p, q) for p, q in zip(ref_params, params, strict=True))
     assert all(r["moments"].startswith("foreach multi-tensor") for r in opt.routes().values())
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_probe_passes_the_kernels_and_refuses_launches_that_write_nothing(
+    dtype: str, weight_decay: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cupy_group.probe``: the five launches (the engine's flat ``step`` and ``tail``, the torch adapter's
+    ``step_at``, ``direction_at`` and ``tail_at``), compiled for the host, equal the same arithmetic in the
+    namespace's own operations (here ``array_api_strict``, as the engine's CuPy or torch arrays on a GPU);
+    ``ready`` then says yes, once.  A launcher whose launches write nothing fails the probe: one warning, ``False``,
+    and the engine's factory would give no kernels."""
+    from adadiag_ref.optim.families.adam import cupy_group
+
+    xs = pytest.importorskip("array_api_strict")
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    cfg = ar.make_config("adamw", weight_decay=weight_decay)
+    launcher = _HostLauncher(tmp_path, xs)
+    assert cupy_group.probe(cupy_group.CudaGroup(cfg, dtype, [1, 2], launcher), xs, None) is None
+    assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == {
+        f"step{'_decay' if weight_decay else ''}", f"step_at{'_decay' if weight_decay else ''}", "direction_at",
+        f"tail{'_decay' if weight_decay else ''}", f"tail_at{'_decay' if weight_decay else ''}"}  # fmt: skip
+    monkeypatch.setattr(cupy_group, "_READY", {})
+    assert cupy_group.ready(cfg, dtype, launcher, xs, None)
+
+    class WritesNothing(_HostLauncher):
+        def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
+            self.launches.append(name)
+
+    with pytest.warns(RuntimeWarning, match="failed their probe on None .*step gave"):
+        assert not cupy_group.ready(cfg, dtype, WritesNothing(tmp_path, xs), xs, None)
+    assert not cupy_group.ready(cfg, dtype, WritesNothing(tmp_path, xs), xs, None)  # answered once, no new warning
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ against per-parameter ``ar.step``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ __all__ = [
     "direction_source",
     "engine_group",
     "nonfinite_source",
+    "probe",
+    "ready",
     "step_source",
     "tail_source",
 ]
@@ -371,6 +374,94 @@ def _float_name(dtype: Any) -> str | None:
     return name if name in ("float32", "float64") else None
 
 
+_READY: dict[tuple[Any, ...], bool] = {}
+"""Probed once per process: (launcher type, dtype, device, decay) -> whether the kernels passed (:func:`ready`)."""
+
+
+def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | None:
+    """Every launch of ``group``'s kernels (a group of two members of 1 and 2 entries) against the same arithmetic
+    in ``xp``'s own operations on ``device``: ``None`` when every result is the same bit for bit, else what
+    differed.  The launches: :meth:`CudaGroup.step` (flat moments, the engine's) and :meth:`~CudaGroup.step_at`,
+    :meth:`~CudaGroup.direction_at`, :meth:`~CudaGroup.tail` and :meth:`~CudaGroup.tail_at` (the torch adapter's);
+    ``sqrt`` is the reference's square root (default ``xp.sqrt``)."""
+    root = xp.sqrt if sqrt is None else sqrt
+    kind = getattr(xp, group.dtype.name)
+
+    def arrays(*values: tuple[float, ...]) -> list[Any]:
+        return [xp.asarray(v, dtype=kind, device=device) for v in values]
+
+    W, G, M, V = (arrays(*pair) for pair in (((1.5,), (-0.5, 2.0)), ((0.25,), (-1.0, 0.5)), ((0.1,), (0.2, -0.3)),
+                                              ((0.4,), (0.5, 0.6))))  # fmt: skip
+    eta = 0.125
+    b1, c1, b2, c2, eps, neg_lr, wd, decay = (float(x) for x in kernel_scalars(0.9, 0.99, group.cfg, eta, group.dtype))
+    new_v = [b2 * v + c2 * (g * g) for v, g in zip(V, G, strict=True)]
+    new_m = [b1 * m + c1 * g for m, g in zip(M, G, strict=True)]
+    u = [m / (root(v) + eps) for m, v in zip(new_m, new_v, strict=True)]
+
+    def tail(w: Any, d: Any) -> Any:
+        return w + neg_lr * (d + wd * w) if decay else w + neg_lr * d
+
+    def copies(xs: list[Any]) -> list[Any]:
+        return [xp.asarray(x, copy=True) for x in xs]
+
+    def flat(xs: list[Any]) -> Any:
+        return xp.concat(xs)
+
+    wanted = {
+        "step": ([tail(w, x) for w, x in zip(W, u, strict=True)], [flat(new_m)], [flat(new_v)]),
+        "step_at": ([tail(w, x) for w, x in zip(W, u, strict=True)], new_m, new_v),
+        "direction_at": (u, new_m, new_v),
+        "tail": ([tail(w, g) for w, g in zip(W, G, strict=True)],),
+        "tail_at": ([tail(w, g) for w, g in zip(W, G, strict=True)],),
+    }
+    got: dict[str, tuple[list[Any], ...]] = {}
+    params, moments, seconds = copies(W), flat(M), flat(V)
+    group._step(group.prepare(params, G, eta), "flat", (moments, seconds), 0.9, 0.99, None)  # type: ignore[arg-type]
+    got["step"] = (params, [moments], [seconds])
+    params, moments, seconds = copies(W), copies(M), copies(V)
+    group.step_at(group.prepare(params, G, eta), group.moment_tables(moments, seconds), 0.9, 0.99)  # type: ignore[arg-type]
+    got["step_at"] = (params, moments, seconds)
+    g_rot, moments, seconds = copies(G), copies(M), copies(V)
+    group.direction_at(group.prepare(W, g_rot, eta), group.moment_tables(moments, seconds), 0.9, 0.99)  # type: ignore[arg-type]
+    got["direction_at"] = (g_rot, moments, seconds)
+    params = copies(W)
+    group.tail(group.prepare(params, None, eta), flat(G))  # type: ignore[arg-type]
+    got["tail"] = (params,)
+    params = copies(W)
+    group.tail_at(group.prepare(params, None, eta), G)  # type: ignore[arg-type]
+    got["tail_at"] = (params,)
+    for kernel, expected in wanted.items():
+        for want, have in zip(expected, got[kernel], strict=True):
+            if not all(bool(xp.all(a == b)) for a, b in zip(want, have, strict=True)):
+                return f"{kernel} gave {[float(v) for x in have for v in x]} where {xp.__name__} gives " + str(
+                    [float(v) for x in want for v in x]
+                )
+    return None
+
+
+def ready(cfg: BaseConfig, dtype: str, launcher: Any, xp: Any, device: Any, sqrt: Any = None) -> bool:
+    """Whether the group kernels of ``cfg`` and ``dtype`` pass :func:`probe` through ``launcher`` on ``device``: run
+    once per process, launcher type, dtype, device and decay.  A probe that raises (a compiler or a CuPy the device
+    cannot use) or disagrees warns once (``RuntimeWarning``) and answers ``False``: the caller's array route steps
+    instead (the engine's gathering path, the torch adapter's ``torch._foreach_*`` chain)."""
+    key = (type(launcher), dtype, str(device), decays(cfg))
+    found = _READY.get(key)
+    if found is None:
+        try:
+            problem = probe(CudaGroup(cfg, dtype, [1, 2], launcher), xp, device, sqrt)
+        except Exception as exc:  # any failure of a device path means: not this route
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            warnings.warn(
+                f"adadiag_ref: the CUDA group kernels failed their probe on {device} ({dtype}): {problem}; the "
+                "array route steps these parameters instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        found = _READY[key] = problem is None
+    return found
+
+
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CudaGroup | None:
     """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory for CUDA: a
     :class:`CudaGroup` for CuPy arrays (:class:`CupyLauncher`) and, where CuPy is installed, for torch CUDA tensors
@@ -379,12 +470,15 @@ def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp:
     name = _float_name(dtype)
     if getattr(cfg, "kernels", "auto") != "auto" or name is None:
         return None
+    launcher: CupyLauncher
     if is_cupy_namespace(xp):
-        return CudaGroup(cfg, name, sizes, CupyLauncher(device))
-    if is_torch_namespace(xp) and getattr(device, "type", None) == "cuda":
+        launcher = CupyLauncher(device)
+    elif is_torch_namespace(xp) and getattr(device, "type", None) == "cuda":
         try:
             import cupy  # noqa: F401  (compiles and launches the kernels)
         except ImportError:
             return None
-        return CudaGroup(cfg, name, sizes, TorchCudaLauncher(device))
-    return None
+        launcher = TorchCudaLauncher(device)
+    else:
+        return None
+    return CudaGroup(cfg, name, sizes, launcher) if ready(cfg, name, launcher, xp, device) else None
