@@ -41,6 +41,7 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
     ) from exc
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -520,7 +521,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                     and family_of(cfg) is ADAM_FAMILY
                     and layout is not None
                     and _addressable(p, flat, layout, rotated, xp)
-                    and _group_kernels_ready(cfg, p.dtype, p.device)
+                    and _group_launcher(cfg, p.dtype, p.device) is not None
                 ):
                     moments = (
                         "CUDA group kernel (cupy_group, by address: one launch for the step's unrotated parameters "
@@ -1055,7 +1056,7 @@ class _Lane:
             return None
         for g, rotation in zip(grads[k:], self.rotations, strict=True):
             rotation.rotate(g)
-        scalars = _lane_scalars(self.cfg, count, lr, self.dtype, xp)
+        scalars = _lane_scalars(self.cfg, count, lr, self.dtype)
         g_at = group_route.addresses(grads)
         x_at = numpy.concatenate([g_at[:k], self.x_tail]) if k < len(grads) else g_at
         group_route.second_moment(g_at, x_at, self.v_at, self.sizes, self.offsets, scalars[2], scalars[3], self.vt,
@@ -1134,13 +1135,11 @@ def _lane_inputs(
     return int(counts[0]), grads, lr
 
 
-def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype, xp: Any) -> tuple[Any, ...]:
-    """``b1, c1, b2, c2, eps, -eta, lambda, decay`` of step ``count + 1`` for the kernels, ``b_t`` computed by the
-    core's torch code on ``prepare_step``'s ``t`` (the per-parameter route's bits)."""
-    t = xp.astype(torch.tensor(count + 1, dtype=torch.int32), dtype)  # prepare_step's t, exactly
-    b1_t, b2_t = beta_hats(cfg, t, xp)
-    b1_np, b2_np = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (b1_t, b2_t))
-    return kernel_scalars(b1_np, b2_np, cfg, learning_rate(cfg, lr), torch.empty(0, dtype=dtype).numpy().dtype)
+def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype) -> tuple[Any, ...]:
+    """``b1, c1, b2, c2, eps, -eta, lambda, decay`` of step ``count + 1`` for the kernels, ``b_t`` as
+    :func:`_host_betas` computes them (the per-parameter route's bits)."""
+    b1, b2, _, _ = _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)
+    return kernel_scalars(b1, b2, cfg, learning_rate(cfg, lr), torch.empty(0, dtype=dtype).numpy().dtype)
 
 
 class _LargeStep(NamedTuple):
@@ -1200,7 +1199,7 @@ class _LargeLane:
         count, grads, lr = inputs
         g_at = group_route.addresses(grads)
         bad = sum(torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.rows, (self.like,), self.like.dtype))
-        return _LargeStep(count, int(bad), _lane_scalars(self.cfg, count, lr, self.dtype, xp), grads, g_at)
+        return _LargeStep(count, int(bad), _lane_scalars(self.cfg, count, lr, self.dtype), grads, g_at)
 
     def failure(self, step_in: _LargeStep) -> str | None:
         if not step_in.bad:
@@ -1522,24 +1521,24 @@ def _host_number(x: Any) -> float:
     return float(x)
 
 
-def _group_kernels_for(cfg: BaseConfig, dtype: torch.dtype, sizes: tuple[int, ...], device: torch.device) -> Any:
-    """The Adam family's CUDA group kernels (:class:`~adadiag_ref.optim.families.adam.cupy_group.CudaGroup`
-    through its :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`) for members of ``sizes``
-    entries on ``device``, or ``None``: not a CUDA device, CuPy not installed, ``kernels="reference"``, or not
-    float32/float64 (the factory the engine uses for torch CUDA tensors)."""
-    return cupy_group.engine_group(cfg, dtype, list(sizes), device, torch_namespace())
+def _launcher_for(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> Any:
+    """The launcher of the Adam family's CUDA group kernels for tensors of ``dtype`` on ``device``
+    (:func:`~adadiag_ref.optim.families.adam.cupy_group.launcher_for`: a
+    :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), or ``None``: not a CUDA device, CuPy
+    not installed, ``kernels="reference"``, or not float32/float64."""
+    return cupy_group.launcher_for(cfg, dtype, device, torch_namespace())
 
 
-def _group_kernels_ready(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the CUDA group kernels step ``cfg``'s parameters of ``dtype`` on ``device``: the factory gives them
-    (:func:`_group_kernels_for`) and they passed their probe against the chain's own operations on the device
-    (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, ``torch._foreach_sqrt`` as the root; once per
-    process: a failure warns once and leaves the ``torch._foreach_*`` chain to step them)."""
-    group = _group_kernels_for(cfg, dtype, (1, 2), device)
-    if group is None:
-        return False
-    return bool(cupy_group.ready(cfg, group.dtype.name, group.launcher, torch_namespace(), device,
-                                 sqrt=lambda v: torch._foreach_sqrt([v])[0]))  # fmt: skip
+def _group_launcher(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> Any:
+    """:func:`_launcher_for`'s launcher when the kernels passed their probe against the chain's own operations on
+    the device (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, ``torch._foreach_sqrt`` as the root;
+    once per process: a failure warns once and leaves the ``torch._foreach_*`` chain to step), else ``None``."""
+    launcher = _launcher_for(cfg, dtype, device)
+    name = str(dtype).rsplit(".", 1)[-1]
+    if launcher is None or not cupy_group.ready(cfg, name, launcher, torch_namespace(), device,
+                                                sqrt=lambda v: torch._foreach_sqrt([v])[0]):  # fmt: skip
+        return None
+    return launcher
 
 
 def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, rotated: bool, xp: Any) -> bool:
@@ -1557,10 +1556,10 @@ def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layo
     return all(m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in (M, V))
 
 
-def _host_betas(state: Any, cfg: BaseConfig) -> tuple[float, float, float, float]:
-    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``state.count`` (the host counter), computed by the
-    core's torch code as ``prepare_step`` computes ``t``, as exact Python floats."""
-    t = torch_namespace().astype(state.count + 1, state.M.dtype)
+def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float, float]:
+    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``count`` (the host counter, an int32 tensor), computed
+    by the core's torch code as ``prepare_step`` computes ``t`` in ``dtype``, as exact Python floats."""
+    t = torch_namespace().astype(count + 1, dtype)
     b1_t, b2_t = beta_hats(cfg, t, torch_namespace())
     b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
     return b1, b2, c1, c2
@@ -1598,15 +1597,14 @@ def _launch_group(
     Returns ``(taken, relaunch, rest)``: the members launched, the launches again without the gate (for finite
     gradients whose sums overflowed), and the members left to :func:`_foreach_adam`: on a refresh step or a new
     state, of another dtype than their state, or not dense in one memory order with their moments.  Nothing is
-    launched where the kernels are not available (:func:`_group_kernels_for`: not CUDA, no CuPy,
-    ``kernels="reference"``) or a learning rate is an array."""
+    launched where the kernels are not available (:func:`_group_launcher`: not CUDA, no CuPy,
+    ``kernels="reference"``, a failed probe) or a learning rate is an array."""
     first = batch[0]
     cfg, dtype, device = first.item.cfg, first.state.M.dtype, first.item.p.device
-    available = kernels.get((cfg, dtype, device))  # asked once per config, dtype and device: no work per member
-    if available is None:
-        available = kernels[(cfg, dtype, device)] = _group_kernels_ready(cfg, dtype, device)
+    key = (cfg, dtype, device)  # the launcher asked once per config, dtype and device: no work per member
+    launcher = kernels[key] if key in kernels else kernels.setdefault(key, _group_launcher(cfg, dtype, device))
     eta = learning_rate(cfg, first.item.lr)
-    if not available or isinstance(eta, torch.Tensor):
+    if launcher is None or isinstance(eta, torch.Tensor):
         return [], lambda: None, batch
     xp = torch_namespace()
     plain: list[tuple[_Batched, torch.Tensor, torch.Tensor]] = []
@@ -1631,19 +1629,19 @@ def _launch_group(
                 rotated.append((entry, layout, g_rot, dense))  # type: ignore[arg-type]
                 continue
         rest.append(entry)
-    b1, b2, _, _ = _host_betas(first.state, cfg)
+    b1, b2, _, _ = _host_betas(cfg, first.state.count, first.state.M.dtype)
     launches: list[Callable[[torch.Tensor | None], None]] = []
     if plain:
-        group = _group_of(kernels, "plain", [e.item.p for e, _, _ in plain], cfg, dtype, device)
+        group = _group_of(kernels, "plain", [e.item.p for e, _, _ in plain], cfg, launcher)
         prepared = group.prepare([e.item.p for e, _, _ in plain], [e.item.grad for e, _, _ in plain], eta)
         tables = None if prepared is None else group.moment_tables([m for _, m, _ in plain], [v for _, _, v in plain])
-        if tables is None:
+        if prepared is None or tables is None:
             rest += [e for e, _, _ in plain]
             plain = []
         else:
-            launches.append(lambda flag: group.step_at(prepared, tables, b1, b2, flag))
+            launches.append(functools.partial(group.step_at, prepared, tables, b1, b2))
     if rotated:
-        turned = _group_of(kernels, "rotated", [e.item.p for e, *_ in rotated], cfg, dtype, device)
+        turned = _group_of(kernels, "rotated", [e.item.p for e, *_ in rotated], cfg, launcher)
         turned_in = turned.prepare([e.item.p for e, *_ in rotated], [d[0] for *_, d in rotated], eta)
         if turned_in is not None:
             turned_tables = turned.moment_tables([d[1] for *_, d in rotated], [d[2] for *_, d in rotated])
@@ -1681,22 +1679,17 @@ def _dense(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _group_of(
-    kernels: dict[tuple[Any, ...], Any],
-    role: str,
-    params: list[torch.Tensor],
-    cfg: BaseConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Any:
-    """The CUDA group kernels of these members (sizes, config, dtype, device), made once and kept."""
+    kernels: dict[tuple[Any, ...], Any], role: str, params: list[torch.Tensor], cfg: BaseConfig, launcher: Any
+) -> cupy_group.CudaGroup:
+    """The CUDA group kernels of these members (sizes, config, dtype, launcher), made once and kept."""
     sizes = tuple(p.numel() for p in params)
-    key = (role, sizes, dtype, device, cfg)
+    dtype = str(params[0].dtype).rsplit(".", 1)[-1]
+    key = (role, sizes, dtype, launcher, cfg)
     group = kernels.get(key)
     if group is None:
         if len(kernels) >= _CONFIG_CACHE_SIZE:
             kernels.clear()
-        group = kernels[key] = _group_kernels_for(cfg, dtype, sizes, device)
-    assert group is not None, "the kernels were available for this config, dtype and device"
+        group = kernels[key] = cupy_group.CudaGroup(cfg, dtype, list(sizes), launcher)
     return group
 
 
@@ -1803,7 +1796,7 @@ def _foreach_plan(
     """The host side of :func:`_foreach_adam`: ``b_t`` from the host counter, the moments' frames."""
     first = batch[0]
     cfg = first.item.cfg
-    b1, b2, c1, c2 = _host_betas(first.state, cfg)  # prepare_step's t, from the host counter
+    b1, b2, c1, c2 = _host_betas(cfg, first.state.count, first.state.M.dtype)  # prepare_step's t, host counter
     layouts = [layout_for(tuple(entry.item.p.shape), cfg) for entry in batch]
     moments, seconds = [], []
     for entry, layout in zip(batch, layouts, strict=True):

@@ -337,10 +337,10 @@ def test_cuda_group_kernels_give_the_multi_tensor_bits(name, dtype, weight_decay
     nothing and names the parameter."""
     pytest.importorskip("cupy")
     w0, grads = _streams(dtype)
-    made = at._group_kernels_for
+    made = at._launcher_for
     results = []
     for kernels in (False, True, None):  # the chain, the kernels, the per-parameter route
-        monkeypatch.setattr(at, "_group_kernels_for", made if kernels else lambda *args: None)
+        monkeypatch.setattr(at, "_launcher_for", made if kernels else lambda *args: None)
         params = [torch.nn.Parameter(w.clone().cuda()) for w in w0]
         opt = _optimizer(name, params, False if kernels is None else None, weight_decay)
         for gs in grads:

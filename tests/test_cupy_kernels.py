@@ -1103,8 +1103,9 @@ def _parameters(source: str) -> list[str]:
 
 class _HostLauncher:
     """A :class:`~adadiag_ref.optim.families.adam.cupy_group.CudaGroup` launcher that runs the CUDA kernels
-    compiled as C++ on the host (:func:`_host_library`) over NumPy memory, for an engine on NumPy or
-    ``array_api_strict`` arrays (``wrap``: the engine's namespace's form of a small array)."""
+    compiled as C++ on the host (:func:`_host_library`) over host memory: an engine on NumPy or ``array_api_strict``
+    arrays, or the torch adapter over CPU tensors, as ``TorchCudaLauncher`` over CUDA ones (``xp``: the namespace
+    of the small arrays it makes)."""
 
     def __init__(self, tmp_path: Any, xp: Any) -> None:
         self.tmp_path, self.xp, self.functions = tmp_path, xp, {}
@@ -1112,7 +1113,11 @@ class _HostLauncher:
 
     @staticmethod
     def host(a: Any) -> np.ndarray:
-        return a if isinstance(a, np.ndarray) else a._array  # array_api_strict's NumPy array
+        """The NumPy view of ``a``'s memory: a NumPy array, an ``array_api_strict`` array's, a torch CPU tensor's."""
+        if isinstance(a, np.ndarray):
+            return a
+        detach = getattr(a, "detach", None)
+        return a._array if detach is None else detach().numpy()
 
     def address(self, a: Any) -> int | None:
         x = self.host(a)
@@ -1191,32 +1196,11 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-class _TorchHostLauncher(_HostLauncher):
-    """:class:`_HostLauncher` over torch CPU tensors, as :class:`~adadiag_ref.optim.families.adam.cupy_group.
-    TorchCudaLauncher` over CUDA ones: the tensors' own memory as the kernels' pointers, small arrays as torch
-    tensors."""
+def _torch_host_launcher(tmp_path: Any) -> _HostLauncher:
+    """:class:`_HostLauncher` over torch CPU tensors, its small arrays torch tensors."""
+    import torch
 
-    def __init__(self, tmp_path: Any) -> None:
-        super().__init__(tmp_path, None)
-        import torch
-
-        self.torch = torch
-
-    @staticmethod
-    def host(a: Any) -> np.ndarray:
-        return a if isinstance(a, np.ndarray) else a.numpy()
-
-    def address(self, a: Any) -> int | None:
-        return int(a.data_ptr()) if a.is_contiguous() else None
-
-    def upload(self, table: np.ndarray) -> Any:
-        return self.torch.from_numpy(table.astype(np.int64))
-
-    def zeros_int32(self) -> Any:
-        return self.torch.zeros((), dtype=self.torch.int32)
-
-    def true(self) -> Any:
-        return self.torch.ones((), dtype=self.torch.bool)
+    return _HostLauncher(tmp_path, namespace(torch.zeros(())))
 
 
 def _correctly_rounded_foreach_sqrt(torch: Any) -> Any:
@@ -1249,16 +1233,14 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.optim.families.adam import cupy_group
-    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     monkeypatch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
-    launcher = _TorchHostLauncher(tmp_path)
+    launcher = _torch_host_launcher(tmp_path)
     kernels_on = [False]
-    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
-        cfg, dtype, list(sizes), launcher) if kernels_on[0] else None)  # fmt: skip
+    monkeypatch.setattr(tp, "_launcher_for", lambda cfg, dt, device: launcher if kernels_on[0] else None)
     monkeypatch.setattr(cupy_group, "_READY", {})  # the kernels' probe runs at the first step (its five launches)
     rng = np.random.default_rng(3)
     # (6, 5): rotated by AdaDiag(PP); (9, 20) unrotated (max_basis_dim=8); (20, 9) unrotated, its moments made
@@ -1339,14 +1321,14 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     assert_same()
 
 
-class _RaisingLauncher(_TorchHostLauncher):
+class _RaisingLauncher(_HostLauncher):
     """A launcher whose kernels cannot be built (as with a compiler or a CuPy the device cannot use)."""
 
     def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
         raise RuntimeError("NVRTC_ERROR_BUILTIN_OPERATION_FAILURE")
 
 
-class _SilentLauncher(_TorchHostLauncher):
+class _SilentLauncher(_HostLauncher):
     """A launcher whose launches do nothing (as kernels handed wrong pointers might)."""
 
     def launch(self, name: str, source: str, grid: int, args: tuple[Any, ...]) -> None:
@@ -1363,14 +1345,12 @@ def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
     not used: the routes say the chain, and the trajectory is the chain's, bit for bit."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.optim.families.adam import cupy_group
-    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
-    launcher = launcher_type(tmp_path)
+    launcher = launcher_type(tmp_path, namespace(torch.zeros(())))
     on = [False]
     monkeypatch.setattr(cupy_group, "_READY", {})
-    monkeypatch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
-        cfg, "float32", list(sizes), launcher) if on[0] else None)  # fmt: skip
+    monkeypatch.setattr(tp, "_launcher_for", lambda cfg, dt, device: launcher if on[0] else None)
     runs = []
     for kernels in (False, True):
         on[0] = kernels
@@ -1426,11 +1406,11 @@ def test_the_probe_passes_the_kernels_and_refuses_launches_that_write_nothing(
 
 @pytest.fixture(scope="module")
 def torch_host_launcher(tmp_path_factory: Any) -> Any:
-    """One :class:`_TorchHostLauncher` for the module: each kernel compiled for the host once."""
+    """One :func:`_torch_host_launcher` for the module: each kernel compiled for the host once."""
     pytest.importorskip("torch")
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    return _TorchHostLauncher(tmp_path_factory.mktemp("host_kernels"))
+    return _torch_host_launcher(tmp_path_factory.mktemp("host_kernels"))
 
 
 @settings(max_examples=20)
@@ -1465,7 +1445,6 @@ def test_property_the_cuda_group_kernels_give_the_chains_bits(
     rounded root; a ``max_basis_dim`` of 4 leaves the larger matrices unrotated (their own launch)."""
     import torch
 
-    from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
     from adapters import pytorch as tp
 
     on = [False]
@@ -1478,8 +1457,7 @@ def test_property_the_cuda_group_kernels_give_the_chains_bits(
     stream = [[torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes] for _ in range(5)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
-        patch.setattr(tp, "_group_kernels_for", lambda cfg, dt, sizes, device: CudaGroup(
-            cfg, dtype, list(sizes), torch_host_launcher) if on[0] else None)  # fmt: skip
+        patch.setattr(tp, "_launcher_for", lambda cfg, dt, device: torch_host_launcher if on[0] else None)
         runs = []
         launched = len(torch_host_launcher.launches)
         for kernels in (False, True):

@@ -57,6 +57,7 @@ __all__ = [
     "TorchCudaLauncher",
     "direction_source",
     "engine_group",
+    "launcher_for",
     "nonfinite_source",
     "probe",
     "ready",
@@ -301,6 +302,10 @@ class CudaGroup:
     def _launch(self, name: str, source: str, *args: Any) -> None:
         self.launcher.launch(name, source, self.grid, (*args,))
 
+    def _flag(self, proceed: Any) -> Any:
+        """The kernels' ``proceed``: the caller's device verdict, or a device ``true``."""
+        return self.always if proceed is None else proceed
+
     def _members(self) -> tuple[Any, Any, Any]:
         return self.starts, np.int32(len(self.sizes)), np.int64(self.size)
 
@@ -332,9 +337,9 @@ class CudaGroup:
         w_at, g_at, eta = prepared
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
         dtype = self.dtype.name
-        flag = self.always if proceed is None else proceed
         name = _name("step" if moments == "flat" else "step_at", dtype, decay)
-        self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where, flag, *sc)
+        self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where,
+                     self._flag(proceed), *sc)  # fmt: skip
 
     def direction_at(self, prepared: Prepared, tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
                      proceed: Any = None) -> None:  # fmt: skip
@@ -343,9 +348,8 @@ class CudaGroup:
         _, g_at, _ = prepared
         b1, c1, b2, c2, eps, *_ = kernel_scalars(b1_t, b2_t, self.cfg, 0.0, self.dtype)
         dtype = self.dtype.name
-        flag = self.always if proceed is None else proceed
-        self._launch(_name("direction_at", dtype), direction_source(dtype), g_at, *self._members(), *tables, flag,
-                     b1, c1, b2, c2, eps)  # fmt: skip
+        self._launch(_name("direction_at", dtype), direction_source(dtype), g_at, *self._members(), *tables,
+                     self._flag(proceed), b1, c1, b2, c2, eps)  # fmt: skip
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         self._tail(prepared, "flat", direction, proceed)
@@ -363,9 +367,9 @@ class CudaGroup:
         w_at, _, eta = prepared
         neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         decay, dtype = decays(self.cfg), self.dtype.name
-        flag = self.always if proceed is None else proceed
         name = _name("tail" if direction == "flat" else "tail_at", dtype, decay)
-        self._launch(name, tail_source(dtype, decay, direction), w_at, *self._members(), where, flag, neg_lr, wd)
+        self._launch(name, tail_source(dtype, decay, direction), w_at, *self._members(), where, self._flag(proceed),
+                     neg_lr, wd)  # fmt: skip
 
 
 def _float_name(dtype: Any) -> str | None:
@@ -407,12 +411,14 @@ def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | Non
     def flat(xs: list[Any]) -> Any:
         return xp.concat(xs)
 
+    stepped = [tail(w, x) for w, x in zip(W, u, strict=True)]
+    tailed = [tail(w, g) for w, g in zip(W, G, strict=True)]  # G as the direction D
     wanted = {
-        "step": ([tail(w, x) for w, x in zip(W, u, strict=True)], [flat(new_m)], [flat(new_v)]),
-        "step_at": ([tail(w, x) for w, x in zip(W, u, strict=True)], new_m, new_v),
+        "step": (stepped, [flat(new_m)], [flat(new_v)]),
+        "step_at": (stepped, new_m, new_v),
         "direction_at": (u, new_m, new_v),
-        "tail": ([tail(w, g) for w, g in zip(W, G, strict=True)],),
-        "tail_at": ([tail(w, g) for w, g in zip(W, G, strict=True)],),
+        "tail": (tailed,),
+        "tail_at": (tailed,),
     }
     got: dict[str, tuple[list[Any], ...]] = {}
     params, moments, seconds = copies(W), flat(M), flat(V)
@@ -462,23 +468,29 @@ def ready(cfg: BaseConfig, dtype: str, launcher: Any, xp: Any, device: Any, sqrt
     return found
 
 
-def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CudaGroup | None:
-    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory for CUDA: a
-    :class:`CudaGroup` for CuPy arrays (:class:`CupyLauncher`) and, where CuPy is installed, for torch CUDA tensors
-    (:class:`TorchCudaLauncher`), when ``cfg.kernels == "auto"`` and ``dtype`` is float32 or float64; else
-    ``None``."""
-    name = _float_name(dtype)
-    if getattr(cfg, "kernels", "auto") != "auto" or name is None:
+def launcher_for(cfg: BaseConfig, dtype: Any, device: Any, xp: Any) -> CupyLauncher | None:
+    """The launcher of the group kernels for ``xp``'s arrays of ``dtype`` on ``device``: :class:`CupyLauncher` for
+    CuPy arrays, :class:`TorchCudaLauncher` for torch CUDA tensors where CuPy is installed; ``None`` otherwise, or
+    when ``cfg.kernels != "auto"`` or ``dtype`` is not float32 or float64.  Not probed (:func:`ready`)."""
+    if getattr(cfg, "kernels", "auto") != "auto" or _float_name(dtype) is None:
         return None
-    launcher: CupyLauncher
     if is_cupy_namespace(xp):
-        launcher = CupyLauncher(device)
-    elif is_torch_namespace(xp) and getattr(device, "type", None) == "cuda":
+        return CupyLauncher(device)
+    if is_torch_namespace(xp) and getattr(device, "type", None) == "cuda":
         try:
             import cupy  # noqa: F401  (compiles and launches the kernels)
         except ImportError:
             return None
-        launcher = TorchCudaLauncher(device)
-    else:
+        return TorchCudaLauncher(device)
+    return None
+
+
+def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Any) -> CudaGroup | None:
+    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory for CUDA: a
+    :class:`CudaGroup` through :func:`launcher_for`'s launcher when there is one and the kernels pass their probe
+    (:func:`ready`); else ``None``."""
+    launcher = launcher_for(cfg, dtype, device, xp)
+    name = _float_name(dtype)
+    if launcher is None or name is None or not ready(cfg, name, launcher, xp, device):
         return None
-    return CudaGroup(cfg, name, sizes, launcher) if ready(cfg, name, launcher, xp, device) else None
+    return CudaGroup(cfg, name, sizes, launcher)
