@@ -563,13 +563,19 @@ class CoreOptimizer(torch.optim.Optimizer):
                     eligible = False
                     continue
                 assert layout is not None
-                if p.numel() > _GROUP_MAX_ENTRIES and not rotated and vml.available():
+                if p.numel() > _GROUP_MAX_ENTRIES and vml.available():
                     routes[label]["moments"] = (
-                        f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries: one numba call per "
-                        "thread for all of them, torch's VML root block by block)"
+                        f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries; "
+                        + (
+                            "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call per thread, "
+                            "D into the second buffer, one call per thread for the tail; torch's VML root"
+                            if rotated
+                            else "one numba call per thread for all of them, torch's VML root block by block"
+                        )
+                        + ")"
                     )
                     large = large_lanes.setdefault((group_index, p.dtype), _LargeLane(group_index, cfg, p.dtype))
-                    large.add(p, flat, _where(names, index, group_index))
+                    large.add(p, flat, layout, _where(names, index, group_index))
                     continue
                 if p.numel() > _GROUP_MAX_ENTRIES:  # the torch route's blocks (one parameter at a time) are faster
                     routes[label]["moments"] = (
@@ -930,8 +936,10 @@ _GEMM_ALIGNMENT = 64
 class _Rotation(NamedTuple):
     """One rotated member's GEMMs, the core's :func:`~adadiag_ref.optim.rotation.rotate` and ``unrotate`` written
     out as the very ``torch.mm`` calls they make (``a @ b`` of 2-D operands is ``mm``; the same operands, the
-    same bits), the last product of each into this lane's persistent buffers (``out=``): ``G~`` (later ``U~``)
-    and ``D`` keep fixed addresses, in the memory order of ``M`` and of ``W`` (both the parameter's)."""
+    same bits), the last product of each into persistent buffers (``out=``): ``G~`` (later ``U~``) and ``D`` keep
+    fixed addresses, in the memory order of ``M`` and of ``W`` (both the parameter's).  A two-sided member's first
+    product goes into ``between`` when it is given (:class:`_LargeLane`: every buffer exists before the step's
+    first write), else into a fresh tensor."""
 
     matrix: tuple[int, int]  # the parameter as a matrix (to_work's reshape, before its transposition)
     transposed: bool
@@ -939,6 +947,10 @@ class _Rotation(NamedTuple):
     Q: torch.Tensor | None
     g_out: torch.Tensor  # G~'s memory: (m, n) C-order, or (n, m) C-order for a transposed work frame
     d_out: torch.Tensor  # D's memory, likewise
+    between: torch.Tensor | None = None  # the first product of a two-sided member, g_out's shape
+
+    def _first(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mm(a, b) if self.between is None else torch.mm(a, b, out=self.between)
 
     def rotate(self, grad: torch.Tensor) -> None:
         """``G~ = P^T G Q`` (:func:`~adadiag_ref.optim.rotation.rotate`) into ``g_out``."""
@@ -947,11 +959,11 @@ class _Rotation(NamedTuple):
             if Q is None:
                 torch.mm(x, P, out=self.g_out)  # type: ignore[arg-type]
             else:
-                torch.mm(Q.mT, x if P is None else torch.mm(x, P), out=self.g_out)
+                torch.mm(Q.mT, x if P is None else self._first(x, P), out=self.g_out)
         elif Q is None:
             torch.mm(P.mT, x, out=self.g_out)  # type: ignore[union-attr]
         else:
-            torch.mm(x if P is None else torch.mm(P.mT, x), Q, out=self.g_out)
+            torch.mm(x if P is None else self._first(P.mT, x), Q, out=self.g_out)
 
     def unrotate(self) -> None:
         """``D = P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) of ``U~`` in ``g_out``, into ``d_out``."""
@@ -960,11 +972,41 @@ class _Rotation(NamedTuple):
             if Q is None:
                 torch.mm(u, P.mT, out=self.d_out)  # type: ignore[union-attr]
             else:
-                torch.mm(Q, u if P is None else torch.mm(u, P.mT), out=self.d_out)
+                torch.mm(Q, u if P is None else self._first(u, P.mT), out=self.d_out)
         elif Q is None:
             torch.mm(P, u, out=self.d_out)  # type: ignore[arg-type]
         else:
-            torch.mm(u if P is None else torch.mm(P, u), Q.mT, out=self.d_out)
+            torch.mm(u if P is None else self._first(P, u), Q.mT, out=self.d_out)
+
+
+def _aligned_rows(rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` rows of ``size`` entries, each starting at a :data:`_GEMM_ALIGNMENT`-byte boundary (a view into
+    one allocation); ``size`` a multiple of the alignment in entries."""
+    align = max(1, _GEMM_ALIGNMENT // torch.empty(0, dtype=dtype).element_size())
+    block = torch.empty(rows * size + align, dtype=dtype)
+    skip = (-block.data_ptr() // block.element_size()) % align  # the first boundary
+    return block[skip : skip + rows * size].view(rows, size)
+
+
+def _rotation_into(
+    p: torch.Tensor,
+    flat: Mapping[str, torch.Tensor],
+    layout: Layout,
+    g_memory: torch.Tensor,
+    d_memory: torch.Tensor,
+    between_memory: torch.Tensor | None = None,
+) -> _Rotation | None:
+    """``p``'s :class:`_Rotation`, its outputs at the start of the 1-D ``g_memory`` and ``d_memory`` (and of
+    ``between_memory``); ``None`` when ``G~`` would not lie in ``M``'s memory order or ``D`` in ``W``'s."""
+    m, n, size = layout.rows, layout.cols, p.numel()
+    shape = (n, m) if layout.transposed else (m, n)
+    g_out, d_out = (x[:size].view(shape) for x in (g_memory, d_memory))
+    g_work, d_work = (x.mT if layout.transposed else x for x in (g_out, d_out))
+    if _order(g_work) != _order(flat["M"]) or _order(d_work) != _order(to_work(p, layout, torch_namespace())):
+        return None
+    between = None if between_memory is None or flat.get("Q") is None else between_memory[:size].view(shape)
+    matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+    return _Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out, between)
 
 
 class _Lane:
@@ -1000,22 +1042,13 @@ class _Lane:
         for size in sizes[k:]:
             starts.append(offset)
             offset += -(-size // align) * align
-        self.rot_scratch = torch.empty((2, offset + align), dtype=self.dtype)
-        skip = (-self.rot_scratch.data_ptr() // self.rot_scratch.element_size()) % align  # the first boundary
-        row = self.rot_scratch.shape[1] * self.rot_scratch.element_size()
-        if row % _GEMM_ALIGNMENT:  # pragma: no cover - offset + align is a multiple of align
-            return None
-        xp = torch_namespace()
+        self.rot_scratch = _aligned_rows(2, offset, self.dtype)
         self.rotations = []
         for (p, flat, layout, _), start in zip(members[k:], starts, strict=True):
-            m, n, size = layout.rows, layout.cols, p.numel()
-            shape = (n, m) if layout.transposed else (m, n)
-            g_out, d_out = (self.rot_scratch[j, skip + start : skip + start + size].view(shape) for j in (0, 1))
-            g_work, d_work = (x.mT if layout.transposed else x for x in (g_out, d_out))
-            if _order(g_work) != _order(flat["M"]) or _order(d_work) != _order(to_work(p, layout, xp)):
+            rotation = _rotation_into(p, flat, layout, *(self.rot_scratch[j, start:] for j in (0, 1)))
+            if rotation is None:
                 return None
-            matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-            self.rotations.append(_Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out))
+            self.rotations.append(rotation)
         self.counters = [f["step"] for f in self.flats]
         if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
             return None
@@ -1152,28 +1185,46 @@ class _LargeStep(NamedTuple):
     g_at: Any
 
 
+_THREADS_AFTER_GEMM: int | None = 1
+"""Threads for a rotated member's kernels in :class:`_LargeLane` (``None``: ``torch.get_num_threads()``).  One:
+after each multi-threaded ``torch.mm`` torch's OpenMP workers spin for a while before they sleep, and a helper
+thread of ours shares a core with one of them.  Measured on LLaMA-60M's first 4 blocks, 2 threads, 11 interleaved
+rounds: the moments 21.3 ms split over two threads against 16.2 ms on the calling thread alone, the tail 8.4
+against 4.3 ms (``benchmarks/cpu_adapter_vs_peers.py``, docs/performance.md)."""
+
+
 class _LargeLane:
-    """The large unrotated parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries), where
-    torch's VML root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`): one read pass
-    counts the gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), then
-    one kernel call per thread (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`) writes ``M``,
-    ``V`` and ``W`` of all of them in place, block by block with VML's root (the per-parameter torch CPU route's
-    arithmetic, :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do not
-    depend on the number of parameters."""
+    """The large parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries), where torch's VML
+    root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`).  One read pass counts all their
+    gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), before any write.
+
+    * unrotated: one kernel call per thread (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`)
+      writes ``M``, ``V`` and ``W`` of all of them in place, block by block with VML's root (the per-parameter torch
+      CPU route's arithmetic, :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do
+      not depend on the number of parameters;
+    * rotated (a step without refresh), one after the other, each while its ``G~`` is still in cache: ``G~ = P^T G
+      Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
+      (:func:`~adadiag_ref.optim.families.adam.group_route.moments_vml_at`, the per-parameter route's arithmetic
+      without its two new moment tensors), ``D = P U~ Q^T`` into the second buffer, ``W <- W + (-eta) (D + lambda
+      W)`` (:func:`~adadiag_ref.optim.families.adam.group_route.engine_tail`); each kernel split over the threads.
+      The buffers (``G~``, ``D`` and a two-sided member's first product, each as large as the largest member) are
+      made once, so nothing is allocated and nothing can fail after the first write."""
 
     def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
         self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
-        self.params: list[torch.Tensor] = []
-        self.flats: list[dict[str, torch.Tensor]] = []
-        self.wheres: list[str] = []
+        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] = []
 
-    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], where: str) -> None:
-        self.params.append(p)
-        self.flats.append(flat)
-        self.wheres.append(where)
+    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
+        self.members.append((p, flat, layout, where))
 
     def finish(self) -> _LargeLane | None:
-        """Fix the addresses and the chunk table; ``None`` when a counter is not a host int32 tensor."""
+        """Fix the addresses, the chunk tables and the rotated members' buffers; ``None`` when a counter is not a
+        host int32 tensor or a rotated member's moments are not in the order of its GEMM outputs."""
+        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
+        self.params = [m[0] for m in members]
+        self.flats = [m[1] for m in members]
+        self.wheres = [m[3] for m in members]
+        self.n_unrot = k = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
         self.counters = [f["step"] for f in self.flats]
         if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
             return None
@@ -1184,21 +1235,46 @@ class _LargeLane:
         self.w_at = group_route.addresses(self.params)
         self.m_at = group_route.addresses(self.moments)
         self.v_at = group_route.addresses(self.seconds)
-        self.rows = group_route.chunk_table([p.numel() for p in self.params])
+        sizes = [p.numel() for p in self.params]
+        self.all_rows = group_route.chunk_table(sizes)  # the finiteness pass over every gradient
+        self.rows = group_route.chunk_table(sizes[:k])  # the unrotated step
         self.like = torch.empty(0, dtype=self.dtype).numpy()  # the kernels' dtype
+        self.rotations: list[_Rotation] = []
+        self.member_rows: list[Any] = []
+        if k < len(members):
+            align = max(1, _GEMM_ALIGNMENT // self.like.itemsize)
+            largest = -(-max(sizes[k:]) // align) * align
+            two_sided = any("Q" in m[1] for m in members[k:])
+            buffers = _aligned_rows(3 if two_sided else 2, largest, self.dtype)
+            self.buffers = buffers
+            self.u_at = group_route.addresses([buffers[0]])
+            self.direction = buffers[1].numpy()
+            for p, flat, layout, _ in members[k:]:
+                rotation = _rotation_into(p, flat, layout, buffers[0], buffers[1], buffers[2] if two_sided else None)
+                if rotation is None:
+                    return None
+                self.rotations.append(rotation)
+            self.member_rows = [group_route.chunk_table([size]) for size in sizes[k:]]
         return self
 
     def still_valid(self) -> bool:
-        """As :meth:`_Lane.still_valid`: the same tensors in the state dicts, the same memory."""
-        return _same_memory(self)
+        """As :meth:`_Lane.still_valid`: the same tensors in the state dicts, the same memory, the same bases."""
+        return _same_memory(self) and all(
+            f.get("P") is r.P and f.get("Q") is r.Q
+            for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
+        )
 
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LargeStep | None:
         inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
         if inputs is None:
             return None
         count, grads, lr = inputs
+        if self.rotations and ar.refresh_due(count, self.cfg):
+            return None
         g_at = group_route.addresses(grads)
-        bad = sum(torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.rows, (self.like,), self.like.dtype))
+        bad = sum(
+            torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.all_rows, (self.like,), self.like.dtype)
+        )
         return _LargeStep(count, int(bad), _lane_scalars(self.cfg, count, lr, self.dtype), grads, g_at)
 
     def failure(self, step_in: _LargeStep) -> str | None:
@@ -1208,8 +1284,21 @@ class _LargeLane:
         return f"{self.wheres[first]} contains NaN or Inf at step {step_in.taken + 1}"
 
     def apply(self, step_in: _LargeStep) -> None:
-        torch_route.split_rows(group_route.step_vml_at, (self.w_at, step_in.g_at, self.m_at, self.v_at), self.rows,
-                               step_in.scalars, self.like.dtype, scratch=True)  # fmt: skip
+        k, dtype = self.n_unrot, self.like.dtype
+        if k:
+            torch_route.split_rows(group_route.step_vml_at, (self.w_at, step_in.g_at, self.m_at, self.v_at),
+                                   self.rows, step_in.scalars, dtype, scratch=True)  # fmt: skip
+        b1, c1, b2, c2, eps, neg_lr, wd, decay = step_in.scalars
+        at_zero = numpy.zeros(1, dtype=numpy.int64)  # the one member's offset into the direction buffer
+        threads = _THREADS_AFTER_GEMM
+        for j, (rotation, rows) in enumerate(zip(self.rotations, self.member_rows, strict=True)):
+            i = k + j
+            rotation.rotate(step_in.grads[i])
+            torch_route.split_rows(group_route.moments_vml_at, (self.m_at[i : i + 1], self.v_at[i : i + 1],
+                                   self.u_at), rows, (b1, c1, b2, c2, eps), dtype, True, threads)  # fmt: skip
+            rotation.unrotate()
+            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows,
+                                   (at_zero, self.direction, neg_lr, wd, decay), dtype, False, threads)  # fmt: skip
         group_route.advance_counters(self.c_at, self.counts)
 
 

@@ -24,12 +24,16 @@ package ``__init__`` imports ``transformers`` and ``bitsandbytes`` for its other
 ``galore_torch.adamw`` and ``galore_torch.galore_projector`` are loaded here, and when ``transformers`` is
 absent its ``require_version`` (a version assertion at construction) is replaced by a no-op.
 
-Run: ``python benchmarks/cpu_adapter_vs_peers.py [--threads 1 2] [--rounds 15] [--refresh-rounds 3]``.
+``--phases N`` then times N more rounds of ``adapter AdaDiag`` and ``GaLore`` split into their GEMMs, each kernel
+call of the adapter's large lane and the rest (medians per phase).
+
+Run: ``python benchmarks/cpu_adapter_vs_peers.py [--threads 1 2] [--rounds 15] [--refresh-rounds 3] [--phases 11]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib.util
 import statistics
@@ -157,6 +161,77 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, pau
     return times
 
 
+class PhaseClock:
+    """Seconds spent in each phase of a call, by wrapping the functions that run the phases (``--phases``)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = collections.Counter()
+        self.undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, label: str | Callable[[tuple[Any, ...]], str]) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                key = label(args) if callable(label) else label
+                self.spent[key] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self.undo.append((owner, name, original))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self.undo):
+            setattr(owner, name, original)
+        self.undo.clear()
+
+
+def phases(fns: dict[str, Callable[[], Any]], rounds: int, pause: float) -> dict[str, dict[str, list[float]]]:
+    """Per round, ``adapter AdaDiag``'s step split into its GEMMs (the large lane's ``_Rotation`` products), each
+    kernel call through ``torch_route.split_rows`` (by kernel) and the rest; GaLore's into its projections
+    (``torch.matmul`` in ``galore_projector``) and the rest."""
+    from adadiag_ref.adapters import pytorch as at
+
+    from adadiag_ref.optim.families.adam import torch_route
+
+    clock = PhaseClock()
+    clock.wrap(at._Rotation, "rotate", "GEMMs")
+    clock.wrap(at._Rotation, "unrotate", "GEMMs")
+    clock.wrap(torch_route, "split_rows", lambda args: "kernel " + getattr(args[0], "__name__", "?").lstrip("_"))
+    contenders = {name: fns[name] for name in ("adapter AdaDiag", "GaLore") if name in fns}
+    projector = sys.modules.get("galore_torch.galore_projector")
+    if projector is not None:
+
+        class TimedTorch(types.ModuleType):  # the projector's ``torch``, its matmul timed
+            def __getattr__(self, name: str) -> Any:
+                return getattr(torch, name)
+
+        timed_torch = TimedTorch("torch")
+        timed_torch.matmul = torch.matmul  # type: ignore[attr-defined]
+        clock.wrap(timed_torch, "matmul", "GEMMs")
+        clock.wrap(projector, "torch", "unused")  # restored below
+        projector.torch = timed_torch
+    out: dict[str, dict[str, list[float]]] = {name: collections.defaultdict(list) for name in contenders}
+    try:
+        for r in range(rounds):
+            order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+            for name in order:
+                time.sleep(pause)
+                clock.spent.clear()
+                start = time.perf_counter()
+                contenders[name]()
+                total = time.perf_counter() - start
+                out[name]["step"].append(total)
+                for key, value in clock.spent.items():
+                    out[name][key].append(value)
+                out[name]["rest (Python, other torch ops)"].append(total - sum(clock.spent.values()))
+    finally:
+        clock.restore()
+    return out
+
+
 def ratio(times: dict[str, list[float]], a: str, b: str) -> float | None:
     if a not in times or b not in times:
         return None
@@ -170,14 +245,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh-rounds", type=int, default=3, help="rounds of refresh steps (0: none)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--pause", type=float, default=0.2, help="seconds of sleep before each timed call")
+    parser.add_argument(
+        "--phases", type=int, default=0, help="rounds of AdaDiag and GaLore steps timed by phase (0: none)"
+    )
     args = parser.parse_args(argv)
     if galore_adamw() is None:
         print("galore_torch is not installed (pip install --no-deps galore-torch): the GaLore rows are skipped")
     results: dict[int, dict[str, list[float]]] = {}
+    split: dict[int, dict[str, dict[str, list[float]]]] = {}
     for n in args.threads:
         limits = set_threads(n)
         try:
-            times = interleaved(contenders(refresh=False), args.rounds, args.warmup, args.pause)
+            fns = contenders(refresh=False)
+            times = interleaved(fns, args.rounds, args.warmup, args.pause)
+            if args.phases:
+                split[n] = phases(fns, args.phases, args.pause)
             if args.refresh_rounds:
                 times.update(interleaved(contenders(refresh=True), args.refresh_rounds, 1, args.pause))
         finally:
@@ -207,6 +289,19 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             one, two = statistics.median(results[1][name]), statistics.median(results[2][name])
             print(f"| {name} | {two / one:.2f} |")
+    for name in next(iter(split.values()), {}):
+        print()
+        print(
+            f"| {name}: median ms by phase | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in split) + " |"
+        )
+        print("|---|" + "---|" * len(split))
+        keys = sorted({k for per in split.values() for k in per[name]}, key=lambda k: (k != "step", k))
+        for key in keys:
+            cells = [
+                f"{1e3 * statistics.median(per[name][key]):.1f}" if per[name].get(key) else "-"
+                for per in split.values()
+            ]
+            print(f"| {key} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -321,3 +321,68 @@ def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weig
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     finally:
         torch.set_num_threads(previous)
+
+
+# rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
+LARGE_ROTATED_SHAPES = [(130, 300), (300, 130), (20, 10, 9, 11), (20000,), (5, 7), (7,)]
+
+
+@pytest.mark.parametrize("after_gemm", [1, None])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_large_rotated_parameters_step_in_place_in_the_large_lane(
+    name, dtype, weight_decay, threads, after_gemm, monkeypatch
+):
+    """Rotated parameters above 16384 entries take the large-parameter lane on steps without refresh: ``G~`` and
+    ``D`` in the lane's buffers (a two-sided member's first product too), ``M`` and ``V`` written in place (their
+    storage never moves, no new moment tensors), one ``moments_vml_at`` call per thread part and parameter.  Bit for
+    bit ``kernels="reference"`` at every step, refresh steps (per-parameter route) included, with the kernels on the
+    calling thread (``after_gemm=1``, the default) or cut between threads; a NaN in the last of them changes
+    nothing and names it."""
+    from adadiag_ref._kernels import vml
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    if not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
+    monkeypatch.setattr(at, "_THREADS_AFTER_GEMM", after_gemm)
+    calls = []
+    original = group_route.moments_vml_at
+    monkeypatch.setattr(group_route, "moments_vml_at", lambda *a: calls.append(1) or original(*a))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = []
+        for kernels in ("auto", "reference"):
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_ROTATED_SHAPES]
+            opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=weight_decay, update_freq=3,
+                                             kernels=kernels)  # fmt: skip
+            runs.append((params, opt))
+        params, opt = runs[0]
+        _steps(runs, range(2))  # t = 1 refreshes (the per-parameter route)
+        storage = [opt.state[p][k].data_ptr() for p in params[:4] for k in ("M", "V")]
+        calls.clear()
+        _steps(runs, range(2, 3))  # t = 3: no refresh
+        _assert_same(runs)
+        parts = threads if after_gemm is None else 1
+        assert 4 <= len(calls) <= 4 * parts, calls  # four large rotated parameters
+        assert [opt.state[p][k].data_ptr() for p in params[:4] for k in ("M", "V")] == storage  # in place
+        routes = list(opt.routes().values())
+        assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 4 + [
+            "numba group kernels"
+        ] * 2
+        assert all("rotated: G~ into the lane's buffer" in r["moments"] for r in routes[:4])
+        _steps(runs, range(3, 8))  # t = 4 refreshes, then the lane again
+        _assert_same(runs)
+        before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in opt.state[p]]
+        _grads(params, 9)
+        params[3].grad[17] = float("inf")
+        with pytest.raises(ValueError, match=r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 9"):
+            opt.step()
+        after = [p.detach() for p in params] + [opt.state[p][k] for p in params for k in opt.state[p]]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    finally:
+        torch.set_num_threads(previous)

@@ -24,6 +24,14 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
   call each instead of a stack and a ``torch._foreach_add_`` over 0-d tensors, 0.2 ms for 75 of them);
 * :func:`apply_rotated`: after the caller's GEMMs ``D = P U~ Q^T``: ``W <- W + (-eta) (D + lambda W)``,
   ``M <- M_t``, ``V <- V_t``.
+
+The parameters above the group kernels' size (the adapter's large lane, torch's VML root called inside the
+kernels, each call over the rows of a chunk table so that ``torch_route.split_rows`` can cut it between threads):
+
+* :func:`nonfinite_at`: the number of NaN or Inf entries of all their gradients (one read, before any write);
+* :func:`step_vml_at`: the unrotated ones' whole step in place;
+* :func:`moments_vml_at`: a rotated one's ``M <- M_t``, ``V <- V_t`` in place and ``U~`` over ``G~``; its tail
+  ``W <- W + (-eta) (D + lambda W)`` is the engine's :func:`engine_tail`.
 """
 
 from __future__ import annotations
@@ -42,7 +50,13 @@ from ...._xp import Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
-from .numba_route import _adam_entry, _second_moment_entry, adam_step_vml_flat, kernel_scalars
+from .numba_route import (
+    _adam_entry,
+    _second_moment_entry,
+    adam_moments_vml_in_place,
+    adam_step_vml_flat,
+    kernel_scalars,
+)
 
 __all__ = [
     "AVAILABLE",
@@ -56,6 +70,7 @@ __all__ = [
     "direction_rotated",
     "disjoint",
     "engine_group",
+    "moments_vml_at",
     "prepare_members",
     "read_counters",
     "second_moment",
@@ -215,6 +230,17 @@ def _step_vml_at(w_at, g_at, m_at, v_at, chunks, b1, c1, b2, c2, eps, neg_lr, wd
                            neg_lr, wd, decay, root)  # fmt: skip
 
 
+def _moments_vml_at(m_at, v_at, u_at, chunks, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
+    """A rotated member's moments in place over its own memory, row by row of ``chunks`` (``(member, lo,
+    hi)``): ``V <- V_t``, ``M <- M_t`` and ``U~`` over ``G~`` at ``u_at`` (the caller's GEMM output), each span by
+    :func:`~.numba_route.adam_moments_vml_in_place` (``sqrt(V_t)`` by torch's VML root into the scratch
+    ``root``)."""
+    for c in range(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        adam_moments_vml_in_place(_array(m_at[i], hi, root)[lo:hi], _array(v_at[i], hi, root)[lo:hi],
+                                  _array(u_at[i], hi, root)[lo:hi], b1, c1, b2, c2, eps, root)  # fmt: skip
+
+
 def _dense_address_of(a):  # type: ignore[no-untyped-def]
     """The address of a C-contiguous array's first entry, -1 for any other (numba reads both in a few ns)."""
     return a.ctypes.data if a.flags.c_contiguous else -1
@@ -232,9 +258,10 @@ if AVAILABLE:
     direction_rotated = _kernels._jit(_direction_rotated)
     apply_rotated = _kernels._jit(_apply_rotated)
     step_vml_at = _kernels._jit(_step_vml_at)
+    moments_vml_at = _kernels._jit(_moments_vml_at)
 else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
-    read_counters = advance_counters = step_vml_at = None
+    read_counters = advance_counters = step_vml_at = moments_vml_at = None
     engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
     engine_tail = engine_tail_parallel = None
 

@@ -236,6 +236,29 @@ def _adam_moments_vml_flat(M0, V0, GU, M, V, b1, c1, b2, c2, eps, root):  # type
     _vml_local_threads(previous)
 
 
+def _adam_moments_vml_in_place(M, V, GU, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
+    """:func:`_adam_moments_vml_flat` writing the state in place: ``V <- V_t``, ``M <- M_t``, ``U~`` over ``G~``,
+    block by block with torch's VML root (for callers whose later steps cannot fail: the torch adapter's large
+    lane, whose GEMM buffers exist before its first write).  A kernel of its own rather than
+    :func:`_adam_moments_vml_flat` with aliased arguments: LLVM's runtime alias checks then find the overlap and
+    take the scalar loop (measured slower than writing new arrays)."""
+    size = GU.shape[0]
+    block = root.shape[0]
+    previous = _vml_local_threads(1)
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        k = stop - start
+        Vb, GUb, Mb, rb = V[start:stop], GU[start:stop], M[start:stop], root[:k]
+        for i in range(k):
+            Vb[i] = _second_moment_entry(Vb[i], GUb[i], b2, c2)
+        _vml_sqrt(Vb, rb)
+        for i in range(k):
+            m = ema_entry(Mb[i], GUb[i], b1, c1)
+            Mb[i] = m
+            GUb[i] = m / (rb[i] + eps)
+    _vml_local_threads(previous)
+
+
 adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
 
 
@@ -270,6 +293,9 @@ adam_step_vml_flat = _jit(_adam_step_vml_flat)
 
 
 adam_moments_vml_flat = _jit(_adam_moments_vml_flat)
+
+
+adam_moments_vml_in_place = _jit(_adam_moments_vml_in_place)
 
 
 # ----------------------------------------------------------------------------- routes

@@ -128,18 +128,25 @@ def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size:
 
 
 def split_rows(
-    kernel: Any, before: tuple[Any, ...], rows: Any, after: tuple[Any, ...], dtype: Any, scratch: bool = False
+    kernel: Any,
+    before: tuple[Any, ...],
+    rows: Any,
+    after: tuple[Any, ...],
+    dtype: Any,
+    scratch: bool = False,
+    threads: int | None = None,
 ) -> list[Any]:
     """``kernel(*before, part, *after[, scratch])`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
-    :func:`~.group_route.chunk_table`), cut into contiguous runs of about equal entries run at once on
-    ``torch.get_num_threads()`` threads, as :func:`_split` cuts a flat array; returns each call's result, in order.
-    Each entry is computed by the same code whatever the cut, so the bits do not depend on the thread count."""
+    :func:`~.group_route.chunk_table`), cut into contiguous runs of about equal entries run at once on ``threads``
+    threads (``torch.get_num_threads()`` when ``None``), as :func:`_split` cuts a flat array; returns each call's
+    result, in order.  Each entry is computed by the same code whatever the cut, so the bits do not depend on the
+    thread count."""
     import numpy
     import torch
 
     entries = rows[:, 2] - rows[:, 1]
     total = int(entries.sum())
-    parts = min(torch.get_num_threads(), total // SPLIT_MIN_SIZE, len(rows))
+    parts = min(torch.get_num_threads() if threads is None else threads, total // SPLIT_MIN_SIZE, len(rows))
     key = (kernel, numpy.dtype(dtype))
 
     def call(part: Any) -> Any:
