@@ -8,6 +8,7 @@ hyperparameters, addresses of freed memory, a parameter left out) shows as a dif
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import _adapter_import  # noqa: F401
@@ -54,6 +55,39 @@ def _steps(runs, ks, edit=None):
                 edit(params, opt, k)
             _grads(params, k)
             opt.step()
+
+
+def _assert_poisoned_step_changes_nothing(params, opt, index, entry, message, value=float("inf")):
+    """A step whose gradient ``index`` holds ``value`` at ``entry`` raises ``ValueError`` matching ``message`` and
+    leaves every parameter and state tensor as it was."""
+    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
+    _grads(params, 9)
+    params[index].grad[entry] = value
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
+    assert all(torch.equal(v, opt.state_dict()["state"][i][k]) for i, s in before[1].items() for k, v in s.items())
+
+
+@contextlib.contextmanager
+def _large_lane(monkeypatch, kernel, threads):
+    """The large lane's setting for a test: VML's root callable (else skip), rows cut between threads from 1000
+    entries, ``torch`` on ``threads`` threads; yields the list that grows by one per call of ``group_route.kernel``."""
+    from adadiag_ref._kernels import vml
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    if not vml.available():
+        pytest.skip("this torch build's sqrt is not MKL VML's")
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
+    calls = []
+    original = getattr(group_route, kernel)
+    monkeypatch.setattr(group_route, kernel, lambda *a: calls.append(1) or original(*a))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield calls
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,15 +181,8 @@ def test_non_finite_gradient_on_the_group_route_changes_nothing():
     opt = at.AdaDiag(params, lr=0.01, update_freq=None)
     _steps([(params, opt)], range(3))
     assert opt.routes()["param_groups[0].params[0]"]["moments"].startswith("numba group")
-    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
-    _grads(params, 3)
-    params[3].grad[2, 1, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 4"):
-        opt.step()
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
-    after = opt.state_dict()["state"]
-    for i, state in before[1].items():
-        assert all(torch.equal(v, after[i][k]) for k, v in state.items())
+    message = r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 4"
+    _assert_poisoned_step_changes_nothing(params, opt, 3, (2, 1, 0), message, float("nan"))
 
 
 def test_routes_report_each_part_per_parameter():
@@ -254,13 +281,8 @@ def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch
     assert "more than 16384 entries" in routes["param_groups[0].params[6]"]["moments"]
     assert routes["param_groups[0].params[0]"]["moments"].startswith("numba group kernels")
     params, opt = runs[0]
-    before = copy.deepcopy(([p.detach() for p in params], opt.state_dict()["state"]))
-    _grads(params, 9)
-    params[6].grad[3, 4] = float("inf")
-    with pytest.raises(ValueError, match=r"parameter 6 of param_groups\[0\] contains NaN or Inf at step 5"):
-        opt.step()
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], params, strict=True))
-    assert all(torch.equal(v, opt.state_dict()["state"][i][k]) for i, s in before[1].items() for k, v in s.items())
+    message = r"parameter 6 of param_groups\[0\] contains NaN or Inf at step 5"
+    _assert_poisoned_step_changes_nothing(params, opt, 6, (3, 4), message)
 
 
 def test_moment_storage_moved_by_hand_is_followed():
@@ -287,18 +309,7 @@ def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weig
     pass counts their gradients' NaN/Inf, then one kernel call per thread writes all of them in place with VML's
     root (``group_route.step_vml_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
     rows cut between threads; a NaN in one of them changes nothing and names it."""
-    from adadiag_ref._kernels import vml
-    from adadiag_ref.optim.families.adam import group_route, torch_route
-
-    if not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
-    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
-    calls = []
-    original = group_route.step_vml_at
-    monkeypatch.setattr(group_route, "step_vml_at", lambda *a: calls.append(1) or original(*a))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _large_lane(monkeypatch, "step_vml_at", threads) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
@@ -312,15 +323,8 @@ def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weig
             "numba group kernels"
         ] * 2
         params, opt = runs[0]
-        before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in opt.state[p]]
-        _grads(params, 7)
-        params[2].grad[3, 4] = float("nan")
-        with pytest.raises(ValueError, match=r"parameter 2 of param_groups\[0\] contains NaN or Inf at step 6"):
-            opt.step()
-        after = [p.detach() for p in params] + [opt.state[p][k] for p in params for k in opt.state[p]]
-        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    finally:
-        torch.set_num_threads(previous)
+        message = r"parameter 2 of param_groups\[0\] contains NaN or Inf at step 6"
+        _assert_poisoned_step_changes_nothing(params, opt, 2, (3, 4), message, float("nan"))
 
 
 # rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
@@ -341,19 +345,8 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
     bit ``kernels="reference"`` at every step, refresh steps (per-parameter route) included, with the kernels on the
     calling thread (``after_gemm=1``, the default) or cut between threads; a NaN in the last of them changes
     nothing and names it."""
-    from adadiag_ref._kernels import vml
-    from adadiag_ref.optim.families.adam import group_route, torch_route
-
-    if not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
-    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
     monkeypatch.setattr(at, "_THREADS_AFTER_GEMM", after_gemm)
-    calls = []
-    original = group_route.moments_vml_at
-    monkeypatch.setattr(group_route, "moments_vml_at", lambda *a: calls.append(1) or original(*a))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _large_lane(monkeypatch, "moments_vml_at", threads) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
@@ -377,12 +370,5 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
         assert all("rotated: G~ into the lane's buffer" in r["moments"] for r in routes[:4])
         _steps(runs, range(3, 8))  # t = 4 refreshes, then the lane again
         _assert_same(runs)
-        before = [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params for k in opt.state[p]]
-        _grads(params, 9)
-        params[3].grad[17] = float("inf")
-        with pytest.raises(ValueError, match=r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 9"):
-            opt.step()
-        after = [p.detach() for p in params] + [opt.state[p][k] for p in params for k in opt.state[p]]
-        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    finally:
-        torch.set_num_threads(previous)
+        message = r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 9"
+        _assert_poisoned_step_changes_nothing(params, opt, 3, (17,), message)

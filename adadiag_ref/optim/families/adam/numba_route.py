@@ -239,9 +239,10 @@ def _adam_moments_vml_flat(M0, V0, GU, M, V, b1, c1, b2, c2, eps, root):  # type
 def _adam_moments_vml_in_place(M, V, GU, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
     """:func:`_adam_moments_vml_flat` writing the state in place: ``V <- V_t``, ``M <- M_t``, ``U~`` over ``G~``,
     block by block with torch's VML root (for callers whose later steps cannot fail: the torch adapter's large
-    lane, whose GEMM buffers exist before its first write).  A kernel of its own rather than
-    :func:`_adam_moments_vml_flat` with aliased arguments: LLVM's runtime alias checks then find the overlap and
-    take the scalar loop (measured slower than writing new arrays)."""
+    lane, whose GEMM buffers exist before its first write).  The same loops as :func:`_adam_moments_vml_flat`, written
+    twice on purpose, measured on 5.6 M float32 entries: one body shared with aliased arguments (``M0`` is ``M``)
+    kept LLVM's loops scalar (15.7 ms against 9.4), and copying each block into the new arrays first so that one
+    in-place body serves both made the other kernel 1.4x slower."""
     size = GU.shape[0]
     block = root.shape[0]
     previous = _vml_local_threads(1)
