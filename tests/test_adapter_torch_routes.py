@@ -351,8 +351,9 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_ROTATED_SHAPES]
+            # maximize with decay: the lane steps the negated gradients
             opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=weight_decay, update_freq=3,
-                                             kernels=kernels)  # fmt: skip
+                                             maximize=weight_decay > 0, kernels=kernels)  # fmt: skip
             runs.append((params, opt))
         params, opt = runs[0]
         _steps(runs, range(2))  # t = 1 refreshes (the per-parameter route)
