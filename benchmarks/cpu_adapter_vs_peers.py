@@ -24,8 +24,10 @@ package ``__init__`` imports ``transformers`` and ``bitsandbytes`` for its other
 ``galore_torch.adamw`` and ``galore_torch.galore_projector`` are loaded here, and when ``transformers`` is
 absent its ``require_version`` (a version assertion at construction) is replaced by a no-op.
 
-``--phases N`` then times N more rounds of ``adapter AdaDiag`` and ``GaLore`` split into their GEMMs, each kernel
-call of the adapter's large lane and the rest (medians per phase).
+``--after-backward`` runs a multi-threaded ``torch.mm`` (untimed) right before each timed call: in training,
+``step()`` follows a backward pass whose last multi-threaded ops leave torch's OpenMP workers spinning, which the
+pause alone hides.  ``--phases N`` then times N more rounds of ``adapter AdaDiag`` and ``GaLore`` split into their
+GEMMs, each kernel call of the adapter's large lane and the rest (medians per phase).
 
 Run: ``python benchmarks/cpu_adapter_vs_peers.py [--threads 1 2] [--rounds 15] [--refresh-rounds 3] [--phases 11]``.
 """
@@ -146,6 +148,25 @@ def set_threads(n: int) -> Any:
     return threadpool_limits(limits=n, user_api="blas")
 
 
+_BEFORE_EACH_CALL: list[Callable[[], Any]] = []
+"""Run right before each timed call, after the pause (``--after-backward`` puts a multi-threaded GEMM here)."""
+
+
+def settle(pause: float) -> None:
+    """The pause before a timed call, then whatever ``--after-backward`` asks to run right before it."""
+    time.sleep(pause)
+    for fn in _BEFORE_EACH_CALL:
+        fn()
+
+
+def backward_tail() -> Callable[[], Any]:
+    """A multi-threaded ``torch.mm`` of 1024 x 1024 operands: what the end of a backward pass leaves behind (torch's
+    OpenMP workers spinning for a while before they sleep), run untimed right before each call."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(1024, 1024, generator=gen) for _ in range(2))
+    return lambda: torch.mm(a, b)
+
+
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, pause: float) -> dict[str, list[float]]:
     for fn in fns.values():
         for _ in range(warmup):
@@ -154,7 +175,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, pau
     for r in range(rounds):
         order = list(fns) if r % 2 == 0 else list(reversed(fns))
         for name in order:
-            time.sleep(pause)
+            settle(pause)
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
@@ -218,7 +239,7 @@ def phases(fns: dict[str, Callable[[], Any]], rounds: int, pause: float) -> dict
         for r in range(rounds):
             order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
             for name in order:
-                time.sleep(pause)
+                settle(pause)
                 clock.spent.clear()
                 start = time.perf_counter()
                 contenders[name]()
@@ -248,7 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases", type=int, default=0, help="rounds of AdaDiag and GaLore steps timed by phase (0: none)"
     )
+    parser.add_argument(
+        "--after-backward",
+        action="store_true",
+        help="run a multi-threaded torch.mm right before each timed call, as a backward pass ends before step()",
+    )
     args = parser.parse_args(argv)
+    if args.after_backward:
+        _BEFORE_EACH_CALL.append(backward_tail())
     if galore_adamw() is None:
         print("galore_torch is not installed (pip install --no-deps galore-torch): the GaLore rows are skipped")
     results: dict[int, dict[str, list[float]]] = {}
