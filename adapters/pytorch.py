@@ -567,8 +567,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                     routes[label]["moments"] = (
                         f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries; "
                         + (
-                            "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call per thread, "
-                            "D into the second buffer, one call per thread for the tail; torch's VML root"
+                            "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call, D into the "
+                            "second buffer, one call for the tail, both on the calling thread; torch's VML root"
                             if rotated
                             else "one numba call per thread for all of them, torch's VML root block by block"
                         )
@@ -1206,9 +1206,10 @@ class _LargeLane:
       Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
       (:func:`~adadiag_ref.optim.families.adam.group_route.moments_vml_at`, the per-parameter route's arithmetic
       without its two new moment tensors), ``D = P U~ Q^T`` into the second buffer, ``W <- W + (-eta) (D + lambda
-      W)`` (:func:`~adadiag_ref.optim.families.adam.group_route.engine_tail`); each kernel split over the threads.
-      The buffers (``G~``, ``D`` and a two-sided member's first product, each as large as the largest member) are
-      made once, so nothing is allocated and nothing can fail after the first write."""
+      W)`` (:func:`~adadiag_ref.optim.families.adam.group_route.engine_tail`), the kernels on the calling thread
+      (:data:`_THREADS_AFTER_GEMM`).  The buffers (``G~``, ``D`` and a two-sided member's first product, each as
+      large as the largest member) are made once, so nothing is allocated and nothing can fail after the first
+      write."""
 
     def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
         self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
@@ -1245,8 +1246,7 @@ class _LargeLane:
             align = max(1, _GEMM_ALIGNMENT // self.like.itemsize)
             largest = -(-max(sizes[k:]) // align) * align
             two_sided = any("Q" in m[1] for m in members[k:])
-            buffers = _aligned_rows(3 if two_sided else 2, largest, self.dtype)
-            self.buffers = buffers
+            self.buffers = buffers = _aligned_rows(3 if two_sided else 2, largest, self.dtype)  # kept: u_at
             self.u_at = group_route.addresses([buffers[0]])
             self.direction = buffers[1].numpy()
             for p, flat, layout, _ in members[k:]:
