@@ -1009,10 +1009,13 @@ def _rotation_into(
     return _Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out, between)
 
 
-class _Lane:
-    """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
-    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
-    unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
+class _LaneMembers:
+    """What both lanes (:class:`_Lane`, :class:`_LargeLane`) fix of their members: the parameters of one group and
+    dtype, unrotated first, their state tensors, host step counters and kernel addresses, and the check that all of
+    these still hold (:meth:`still_valid`).  A subclass's ``finish`` calls :meth:`_fix_members` and adds its
+    buffers, including ``rotations`` (one :class:`_Rotation` per rotated member)."""
+
+    rotations: list[_Rotation]
 
     def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
         self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
@@ -1021,14 +1024,66 @@ class _Lane:
     def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
         self.members.append((p, flat, layout, where))
 
-    def finish(self) -> _Lane | None:
-        """Fix the lane's buffers and addresses; ``None`` when a rotated member's moments are not in the order
-        its GEMM outputs take (then the per-parameter route)."""
-        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
+    def _fix_members(self) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] | None:
+        """The members sorted (unrotated first, stable), their tensors and addresses fixed on ``self``; ``None``
+        when a counter is not a host int32 tensor (the kernels advance them in place)."""
+        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])
         self.params = [m[0] for m in members]
         self.flats = [m[1] for m in members]
         self.wheres = [m[3] for m in members]
-        self.n_unrot = k = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
+        self.n_unrot = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
+        self.counters = [f["step"] for f in self.flats]
+        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
+            return None
+        self.c_at = group_route.addresses(self.counters)
+        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
+        self.moments = [f["M"] for f in self.flats]
+        self.seconds = [f["V"] for f in self.flats]
+        self.w_at = group_route.addresses(self.params)
+        self.m_at = group_route.addresses(self.moments)
+        self.v_at = group_route.addresses(self.seconds)
+        return members
+
+    def _step_inputs(self, group: Mapping[str, Any]) -> tuple[int, list[torch.Tensor], Any] | None:
+        """:func:`_lane_inputs` of the members; ``None`` also when a refresh is due for the rotated ones (that step
+        takes the per-parameter route)."""
+        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
+        if inputs is None or (self.rotations and ar.refresh_due(inputs[0], self.cfg)):
+            return None
+        return inputs
+
+    def still_valid(self) -> bool:
+        """The tensors still own the memory the addresses point to (``p.data = ...`` or ``Tensor.set_`` change it),
+        the state dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded
+        state), and the rotated members' bases are the ones their GEMMs use: the kernels never write memory a
+        tensor gave up."""
+        return (
+            numpy.array_equal(group_route.addresses(self.params), self.w_at)
+            and all(
+                f.get("M") is m and f.get("V") is v and f.get("step") is c
+                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
+            )
+            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)  # storage moved (Tensor.set_)
+            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
+            and all(
+                f.get("P") is r.P and f.get("Q") is r.Q
+                for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
+            )
+        )
+
+
+class _Lane(_LaneMembers):
+    """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
+    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
+    unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
+
+    def finish(self) -> _Lane | None:
+        """Fix the lane's buffers and addresses; ``None`` when a counter is not a host int32 tensor or a rotated
+        member's moments are not in the order its GEMM outputs take (then the per-parameter route)."""
+        members = self._fix_members()
+        if members is None:
+            return None
+        k = self.n_unrot
         sizes = [p.numel() for p in self.params]
         split = int(sum(sizes[:k]))
         total = int(sum(sizes))
@@ -1049,17 +1104,6 @@ class _Lane:
             if rotation is None:
                 return None
             self.rotations.append(rotation)
-        self.counters = [f["step"] for f in self.flats]
-        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
-            return None
-        self.c_at = group_route.addresses(self.counters)
-        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
-        self.moments = [f["M"] for f in self.flats]
-        self.seconds = [f["V"] for f in self.flats]
-        self.bases = [(f.get("P"), f.get("Q")) for f in self.flats[k:]]
-        self.w_at = group_route.addresses(self.params)
-        self.m_at = group_route.addresses(self.moments)
-        self.v_at = group_route.addresses(self.seconds)
         self.sizes = numpy.array(sizes, dtype=numpy.int64)
         self.offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64)
         self.rot_offsets = self.offsets[k:] - split
@@ -1071,22 +1115,13 @@ class _Lane:
         self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
         return self
 
-    def still_valid(self) -> bool:
-        """The same memory and state tensors (:func:`_same_memory`), and the same bases."""
-        return _same_memory(self) and all(
-            f.get("P") is r.P and f.get("Q") is r.Q
-            for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
-        )
-
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
         """Validate this step's gradients, rotate, run the first kernel (scratch only); ``None``: not this route."""
-        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
+        inputs = self._step_inputs(group)
         if inputs is None:
             return None
         count, grads, lr = inputs
         k = self.n_unrot
-        if k < len(self.params) and ar.refresh_due(count, self.cfg):
-            return None
         for g, rotation in zip(grads[k:], self.rotations, strict=True):
             rotation.rotate(g)
         scalars = _lane_scalars(self.cfg, count, lr, self.dtype)
@@ -1120,21 +1155,6 @@ class _Lane:
                                         self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
                                         self.root)  # fmt: skip
         group_route.advance_counters(self.c_at, self.counts)
-
-
-def _same_memory(lane: Any) -> bool:
-    """A lane's tensors still own the memory its addresses point to (``p.data = ...`` or ``Tensor.set_`` change
-    it) and the state dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded
-    state): its kernels never write memory a tensor gave up."""
-    return (
-        numpy.array_equal(group_route.addresses(lane.params), lane.w_at)
-        and all(
-            f.get("M") is m and f.get("V") is v and f.get("step") is c
-            for f, m, v, c in zip(lane.flats, lane.moments, lane.seconds, lane.counters, strict=True)
-        )
-        and numpy.array_equal(group_route.addresses(lane.moments), lane.m_at)  # storage moved (Tensor.set_)
-        and numpy.array_equal(group_route.addresses(lane.seconds), lane.v_at)
-    )
 
 
 def _lane_inputs(
@@ -1193,7 +1213,7 @@ rounds: the moments 21.3 ms split over two threads against 16.2 ms on the callin
 against 4.3 ms (``benchmarks/cpu_adapter_vs_peers.py``, docs/performance.md)."""
 
 
-class _LargeLane:
+class _LargeLane(_LaneMembers):
     """The large parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries), where torch's VML
     root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`).  One read pass counts all their
     gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), before any write.
@@ -1211,31 +1231,13 @@ class _LargeLane:
       large as the largest member) are made once, so nothing is allocated and nothing can fail after the first
       write."""
 
-    def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
-        self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
-        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] = []
-
-    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
-        self.members.append((p, flat, layout, where))
-
     def finish(self) -> _LargeLane | None:
         """Fix the addresses, the chunk tables and the rotated members' buffers; ``None`` when a counter is not a
         host int32 tensor or a rotated member's moments are not in the order of its GEMM outputs."""
-        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])  # unrotated first, stable
-        self.params = [m[0] for m in members]
-        self.flats = [m[1] for m in members]
-        self.wheres = [m[3] for m in members]
-        self.n_unrot = k = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
-        self.counters = [f["step"] for f in self.flats]
-        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
+        members = self._fix_members()
+        if members is None:
             return None
-        self.moments = [f["M"] for f in self.flats]
-        self.seconds = [f["V"] for f in self.flats]
-        self.c_at = group_route.addresses(self.counters)
-        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
-        self.w_at = group_route.addresses(self.params)
-        self.m_at = group_route.addresses(self.moments)
-        self.v_at = group_route.addresses(self.seconds)
+        k = self.n_unrot
         sizes = [p.numel() for p in self.params]
         self.all_rows = group_route.chunk_table(sizes)  # the finiteness pass over every gradient
         self.rows = group_route.chunk_table(sizes[:k])  # the unrotated step
@@ -1249,6 +1251,7 @@ class _LargeLane:
             self.buffers = buffers = _aligned_rows(3 if two_sided else 2, largest, self.dtype)  # kept: u_at
             self.u_at = group_route.addresses([buffers[0]])
             self.direction = buffers[1].numpy()
+            self.at_zero = numpy.zeros(1, dtype=numpy.int64)  # the one member's offset into the direction buffer
             for p, flat, layout, _ in members[k:]:
                 rotation = _rotation_into(p, flat, layout, buffers[0], buffers[1], buffers[2] if two_sided else None)
                 if rotation is None:
@@ -1257,20 +1260,11 @@ class _LargeLane:
             self.member_rows = [group_route.chunk_table([size]) for size in sizes[k:]]
         return self
 
-    def still_valid(self) -> bool:
-        """As :meth:`_Lane.still_valid`: the same tensors in the state dicts, the same memory, the same bases."""
-        return _same_memory(self) and all(
-            f.get("P") is r.P and f.get("Q") is r.Q
-            for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
-        )
-
     def prepare(self, group: Mapping[str, Any], xp: Any) -> _LargeStep | None:
-        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
+        inputs = self._step_inputs(group)
         if inputs is None:
             return None
         count, grads, lr = inputs
-        if self.rotations and ar.refresh_due(count, self.cfg):
-            return None
         g_at = group_route.addresses(grads)
         bad = sum(
             torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.all_rows, (self.like,), self.like.dtype)
@@ -1289,7 +1283,6 @@ class _LargeLane:
             torch_route.split_rows(group_route.step_vml_at, (self.w_at, step_in.g_at, self.m_at, self.v_at),
                                    self.rows, step_in.scalars, dtype, scratch=True)  # fmt: skip
         b1, c1, b2, c2, eps, neg_lr, wd, decay = step_in.scalars
-        at_zero = numpy.zeros(1, dtype=numpy.int64)  # the one member's offset into the direction buffer
         threads = _THREADS_AFTER_GEMM
         for j, (rotation, rows) in enumerate(zip(self.rotations, self.member_rows, strict=True)):
             i = k + j
@@ -1297,8 +1290,8 @@ class _LargeLane:
             torch_route.split_rows(group_route.moments_vml_at, (self.m_at[i : i + 1], self.v_at[i : i + 1],
                                    self.u_at), rows, (b1, c1, b2, c2, eps), dtype, True, threads)  # fmt: skip
             rotation.unrotate()
-            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows,
-                                   (at_zero, self.direction, neg_lr, wd, decay), dtype, False, threads)  # fmt: skip
+            tail = (self.at_zero, self.direction, neg_lr, wd, decay)
+            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows, tail, dtype, False, threads)
         group_route.advance_counters(self.c_at, self.counts)
 
 
