@@ -190,6 +190,7 @@ class PhaseClock:
         self.undo: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner: Any, name: str, label: str | Callable[[tuple[Any, ...]], str]) -> None:
+        """``owner.name`` timed into ``spent[label]`` (``label(args)`` when callable) until :meth:`restore`."""
         original = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -200,8 +201,12 @@ class PhaseClock:
                 key = label(args) if callable(label) else label
                 self.spent[key] += time.perf_counter() - start
 
-        setattr(owner, name, timed)
-        self.undo.append((owner, name, original))
+        self.replace(owner, name, timed)
+
+    def replace(self, owner: Any, name: str, value: Any) -> None:
+        """``owner.name = value`` until :meth:`restore`."""
+        self.undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
     def restore(self) -> None:
         for owner, name, original in reversed(self.undo):
@@ -232,8 +237,7 @@ def phases(fns: dict[str, Callable[[], Any]], rounds: int, pause: float) -> dict
         timed_torch = TimedTorch("torch")
         timed_torch.matmul = torch.matmul  # type: ignore[attr-defined]
         clock.wrap(timed_torch, "matmul", "GEMMs")
-        clock.wrap(projector, "torch", "unused")  # restored below
-        projector.torch = timed_torch
+        clock.replace(projector, "torch", timed_torch)
     out: dict[str, dict[str, list[float]]] = {name: collections.defaultdict(list) for name in contenders}
     try:
         for r in range(rounds):
