@@ -368,6 +368,24 @@ def test_nonfinite_count_equals_isfinite(shape: tuple[int, ...], dtype: type, or
     assert count_nonfinite(a, np) == want
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_scan_finds_one_bad_entry_in_every_stream_and_in_the_remainder(dtype: type) -> None:
+    """The scan reads four quarters side by side and then the remainder: one NaN, Inf or -Inf anywhere, in arrays
+    of every length mod 4, is counted once, and the finite array counts zero."""
+    for size in range(0, 43):
+        a = np.linspace(-1.0, 1.0, size).astype(dtype)
+        assert _kernels.nonfinite_count(a) == 0
+        for position in range(size):
+            for value in _NONFINITE:
+                b = a.copy()
+                b[position] = value
+                assert _kernels.nonfinite_count(b) == 1, (size, position, value)
+        if size >= 2:
+            b = a.copy()
+            b[[0, -1]] = np.nan, np.inf
+            assert _kernels.nonfinite_count(b) == 2
+
+
 def test_nonfinite_count_declines_what_it_cannot_scan_and_the_generic_count_takes_over() -> None:
     from adadiag_ref._xp import count_nonfinite
 

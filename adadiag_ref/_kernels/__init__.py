@@ -148,8 +148,27 @@ def delta_entry(u, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
 
 
 @_jit
+def _any_nonfinite_flat(x):  # type: ignore[no-untyped-def]
+    """``any(~isfinite(x))`` over a 1-D array in one read-only pass, as four interleaved streams (its quarters)
+    and the remainder.  One core reads one stream at about half the rate it reads four (the hardware prefetchers
+    keep more lines in flight): over 21 M float32 entries, 2.9 ms against 5.9 ms for the one-stream count
+    (``benchmarks/nonfinite_scan.py``)."""
+    q = x.size // 4
+    a, b, c, d = x[:q], x[q : 2 * q], x[2 * q : 3 * q], x[3 * q : 4 * q]
+    bad = False
+    for i in range(q):
+        bad |= not (np.isfinite(a[i]) & np.isfinite(b[i]) & np.isfinite(c[i]) & np.isfinite(d[i]))
+    for i in range(4 * q, x.size):
+        bad |= not np.isfinite(x[i])
+    return bad
+
+
+@_jit
 def _nonfinite_count_flat(x):  # type: ignore[no-untyped-def]
-    """``sum(~isfinite(x))`` over a 1-D array in one read-only pass (vectorised, no temporary)."""
+    """``sum(~isfinite(x))`` over a 1-D array, read-only and without a temporary: :func:`_any_nonfinite_flat`'s
+    fast scan, then, only when it finds one, a second pass that counts."""
+    if not _any_nonfinite_flat(x):
+        return 0
     bad = 0
     for i in range(x.size):
         bad += not np.isfinite(x[i])
