@@ -665,7 +665,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         for lane, step_in in zip(plan.lanes, ready, strict=True):
             if (where := lane.failure(step_in)) is not None:
                 raise ValueError(f"gradient of {where}; no parameter and no optimizer state was changed")
-        for lane, step_in in zip(plan.lanes, ready, strict=True):  # phase 2: the writes
+        for lane, step_in in _large_lanes_first(plan.lanes, ready):  # phase 2: the writes
             lane.apply(step_in)
         return True
 
@@ -1300,6 +1300,17 @@ _GROUP_MAX_ENTRIES = 1 << 14
 kernels keep ``V_t`` and ``sqrt(V_t)`` of one block in cache: fewer memory passes where they count, and
 ``torch.sqrt`` of a whole large array would wake torch's thread pool); the group kernels are for the many small
 ones, whose cost is the calls."""
+
+
+def _large_lanes_first(lanes: list[Any], ready: list[Any]) -> list[tuple[Any, Any]]:
+    """The order of a step's writes: the large lanes first, the others after them, each kind in the plan's order
+    (the lanes write disjoint parameters, so the order changes no bit).  A small lane's ``torch.sqrt``, even of a
+    few thousand entries, runs on torch's OpenMP workers (VML's ``parallel_for`` cuts at 2048 entries), which then
+    spin for a while and share the cores with a large lane's kernels cut between threads.  Measured on LLaMA-60M's
+    4-block set, ``AdamW``, 2 threads, median of 15 steps: 27.0-29.5 ms with the norms' small lane first, 21.1-21.9
+    ms with it last."""
+    pairs = list(zip(lanes, ready, strict=True))
+    return sorted(pairs, key=lambda pair: not isinstance(pair[0], _LargeLane))
 
 
 class _SinglesStep(NamedTuple):

@@ -327,6 +327,28 @@ def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weig
         _assert_poisoned_step_changes_nothing(params, opt, 2, (3, 4), message, float("nan"))
 
 
+def test_the_large_lane_writes_before_a_small_lanes_torch_sqrt(monkeypatch):
+    """The writes of a step: the large lane's kernels first, the small lane's ``torch.sqrt`` after them.  That root
+    runs on torch's OpenMP workers, which then spin for a while beside the large lane's kernels cut between threads
+    (``pytorch._large_lanes_first``); the order changes no bit (``kernels="reference"`` alongside)."""
+    with _large_lane(monkeypatch, "step_vml_at", 2) as calls:
+        runs = []
+        for kernels in ("auto", "reference"):
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in LARGE_SHAPES]
+            runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels)))
+        _steps(runs, range(2))
+        kernel_calls_at_sqrt = []
+        sqrt = torch.sqrt
+        monkeypatch.setattr(torch, "sqrt", lambda *a, **k: kernel_calls_at_sqrt.append(len(calls)) or sqrt(*a, **k))
+        calls.clear()
+        _steps(runs[:1], range(2, 3))
+        monkeypatch.setattr(torch, "sqrt", sqrt)
+        _steps(runs[1:], range(2, 3))
+        _assert_same(runs)
+        assert calls and kernel_calls_at_sqrt == [len(calls)], (calls, kernel_calls_at_sqrt)
+
+
 # rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
 LARGE_ROTATED_SHAPES = [(130, 300), (300, 130), (20, 10, 9, 11), (20000,), (5, 7), (7,)]
 
