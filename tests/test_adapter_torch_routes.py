@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import time
 
 import _adapter_import  # noqa: F401
 import pytest
 import torch
 from adadiag_ref.adapters import pytorch as at
+from hypothesis import given
+from hypothesis import strategies as st
 
 SHAPES = [(5, 7), (7, 5), (7,), (6, 2, 2), (3, 1), ()]
 NAMES = ["adamw", "adadiag", "adadiag_pp"]
@@ -301,10 +305,22 @@ def test_moment_storage_moved_by_hand_is_followed():
 LARGE_SHAPES = [(130, 300), (20000,), (170, 100), (5, 7), (7,)]  # three above 16384 entries, two below
 
 
+def _pieces(sizes, threads):
+    """The pieces ``torch_route.split_rows`` cuts a lane's rows into for ``sizes`` on ``threads`` threads (one
+    call each), under ``_large_lane``'s ``SPLIT_MIN_SIZE``."""
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    rows = group_route.chunk_table(sizes)
+    entries = rows[:, 2] - rows[:, 1]
+    if min(threads, int(entries.sum()) // torch_route.SPLIT_MIN_SIZE, len(rows)) <= 1:
+        return 1
+    return len(torch_route.guided_cuts(entries, threads, 4 * torch_route.SPLIT_MIN_SIZE)) - 1
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weight_decay, threads, monkeypatch):
+def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dtype, weight_decay, threads, monkeypatch):
     """AdamW's parameters above 16384 entries (embeddings, heads, MLP matrices) are stepped together: one read
     pass counts their gradients' NaN/Inf, then one kernel call per thread writes all of them in place with VML's
     root (``group_route.step_vml_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
@@ -317,7 +333,8 @@ def test_large_unrotated_parameters_share_one_kernel_call_per_thread(dtype, weig
             runs.append((params, at.AdamW(params, lr=0.01, weight_decay=weight_decay, kernels=kernels)))
         _steps(runs, range(5))
         _assert_same(runs)
-        assert 4 <= len(calls) <= 4 * threads  # steps 2 to 5, one call per thread part
+        sizes = [p.numel() for p in runs[0][0] if p.numel() > 16384]
+        assert 4 <= len(calls) <= 4 * _pieces(sizes, threads)  # steps 2 to 5, one call per guided piece
         routes = list(runs[0][1].routes().values())
         assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 3 + [
             "numba group kernels"
@@ -347,6 +364,62 @@ def test_the_large_lane_writes_before_a_small_lanes_torch_sqrt(monkeypatch):
         _steps(runs[1:], range(2, 3))
         _assert_same(runs)
         assert calls and kernel_calls_at_sqrt == [len(calls)], (calls, kernel_calls_at_sqrt)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=12),
+    parts=st.integers(2, 8),
+    least=st.integers(1, 200_000),
+)
+def test_guided_cuts_cover_every_row_once_in_shrinking_pieces(sizes, parts, least):
+    """The pieces cover the rows once, in order; each but the last holds at least ``least`` entries or one row; the
+    first is about ``1 / (2 parts)`` of all, and a piece is never larger than the one before by more than a row."""
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    rows = group_route.chunk_table(sizes)
+    entries = rows[:, 2] - rows[:, 1]
+    cuts = torch_route.guided_cuts(entries, parts, least)
+    assert cuts[0] == 0 and cuts[-1] == len(rows) and all(a < b for a, b in itertools.pairwise(cuts))
+    pieces = [int(entries[a:b].sum()) for a, b in itertools.pairwise(cuts)]
+    chunk = group_route.CHUNK
+    assert all(p >= least or b - a == 1 for p, a, b in zip(pieces[:-1], cuts, cuts[1:]))
+    if pieces:
+        assert pieces[0] <= max(int(entries.sum()) // (2 * parts), least) + chunk
+    assert all(later <= earlier + max(least, chunk) for earlier, later in itertools.pairwise(pieces))
+
+
+def test_split_rows_lets_the_other_threads_take_a_slow_threads_share(monkeypatch):
+    """The threads take the next piece as they finish: while a helper thread is held up (a core shared with torch's
+    spinning OpenMP workers), the calling thread steps the rest, and the results come back in the pieces' order."""
+    import threading
+
+    import numpy as np
+
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)
+    rows = group_route.chunk_table([5000] * 40)
+    caller, taken, held, armed = threading.get_ident(), [], threading.Event(), []
+
+    def kernel(piece):
+        if not armed:
+            pass
+        elif threading.get_ident() != caller and not held.is_set():
+            held.set()
+            time.sleep(0.5)  # the helper's first piece: far longer than all the others together
+        elif threading.get_ident() == caller:
+            assert held.wait(10)  # the caller starts once the helper holds a piece
+        taken.append((threading.get_ident(), int(piece[0, 0])))
+        return int(piece[0, 0]), int(piece[-1, 0])
+
+    torch_route.split_rows(kernel, (), rows, (), np.float64, threads=2)  # the first call runs on one thread
+    taken.clear()
+    armed.append(True)
+    results = torch_route.split_rows(kernel, (), rows, (), np.float64, threads=2)
+    cuts = torch_route.guided_cuts(rows[:, 2] - rows[:, 1], 2, 4000)
+    assert results == [(a, b - 1) for a, b in itertools.pairwise(cuts)]  # every row once, in order
+    by_caller = sum(ident == caller for ident, _ in taken)
+    assert held.is_set() and by_caller == len(cuts) - 2, (by_caller, len(cuts))  # all but the held one
 
 
 # rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
@@ -384,7 +457,8 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
         _steps(runs, range(2, 3))  # t = 3: no refresh
         _assert_same(runs)
         parts = threads if after_gemm is None else 1
-        assert 4 <= len(calls) <= 4 * parts, calls  # four large rotated parameters
+        pieces = sum(_pieces([p.numel()], parts) for p in params[:4])
+        assert 4 <= len(calls) <= pieces, calls  # four large rotated parameters, one call per guided piece
         assert [opt.state[p][k].data_ptr() for p in params[:4] for k in ("M", "V")] == storage  # in place
         routes = list(opt.routes().values())
         assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 4 + [

@@ -13,7 +13,9 @@ Threads (issue 31): a kernel's flat arrays of at least ``2 x`` :data:`SPLIT_MIN_
 persistent helper threads (:func:`_split`; the kernels release the GIL and keep MKL single-threaded on their
 thread while they run, so VML never opens an OpenMP team of its own next to them).  numba's thread pool is
 never used here: next to torch's OpenMP threads, which spin after each parallel region, it ran slower than one
-thread.  Every entry is computed by the same code whatever the cut, so the bits do not depend on the threads.
+thread.  The group kernels' chunk tables go the same way in guided pieces that each thread takes as it finishes
+(:func:`split_rows`).  Every entry is computed by the same code whatever the cut, so the bits do not depend on the
+threads.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from . import numba_route
 from .numba_route import kernel_scalars
 from .reference import AdamState
 
-__all__ = ["in_place", "split_rows"]
+__all__ = ["guided_cuts", "in_place", "split_rows"]
 
 
 def _host_views(*tensors: Any) -> list[Any] | None:
@@ -127,6 +129,26 @@ def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size:
         future.result()
 
 
+def guided_cuts(entries: Any, parts: int, least: int) -> list[int]:
+    """Row indices cutting a chunk table's rows (``entries[i]`` entries each) into contiguous pieces for ``parts``
+    threads, guided: each piece about ``1 / (2 parts)`` of the entries not yet given out, and at least ``least``
+    entries (one row at least), so the first pieces are large and the last ones small.  Threads that take the next
+    piece as they finish balance themselves when one of them runs slower (a core shared with torch's spinning
+    OpenMP workers); the small last pieces bound the wait at the end.  Returns ``[0, ..., len(entries)]``."""
+    import numpy
+
+    ends = numpy.cumsum(entries)
+    total = int(ends[-1]) if len(ends) else 0
+    cuts, given = [0], 0
+    while given < total:
+        piece = max((total - given) // (2 * parts), least)
+        stop = int(numpy.searchsorted(ends, given + piece)) + 1
+        stop = min(max(stop, cuts[-1] + 1), len(ends))
+        cuts.append(stop)
+        given = int(ends[stop - 1])
+    return cuts
+
+
 def split_rows(
     kernel: Any,
     before: tuple[Any, ...],
@@ -136,11 +158,16 @@ def split_rows(
     scratch: bool = False,
     threads: int | None = None,
 ) -> list[Any]:
-    """``kernel(*before, part, *after[, scratch])`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
-    :func:`~.group_route.chunk_table`), cut into contiguous runs of about equal entries run at once on ``threads``
-    threads (``torch.get_num_threads()`` when ``None``), as :func:`_split` cuts a flat array; returns each call's
-    result, in order.  Each entry is computed by the same code whatever the cut, so the bits do not depend on the
-    thread count."""
+    """``kernel(*before, piece, *after[, scratch])`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
+    :func:`~.group_route.chunk_table`) on ``threads`` threads (``torch.get_num_threads()`` when ``None``): this one
+    and helpers, each taking the next piece of :func:`guided_cuts` as it finishes (pieces of at least ``4 x``
+    :data:`SPLIT_MIN_SIZE` entries); returns each call's result, in the pieces' order.  Each entry is computed by
+    the same code whatever the cut, so the bits do not depend on the thread count.
+
+    A static cut into one part per thread lost time when a thread shared its core: right after a multi-threaded
+    ``torch.mm`` (as after a backward pass), the large lane's ``step_vml_at`` over LLaMA-60M's 4-block set on 2
+    threads took 22.2 and 21.9 ms cut statically, 20.1 and 18.7 ms guided (11 alternated rounds, two runs); back
+    to back 15.5/17.9 against 15.6/16.9 ms."""
     import numpy
     import torch
 
@@ -149,19 +176,28 @@ def split_rows(
     parts = min(torch.get_num_threads() if threads is None else threads, total // SPLIT_MIN_SIZE, len(rows))
     key = (kernel, numpy.dtype(dtype))
 
-    def call(part: Any) -> Any:
-        return kernel(*before, part, *after, *((_scratch(dtype),) if scratch else ()))
+    def call(piece: Any) -> Any:
+        return kernel(*before, piece, *after, *((_scratch(dtype),) if scratch else ()))
 
     if parts <= 1 or key not in _COMPILED:  # numba compiles (or loads) a kernel on one thread, at its first call
         _COMPILED.add(key)
         return [call(rows)]
-    ends = numpy.cumsum(entries)
-    cuts = numpy.searchsorted(ends, [total * k / parts for k in range(1, parts)]) + 1
-    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(rows)}), len(rows)]
-    pool = _WORKERS.get(len(bounds) - 2)
-    futures = [pool.submit(call, rows[lo:hi]) for lo, hi in itertools.pairwise(bounds[1:])]
-    results = [call(rows[: bounds[1]])]
-    return results + [future.result() for future in futures]
+    cuts = guided_cuts(entries, parts, 4 * SPLIT_MIN_SIZE)
+    pieces = itertools.count()  # next() is atomic under the GIL: each piece is taken once
+
+    def take() -> list[tuple[int, Any]]:
+        done = []
+        while (i := next(pieces)) < len(cuts) - 1:
+            done.append((i, call(rows[cuts[i] : cuts[i + 1]])))
+        return done
+
+    pool = _WORKERS.get(parts - 1)
+    futures = [pool.submit(take) for _ in range(parts - 1)]
+    try:
+        done = take()
+    finally:  # no helper may still be writing when this returns or raises
+        done += [pair for future in futures for pair in future.result()]
+    return [result for _, result in sorted(done, key=lambda pair: pair[0])]
 
 
 def _adam_torch_cpu(
