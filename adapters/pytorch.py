@@ -570,7 +570,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                             "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call, D into the "
                             "second buffer, one call for the tail, both on the calling thread; torch's VML root"
                             if rotated
-                            else "one numba call per thread for all of them, torch's VML root block by block"
+                            else "numba calls over guided pieces of all of them, as many whatever their number; "
+                            "torch's VML root block by block"
                         )
                         + ")"
                     )
@@ -1218,10 +1219,11 @@ class _LargeLane(_LaneMembers):
     root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`).  One read pass counts all their
     gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), before any write.
 
-    * unrotated: one kernel call per thread (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`)
-      writes ``M``, ``V`` and ``W`` of all of them in place, block by block with VML's root (the per-parameter torch
-      CPU route's arithmetic, :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do
-      not depend on the number of parameters;
+    * unrotated: a kernel call per guided piece (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`,
+      :func:`~adadiag_ref.optim.families.adam.torch_route.split_rows`) writes ``M``, ``V`` and ``W`` of all of them
+      in place, block by block with VML's root (the per-parameter torch CPU route's arithmetic,
+      :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do not depend on the
+      number of parameters;
     * rotated (a step without refresh), one after the other, each while its ``G~`` is still in cache: ``G~ = P^T G
       Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
       (:func:`~adadiag_ref.optim.families.adam.group_route.moments_vml_at`, the per-parameter route's arithmetic

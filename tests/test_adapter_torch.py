@@ -451,8 +451,8 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(
 def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypatch):
     """Issue 31: on MKL builds the route takes ``sqrt(V_t)`` by VML's ``vm?Sqrt`` (the function eager
     ``torch.sqrt`` calls) inside the numba kernels, with no ``torch.sqrt`` call and no Python round trip per
-    block: AdamW's large parameters all in one kernel call per thread (``group_route.step_vml_at``, whatever
-    their number), a rotated one's moments in one call per thread and parameter (``group_route.moments_vml_at``);
+    block: AdamW's large parameters all in one kernel call per guided piece (``group_route.step_vml_at``, whatever
+    their number), a rotated one's moments in one call per piece and parameter (``group_route.moments_vml_at``);
     the result is still the reference route's bit for bit (test above)."""
     from adadiag_ref._kernels import vml
     from adadiag_ref.optim.families.adam import group_route, numba_route
@@ -480,7 +480,7 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
         assert 1 <= group_calls["step_vml_at"] <= torch.get_num_threads(), group_calls
         assert calls["adam_step_vml_flat"] == 0, calls
     else:
-        # both are rotated (the default rule rotates a vector as a 1 x n matrix): one call per thread part of each
+        # both are rotated (the default rule rotates a vector as a 1 x n matrix): one call per guided piece of each
         assert 2 <= group_calls["moments_vml_at"] <= 2 * torch.get_num_threads(), group_calls
         assert group_calls["step_vml_at"] == 0, group_calls
         assert calls["adam_moments_vml_flat"] == calls["adam_step_vml_flat"] == 0, calls

@@ -322,7 +322,7 @@ def _pieces(sizes, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dtype, weight_decay, threads, monkeypatch):
     """AdamW's parameters above 16384 entries (embeddings, heads, MLP matrices) are stepped together: one read
-    pass counts their gradients' NaN/Inf, then one kernel call per thread writes all of them in place with VML's
+    pass counts their gradients' NaN/Inf, then one kernel call per guided piece writes all of them in place with VML's
     root (``group_route.step_vml_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
     rows cut between threads; a NaN in one of them changes nothing and names it."""
     with _large_lane(monkeypatch, "step_vml_at", threads) as calls:
@@ -436,7 +436,7 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
 ):
     """Rotated parameters above 16384 entries take the large-parameter lane on steps without refresh: ``G~`` and
     ``D`` in the lane's buffers (a two-sided member's first product too), ``M`` and ``V`` written in place (their
-    storage never moves, no new moment tensors), one ``moments_vml_at`` call per thread part and parameter.  Bit for
+    storage never moves, no new moment tensors), one ``moments_vml_at`` call per guided piece and parameter.  Bit for
     bit ``kernels="reference"`` at every step, refresh steps (per-parameter route) included, with the kernels on the
     calling thread (``after_gemm=1``, the default) or cut between threads; a NaN in the last of them changes
     nothing and names it."""
