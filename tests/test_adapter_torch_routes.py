@@ -422,6 +422,33 @@ def test_split_rows_lets_the_other_threads_take_a_slow_threads_share(monkeypatch
     assert held.is_set() and by_caller == len(cuts) - 2, (by_caller, len(cuts))  # all but the held one
 
 
+def test_split_rows_raises_the_kernels_error_once_every_helper_has_stopped(monkeypatch):
+    """A kernel that raises on the calling thread: ``split_rows`` raises that very error, and only after the helper
+    has finished its pieces (no thread may still be writing when the caller sees the error)."""
+    import threading
+
+    import numpy as np
+
+    from adadiag_ref.optim.families.adam import group_route, torch_route
+
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)
+    rows = group_route.chunk_table([5000] * 40)
+    caller, helper_done, armed = threading.get_ident(), threading.Event(), []
+
+    def kernel(piece):
+        if armed and threading.get_ident() == caller:
+            raise ValueError("the caller's piece failed")
+        if armed:
+            time.sleep(0.2)  # the helper is still writing when the caller fails
+            helper_done.set()
+
+    torch_route.split_rows(kernel, (), rows, (), np.float64, threads=2)  # the first call runs on one thread
+    armed.append(True)
+    with pytest.raises(ValueError, match="the caller's piece failed"):
+        torch_route.split_rows(kernel, (), rows, (), np.float64, threads=2)
+    assert helper_done.is_set()
+
+
 # rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
 LARGE_ROTATED_SHAPES = [(130, 300), (300, 130), (20, 10, 9, 11), (20000,), (5, 7), (7,)]
 

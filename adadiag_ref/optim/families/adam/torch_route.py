@@ -20,8 +20,11 @@ threads.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from array_api_compat import is_torch_namespace
@@ -97,12 +100,25 @@ def _scratch(dtype: Any) -> Any:
     return block
 
 
-_WORKERS = Workers()  # helper threads for _split
+_WORKERS = Workers()  # helper threads for _alongside
 _COMPILED: set[tuple[Any, Any]] = set()
 
 
 def _part(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], scratch: bool) -> None:
     kernel(*arrays, *scalars, *((_scratch(arrays[0].dtype),) if scratch else ()))
+
+
+def _alongside(helpers: Sequence[Callable[[], Any]], own: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """``own()`` on this thread while ``helpers`` run on the helper threads; returns ``own()``'s result and the
+    helpers' results, in order.  Waits for every helper before it returns or raises (no thread may still be
+    writing then); an error of ``own()`` is raised as it is, before any helper's."""
+    pool = _WORKERS.get(len(helpers))
+    futures = [pool.submit(job) for job in helpers]
+    try:
+        mine = own()
+    finally:
+        concurrent.futures.wait(futures)
+    return mine, [future.result() for future in futures]
 
 
 def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size: int, scratch: bool = False) -> None:
@@ -121,12 +137,8 @@ def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size:
     step = -(-size // parts)
     step += -step % 64  # cache-line aligned cuts
     bounds = [(start, min(start + step, size)) for start in range(0, size, step)]
-    pool = _WORKERS.get(len(bounds) - 1)
-    futures = [pool.submit(_part, kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch) for lo, hi in bounds[1:]]
-    lo, hi = bounds[0]
-    _part(kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch)
-    for future in futures:
-        future.result()
+    jobs = [functools.partial(_part, kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch) for lo, hi in bounds]
+    _alongside(jobs[1:], jobs[0])
 
 
 def guided_cuts(entries: Any, parts: int, least: int) -> list[int]:
@@ -191,12 +203,8 @@ def split_rows(
             done.append((i, call(rows[cuts[i] : cuts[i + 1]])))
         return done
 
-    pool = _WORKERS.get(parts - 1)
-    futures = [pool.submit(take) for _ in range(parts - 1)]
-    try:
-        done = take()
-    finally:  # no helper may still be writing when this returns or raises
-        done += [pair for future in futures for pair in future.result()]
+    mine, theirs = _alongside([take] * (parts - 1), take)
+    done = mine + [pair for pairs in theirs for pair in pairs]
     return [result for _, result in sorted(done, key=lambda pair: pair[0])]
 
 
