@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
-from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, to_numpy
+from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, sqrt, to_numpy
 from .config import BASIS_METHODS
 
 __all__ = [
@@ -184,11 +184,11 @@ def _pivoted_gram_schmidt(
         norms = xp.sum(residual * residual, axis=0)
         p = _first_near_max(norms, rtol, xp)
         v = residual[:, p]
-        v = v / xp.sqrt(xp.sum(v * v))
+        v = v / sqrt(xp.sum(v * v), xp)
         blocks = ([against] if against is not None else []) + ([xp.stack(chosen, axis=1)] if chosen else [])
         for B in blocks:  # second pass of Gram-Schmidt: "twice is enough"
             v = v - B @ (xp.matrix_transpose(B) @ v)
-        v = v / xp.sqrt(xp.sum(v * v))
+        v = v / sqrt(xp.sum(v * v), xp)
         chosen.append(v)
         residual = residual - v[:, None] * (v @ residual)[None, :]
     if not chosen:
@@ -499,7 +499,7 @@ def _gram_factors(lam: Array, vecs: Array, m: int, n: int, xp: Namespace) -> tup
     k = min(m, n)
     # the last k columns, last first: a cast and a flip (a copy each), 25x faster than a gather on torch CPU
     U = xp.flip(xp.astype(vecs[..., m - k :], xp.float32), axis=-1)
-    sigma = xp.sqrt(xp.clip(xp.flip(lam, axis=-1), min=0.0))
+    sigma = sqrt(xp.clip(xp.flip(lam, axis=-1), min=0.0), xp)
     finite = xp.all(xp.isfinite(lam), axis=-1) & xp.all(xp.isfinite(vecs), axis=(-2, -1))
     return U, _nan_unless(finite, xp.astype(sigma[..., :k], xp.float32), xp)
 

@@ -49,8 +49,7 @@ from typing import Any, NamedTuple
 import numpy
 
 import adadiag_ref as ar
-from adadiag_ref._kernels import vml
-from adadiag_ref._xp import namespace
+from adadiag_ref._xp import namespace, sqrt_each
 from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
 from adadiag_ref.optim.dispatch import direction as family_direction
@@ -495,7 +494,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         routes: dict[str, dict[str, str]] = {}
         lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
         idle: list[torch.Tensor] = []
-        singles: dict[int, _Singles] = {}
         large_lanes: dict[tuple[int, torch.dtype], _LargeLane] = {}
         eligible = True
         for group_index, group in enumerate(self.param_groups):
@@ -542,7 +540,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                         "torch._foreach_* tail)"
                     )
                 elif reason is None:
-                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)"
+                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype, NumPy's sqrt)"
                 else:
                     moments = "per parameter: update_in_place (the family's in-place routes, first that applies)"
                 if not rotated:
@@ -563,34 +561,25 @@ class CoreOptimizer(torch.optim.Optimizer):
                     eligible = False
                     continue
                 assert layout is not None
-                if p.numel() > _GROUP_MAX_ENTRIES and vml.available():
+                if p.numel() > _GROUP_MAX_ENTRIES:
                     routes[label]["moments"] = (
                         f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries; "
                         + (
                             "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call, D into the "
-                            "second buffer, one call for the tail, both on the calling thread; torch's VML root"
+                            "second buffer, one call for the tail, both on the calling thread"
                             if rotated
-                            else "numba calls over guided pieces of all of them, as many whatever their number; "
-                            "torch's VML root block by block"
+                            else "numba calls over guided pieces of all of them, as many whatever their number, "
+                            "one pass each"
                         )
                         + ")"
                     )
                     large = large_lanes.setdefault((group_index, p.dtype), _LargeLane(group_index, cfg, p.dtype))
                     large.add(p, flat, layout, _where(names, index, group_index))
                     continue
-                if p.numel() > _GROUP_MAX_ENTRIES:  # the torch route's blocks (one parameter at a time) are faster
-                    routes[label]["moments"] = (
-                        f"per parameter: update_in_place (more than {_GROUP_MAX_ENTRIES} entries: the torch CPU "
-                        "route's blocks)"
-                    )
-                    single = singles.setdefault(group_index, _Singles(group_index, cfg))
-                    single.add(p, flat, rotated, _where(names, index, group_index))
-                    continue
                 lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
                 lane.add(p, flat, layout, _where(names, index, group_index))
         finished: list[Any] = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
         finished += [lane.finish() for lane in large_lanes.values()] if eligible else []
-        finished += list(singles.values()) if eligible else []
         lanes = [lane for lane in finished if lane is not None]
         if len(lanes) != len(finished) or not lanes:
             for entry in routes.values():
@@ -1141,7 +1130,7 @@ class _Lane(_LaneMembers):
     def apply(self, step_in: _LaneStep) -> None:
         """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
         b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
-        torch.sqrt(self.scratch[0], out=self.scratch[1])
+        numpy.sqrt(self.vt, out=self.root)  # the library's root: correctly rounded (adadiag_ref._xp.sqrt)
         k, split = self.n_unrot, self.split
         if k < len(self.params):
             vt, mr = self.vt[split:], self.root[split:]
@@ -1215,18 +1204,18 @@ against 4.3 ms (``benchmarks/cpu_adapter_vs_peers.py``, docs/performance.md)."""
 
 
 class _LargeLane(_LaneMembers):
-    """The large parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries), where torch's VML
-    root is callable from the kernels (:func:`adadiag_ref._kernels.vml.available`).  One read pass counts all their
-    gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`), before any write.
+    """The large parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries).  One read pass
+    counts all their gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`),
+    before any write.
 
-    * unrotated: a kernel call per guided piece (:func:`~adadiag_ref.optim.families.adam.group_route.step_vml_at`,
+    * unrotated: a kernel call per guided piece (:func:`~adadiag_ref.optim.families.adam.group_route.step_at`,
       :func:`~adadiag_ref.optim.families.adam.torch_route.split_rows`) writes ``M``, ``V`` and ``W`` of all of them
-      in place, block by block with VML's root (the per-parameter torch CPU route's arithmetic,
-      :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_vml_flat`): the calls do not depend on the
+      in place in one pass (the per-parameter torch CPU route's kernel,
+      :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_in_place_flat`): the calls do not depend on the
       number of parameters;
     * rotated (a step without refresh), one after the other, each while its ``G~`` is still in cache: ``G~ = P^T G
       Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
-      (:func:`~adadiag_ref.optim.families.adam.group_route.moments_vml_at`, the per-parameter route's arithmetic
+      (:func:`~adadiag_ref.optim.families.adam.group_route.moments_at`, the per-parameter route's arithmetic
       without its two new moment tensors), ``D = P U~ Q^T`` into the second buffer, ``W <- W + (-eta) (D + lambda
       W)`` (:func:`~adadiag_ref.optim.families.adam.group_route.engine_tail`), the kernels on the calling thread
       (:data:`_THREADS_AFTER_GEMM`).  The buffers (``G~``, ``D`` and a two-sided member's first product, each as
@@ -1282,86 +1271,36 @@ class _LargeLane(_LaneMembers):
     def apply(self, step_in: _LargeStep) -> None:
         k, dtype = self.n_unrot, self.like.dtype
         if k:
-            torch_route.split_rows(group_route.step_vml_at, (self.w_at, step_in.g_at, self.m_at, self.v_at),
-                                   self.rows, step_in.scalars, dtype, scratch=True)  # fmt: skip
+            torch_route.split_rows(group_route.step_at, (self.w_at, step_in.g_at, self.m_at, self.v_at),
+                                   self.rows, (*step_in.scalars, self.like), dtype)  # fmt: skip
         b1, c1, b2, c2, eps, neg_lr, wd, decay = step_in.scalars
         threads = _THREADS_AFTER_GEMM
         for j, (rotation, rows) in enumerate(zip(self.rotations, self.member_rows, strict=True)):
             i = k + j
             rotation.rotate(step_in.grads[i])
-            torch_route.split_rows(group_route.moments_vml_at, (self.m_at[i : i + 1], self.v_at[i : i + 1],
-                                   self.u_at), rows, (b1, c1, b2, c2, eps), dtype, True, threads)  # fmt: skip
+            torch_route.split_rows(group_route.moments_at, (self.m_at[i : i + 1], self.v_at[i : i + 1],
+                                   self.u_at), rows, (b1, c1, b2, c2, eps, self.like), dtype, threads)  # fmt: skip
             rotation.unrotate()
             tail = (self.at_zero, self.direction, neg_lr, wd, decay)
-            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows, tail, dtype, False, threads)
+            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows, tail, dtype, threads)
         group_route.advance_counters(self.c_at, self.counts)
 
 
 _GROUP_MAX_ENTRIES = 1 << 14
-"""Parameters with more entries leave the group kernels for the per-parameter torch CPU route (its block
-kernels keep ``V_t`` and ``sqrt(V_t)`` of one block in cache: fewer memory passes where they count, and
-``torch.sqrt`` of a whole large array would wake torch's thread pool); the group kernels are for the many small
-ones, whose cost is the calls."""
+"""Parameters with more entries leave the small lanes' group kernels for the large lanes (:class:`_LargeLane`): one
+pass over each array where the memory traffic counts, instead of the small lanes' flat scratch of ``V_t`` and its
+root; the group kernels are for the many small ones, whose cost is the calls."""
 
 
 def _large_lanes_first(lanes: list[Any], ready: list[Any]) -> list[tuple[Any, Any]]:
     """The order of a step's writes: the large lanes first, the others after them, each kind in the plan's order
-    (the lanes write disjoint parameters, so the order changes no bit).  A small lane's ``torch.sqrt``, even of a
-    few thousand entries, runs on torch's OpenMP workers (VML's ``parallel_for`` cuts at 2048 entries), which then
-    spin for a while and share the cores with a large lane's kernels cut between threads.  Measured on LLaMA-60M's
-    4-block set, ``AdamW``, 2 threads, median of 15 steps: 27.0-29.5 ms with the norms' small lane first, 21.1-21.9
-    ms with it last."""
+    (the lanes write disjoint parameters, so the order changes no bit).  It was measured when a small lane's root
+    was eager ``torch.sqrt``, which ran on torch's OpenMP workers (VML's ``parallel_for`` cuts at 2048 entries)
+    that then spun beside a large lane's kernels cut between threads: on LLaMA-60M's 4-block set, ``AdamW``, 2
+    threads, median of 15 steps, 27.0-29.5 ms with the norms' small lane first, 21.1-21.9 ms with it last.  The root
+    is NumPy's on the calling thread now; the order is kept, as the large lanes' threads are then freshest."""
     pairs = list(zip(lanes, ready, strict=True))
     return sorted(pairs, key=lambda pair: not isinstance(pair[0], _LargeLane))
-
-
-class _SinglesStep(NamedTuple):
-    lr: Any
-    grads: list[torch.Tensor]
-    sums: list[torch.Tensor]
-    taken: list[int]
-
-
-class _Singles:
-    """The large parameters of a group on the group route's step (:data:`_GROUP_MAX_ENTRIES`): each through
-    ``ar.update_in_place`` as the per-parameter route runs it, validated with the rest before any write."""
-
-    def __init__(self, group_index: int, cfg: BaseConfig) -> None:
-        self.group_index, self.cfg = group_index, cfg
-        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], bool, str]] = []
-
-    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], rotated: bool, where: str) -> None:
-        self.members.append((p, flat, rotated, where))
-
-    def still_valid(self) -> bool:
-        return True  # the state is read at every step (to_core_state)
-
-    def prepare(self, group: Mapping[str, Any], xp: Any) -> _SinglesStep | None:
-        lr = _number(group["lr"])
-        if not _finite_at_least(lr, 0.0):
-            raise ValueError(f"Invalid learning rate: {lr}")
-        grads, taken = [], []
-        for p, flat, rotated, _ in self.members:
-            g = p.grad
-            if g is None or g.layout is not torch.strided or g.dtype != p.dtype or g.shape != p.shape:
-                return None
-            count = int(flat["step"])
-            if rotated and ar.refresh_due(count, self.cfg):
-                return None
-            grads.append(-g if group["maximize"] else g)
-            taken.append(count)
-        return _SinglesStep(lr, grads, [_finiteness_sum(g) for g in grads], taken)
-
-    def failure(self, step_in: _SinglesStep) -> str | None:
-        for (_, _, _, where), g, total, count in zip(self.members, step_in.grads, step_in.sums, step_in.taken):
-            if not bool(torch.isfinite(total)) and not _sharded.all_finite(g):
-                return f"{where} contains NaN or Inf at step {count + 1}"
-        return None
-
-    def apply(self, step_in: _SinglesStep) -> None:
-        for (p, flat, _, _), g in zip(self.members, step_in.grads, strict=True):
-            ar.update_in_place(to_core_state(flat, self.cfg), g, self.cfg, p, lr=step_in.lr, refreshed=False)
-            flat["step"] += 1
 
 
 class _HostPlan:
@@ -1626,12 +1565,12 @@ def _launcher_for(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> 
 
 def _group_launcher(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> Any:
     """:func:`_launcher_for`'s launcher when the kernels passed their probe against the chain's own operations on
-    the device (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, ``torch._foreach_sqrt`` as the root;
+    the device (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, :func:`_foreach_root` as the root;
     once per process: a failure warns once and leaves the ``torch._foreach_*`` chain to step), else ``None``."""
     launcher = _launcher_for(cfg, dtype, device)
     name = str(dtype).rsplit(".", 1)[-1]
     if launcher is None or not cupy_group.ready(cfg, name, launcher, torch_namespace(), device,
-                                                sqrt=lambda v: torch._foreach_sqrt([v])[0]):  # fmt: skip
+                                                sqrt=lambda v: _foreach_root([v])[0]):  # fmt: skip
         return None
     return launcher
 
@@ -1944,10 +1883,10 @@ def _foreach_compute(plan: _ForeachPlan) -> Callable[[], None]:
     new_m = torch._foreach_mul(grads, c1)
     scratch = torch._foreach_mul(moments, b1)
     torch._foreach_add_(new_m, scratch)  # M_t = (1 - b1_t) G~ + b1_t M
-    scratch = _foreach_sqrt_as_eager(new_v) if torch.compiler.is_compiling() else torch._foreach_sqrt(new_v)
-    torch._foreach_add_(scratch, cfg.eps)
-    directions = list(torch._foreach_div(new_m, scratch))  # U~ = M_t / (sqrt(V_t) + eps)
-    del scratch
+    roots = _foreach_root(list(new_v))
+    torch._foreach_add_(roots, cfg.eps)
+    directions = list(torch._foreach_div(new_m, roots))  # U~ = M_t / (sqrt(V_t) + eps)
+    del roots, scratch
     for k, (entry, layout) in enumerate(zip(batch, layouts, strict=True)):
         state = entry.state
         if state.P is not None or state.Q is not None:
@@ -1969,14 +1908,20 @@ def _foreach_compute(plan: _ForeachPlan) -> Callable[[], None]:
 
 
 @torch.library.custom_op("adadiag_ref::foreach_sqrt", mutates_args=())
-def _foreach_sqrt_as_eager(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``torch._foreach_sqrt`` as one opaque operation of a compiled graph, so that a compiled step has the bits
-    of an eager one: Inductor would fuse ``sqrt`` into a loop of its own, the correctly rounded square root, while
-    eager ``torch.sqrt`` on the CPU may differ from it in the last bit."""
-    return list(torch._foreach_sqrt(xs))
+def _foreach_root(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The library's root of each tensor, correctly rounded (:func:`adadiag_ref._xp.sqrt`): one
+    ``torch._foreach_sqrt`` on CUDA (whose root is), NumPy's root per tensor on the CPU (where eager ``torch.sqrt``
+    is MKL VML's on x86 builds, one ulp off in some entries; :func:`adadiag_ref._xp.sqrt_each`).
+
+    One custom operation of the dispatcher: a compiled graph keeps it opaque, so a compiled step has an eager one's
+    bits on any backend of ``torch.compile`` (Inductor's own loops root correctly too, but ``aot_eager`` would run
+    eager ``torch.sqrt``), and an op count sees one operation on every device, as on CUDA."""
+    if not xs or xs[0].device.type != "cpu":
+        return list(torch._foreach_sqrt(xs))
+    return sqrt_each(list(xs), torch_namespace())
 
 
-@_foreach_sqrt_as_eager.register_fake
+@_foreach_root.register_fake
 def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in xs]
 

@@ -408,27 +408,19 @@ def _count_calls(monkeypatch, module, names):
 ROUTE_SHAPES = [(130, 300), (300, 130), (5, 7), (7, 5), (6, 2, 2), (7,)]
 
 
-ROUTE_KERNELS = ["adam_apply_root_flat", "adam_direction_root_flat", "adam_step_vml_flat", "adam_moments_vml_flat"]
+ROUTE_KERNELS = ["adam_step_in_place_flat", "adam_moments_over_flat"]
 
 
-@pytest.mark.parametrize("vml_root", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
-def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(
-    name, dtype, weight_decay, vml_root, monkeypatch
-):
+def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name, dtype, weight_decay, monkeypatch):
     """CPU float tensors go through the numba kernels (on NumPy views of the tensors); every trajectory and state
     equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
-    large enough that a kernel taking its own correctly rounded square root, instead of torch's, would differ.
-    ``vml_root``: torch's VML root called inside the kernels (where the build has it), or ``torch.sqrt`` per block."""
-    from adadiag_ref._kernels import vml
+    large enough that a route taking another square root than the library's correctly rounded one (eager
+    ``torch.sqrt``, MKL VML's on x86 builds) would differ."""
     from adadiag_ref.optim.families.adam import numba_route
 
-    if vml_root and not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
-    if not vml_root:
-        monkeypatch.setattr(vml, "available", lambda: False)
     calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
     streams = [_stream(s, steps=5, dtype=dtype, seed=i) for i, s in enumerate(ROUTE_SHAPES)]
     hyper = {"lr": 0.01, "weight_decay": weight_decay, "update_freq": 2}
@@ -448,17 +440,13 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(
 
 
 @pytest.mark.parametrize("name", ["adamw", "adadiag"])
-def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypatch):
-    """Issue 31: on MKL builds the route takes ``sqrt(V_t)`` by VML's ``vm?Sqrt`` (the function eager
-    ``torch.sqrt`` calls) inside the numba kernels, with no ``torch.sqrt`` call and no Python round trip per
-    block: AdamW's large parameters all in one kernel call per guided piece (``group_route.step_vml_at``, whatever
-    their number), a rotated one's moments in one call per piece and parameter (``group_route.moments_vml_at``);
-    the result is still the reference route's bit for bit (test above)."""
-    from adadiag_ref._kernels import vml
+def test_cpu_kernel_route_steps_large_parameters_in_one_pass_without_torch_sqrt(name, monkeypatch):
+    """Issue 31: the large parameters' root is taken inside the numba kernels, in their one pass, with no
+    ``torch.sqrt`` call and no Python round trip per block: AdamW's large parameters all in one kernel call per
+    guided piece (``group_route.step_at``, whatever their number), a rotated one's moments in one call per piece and
+    parameter (``group_route.moments_at``); the result is the reference route's bit for bit (test above)."""
     from adadiag_ref.optim.families.adam import group_route, numba_route
 
-    if not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
     # parameters of more than 16384 entries: smaller ones take the group kernels of the default route
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in [(130, 300), (20000,)]]
     opt = CLASSES[name](params, lr=1e-3, update_freq=None)
@@ -466,7 +454,7 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
     calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
-    group_calls = _count_calls(monkeypatch, group_route, ["step_vml_at", "moments_vml_at"])
+    group_calls = _count_calls(monkeypatch, group_route, ["step_at", "moments_at"])
     roots = []
     real_sqrt = torch.sqrt
 
@@ -477,34 +465,25 @@ def test_cpu_kernel_route_calls_torchs_vml_root_inside_one_kernel(name, monkeypa
     monkeypatch.setattr(torch, "sqrt", counted_sqrt)
     opt.step()
     if name == "adamw":
-        assert 1 <= group_calls["step_vml_at"] <= torch.get_num_threads(), group_calls
-        assert calls["adam_step_vml_flat"] == 0, calls
+        assert 1 <= group_calls["step_at"] <= torch.get_num_threads(), group_calls
     else:
         # both are rotated (the default rule rotates a vector as a 1 x n matrix): one call per guided piece of each
-        assert 2 <= group_calls["moments_vml_at"] <= 2 * torch.get_num_threads(), group_calls
-        assert group_calls["step_vml_at"] == 0, group_calls
-        assert calls["adam_moments_vml_flat"] == calls["adam_step_vml_flat"] == 0, calls
-    assert calls["adam_apply_root_flat"] == calls["adam_direction_root_flat"] == 0, calls
+        assert 2 <= group_calls["moments_at"] <= 2 * torch.get_num_threads(), group_calls
+        assert group_calls["step_at"] == 0, group_calls
+    assert calls["adam_moments_over_flat"] == calls["adam_step_in_place_flat"] == 0, calls  # not per parameter
     assert roots == []
 
 
-@pytest.mark.parametrize("vml_root", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["adamw", "adadiag"])
-def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, dtype, vml_root, monkeypatch):
+def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, dtype, monkeypatch):
     """Issue 31: with ``torch.get_num_threads() > 1`` a large parameter's passes are cut into contiguous parts run
-    at once on helper threads (here forced on small tensors, with VML blocks of 100 entries so that parts end
-    inside blocks); trajectories and states equal the single-threaded reference route bit for bit (also without
-    VML, where the rotated parameters' ``W`` pass is split)."""
-    from adadiag_ref._kernels import vml
+    at once on helper threads (here forced on small tensors); trajectories and states equal the single-threaded
+    reference route bit for bit."""
     from adadiag_ref.optim.families.adam import torch_route
 
-    if vml_root and not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
-    if not vml_root:
-        monkeypatch.setattr(vml, "available", lambda: False)
+    monkeypatch.setattr(at, "_host_route_refusal", lambda *a: "the test")  # the per-parameter route
     monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 333)
-    monkeypatch.setattr(torch_route, "VML_BLOCK", 100)
     parts = []
     real_part = torch_route._part
 
@@ -526,10 +505,8 @@ def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, d
             results[kernels] = (trajs, [opt.state[p] for p in params])
     finally:
         torch.set_num_threads(threads)
-    # without VML the unrotated fallback stays torch.sqrt per block on this thread; rotated tails split either way
     # (two parts may share a helper thread: the pool reuses an idle one before it starts another)
-    split = vml_root or name == "adadiag"
-    assert (threading.get_ident() in parts and len(set(parts)) >= 2) if split else parts == [], parts
+    assert threading.get_ident() in parts and len(set(parts)) >= 2, parts
     for ref, fast in zip(results["reference"][0], results["auto"][0], strict=True):
         assert torch.equal(ref, fast)
     for ref, fast in zip(results["reference"][1], results["auto"][1], strict=True):
@@ -556,13 +533,11 @@ def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch)
 def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypatch):
     """Issue 31: ``b_hat_1, b_hat_2`` (torch ops on the 0-d step) are computed once per step for all parameters of
     one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
-    from adadiag_ref._kernels import vml
     from adadiag_ref.optim.families.adam import torch_route
 
-    # large enough for the per-parameter route (smaller parameters take the group kernels, one call per group), and
-    # VML's root out of the kernels' reach: large parameters otherwise take the large-parameter lane, whose
-    # coefficients are computed once per lane
-    monkeypatch.setattr(vml, "available", lambda: False)
+    # the per-parameter route: parameters of any size otherwise take the group kernels or the large-parameter
+    # lane, whose coefficients are computed once per lane
+    monkeypatch.setattr(at, "_host_route_refusal", lambda *a: "the test")
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(130, 300), (20000,), (150, 120), (17000,)]]
     opt = CLASSES["adadiag"](params, lr=1e-3, update_freq=None)
     for p in params:

@@ -75,13 +75,10 @@ def _assert_poisoned_step_changes_nothing(params, opt, index, entry, message, va
 
 @contextlib.contextmanager
 def _large_lane(monkeypatch, kernel, threads):
-    """The large lane's setting for a test: VML's root callable (else skip), rows cut between threads from 1000
-    entries, ``torch`` on ``threads`` threads; yields the list that grows by one per call of ``group_route.kernel``."""
-    from adadiag_ref._kernels import vml
+    """The large lane's setting for a test: rows cut between threads from 1000 entries, ``torch`` on ``threads``
+    threads; yields the list that grows by one per call of ``group_route.kernel``."""
     from adadiag_ref.optim.families.adam import group_route, torch_route
 
-    if not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
     monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 1000)  # cut the rows between the threads
     calls = []
     original = getattr(group_route, kernel)
@@ -202,7 +199,7 @@ def test_routes_report_each_part_per_parameter():
     assert routes["0.weight"] == {
         "refresh": "batched stack (ar.refresh_bases per config and shape), per-parameter route that step",
         "rotate": "GEMM (torch.matmul per parameter)",
-        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype, torch.sqrt)",
+        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype, NumPy's sqrt)",
     }
     bf16 = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))
     opt16 = at.AdamW([bf16])
@@ -322,10 +319,10 @@ def _pieces(sizes, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dtype, weight_decay, threads, monkeypatch):
     """AdamW's parameters above 16384 entries (embeddings, heads, MLP matrices) are stepped together: one read
-    pass counts their gradients' NaN/Inf, then one kernel call per guided piece writes all of them in place with VML's
-    root (``group_route.step_vml_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
+    pass counts their gradients' NaN/Inf, then one kernel call per guided piece writes all of them in place in one
+    pass (``group_route.step_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
     rows cut between threads; a NaN in one of them changes nothing and names it."""
-    with _large_lane(monkeypatch, "step_vml_at", threads) as calls:
+    with _large_lane(monkeypatch, "step_at", threads) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
@@ -344,26 +341,33 @@ def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dty
         _assert_poisoned_step_changes_nothing(params, opt, 2, (3, 4), message, float("nan"))
 
 
-def test_the_large_lane_writes_before_a_small_lanes_torch_sqrt(monkeypatch):
-    """The writes of a step: the large lane's kernels first, the small lane's ``torch.sqrt`` after them.  That root
-    runs on torch's OpenMP workers, which then spin for a while beside the large lane's kernels cut between threads
-    (``pytorch._large_lanes_first``); the order changes no bit (``kernels="reference"`` alongside)."""
-    with _large_lane(monkeypatch, "step_vml_at", 2) as calls:
+def test_the_large_lane_writes_before_the_small_lane_and_no_step_calls_torch_sqrt(monkeypatch):
+    """The writes of a step: the large lane's kernels first, the small lane's after them
+    (``pytorch._large_lanes_first``); the order changes no bit (``kernels="reference"`` alongside).  Neither lane
+    calls ``torch.sqrt``: the root is the library's (NumPy's over the small lane's scratch, LLVM's in the kernels)."""
+    from adadiag_ref.optim.families.adam import group_route
+
+    with _large_lane(monkeypatch, "step_at", 2) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in LARGE_SHAPES]
             runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels)))
         _steps(runs, range(2))
-        kernel_calls_at_sqrt = []
+        large_calls_at_small = []
+        roots = []
+        small = group_route.apply_unrotated
         sqrt = torch.sqrt
-        monkeypatch.setattr(torch, "sqrt", lambda *a, **k: kernel_calls_at_sqrt.append(len(calls)) or sqrt(*a, **k))
+        monkeypatch.setattr(group_route, "apply_unrotated",
+                            lambda *a: large_calls_at_small.append(len(calls)) or small(*a))  # fmt: skip
+        monkeypatch.setattr(torch, "sqrt", lambda *a, **k: roots.append(1) or sqrt(*a, **k))
         calls.clear()
         _steps(runs[:1], range(2, 3))
         monkeypatch.setattr(torch, "sqrt", sqrt)
         _steps(runs[1:], range(2, 3))
         _assert_same(runs)
-        assert calls and kernel_calls_at_sqrt == [len(calls)], (calls, kernel_calls_at_sqrt)
+        assert calls and large_calls_at_small == [len(calls)], (calls, large_calls_at_small)
+        assert roots == []
 
 
 @given(
@@ -463,12 +467,12 @@ def test_large_rotated_parameters_step_in_place_in_the_large_lane(
 ):
     """Rotated parameters above 16384 entries take the large-parameter lane on steps without refresh: ``G~`` and
     ``D`` in the lane's buffers (a two-sided member's first product too), ``M`` and ``V`` written in place (their
-    storage never moves, no new moment tensors), one ``moments_vml_at`` call per guided piece and parameter.  Bit for
+    storage never moves, no new moment tensors), one ``moments_at`` call per guided piece and parameter.  Bit for
     bit ``kernels="reference"`` at every step, refresh steps (per-parameter route) included, with the kernels on the
     calling thread (``after_gemm=1``, the default) or cut between threads; a NaN in the last of them changes
     nothing and names it."""
     monkeypatch.setattr(at, "_THREADS_AFTER_GEMM", after_gemm)
-    with _large_lane(monkeypatch, "moments_vml_at", threads) as calls:
+    with _large_lane(monkeypatch, "moments_at", threads) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)

@@ -1203,20 +1203,6 @@ def _torch_host_launcher(tmp_path: Any) -> _HostLauncher:
     return _HostLauncher(tmp_path, namespace(torch.zeros(())))
 
 
-def _correctly_rounded_foreach_sqrt(torch: Any) -> Any:
-    """``torch._foreach_sqrt`` with NumPy's correctly rounded root, each result in its input's layout: CUDA's
-    ``sqrt`` (and the kernels', compiled for the host), where torch's CPU root is MKL VML's (not correctly
-    rounded)."""
-
-    def foreach_sqrt(xs: list[Any]) -> list[Any]:
-        out = [torch.empty_like(x) for x in xs]
-        for x, y in zip(xs, out, strict=True):
-            y.copy_(torch.from_numpy(np.asarray(np.sqrt(x.detach().numpy()))))
-        return out
-
-    return foreach_sqrt
-
-
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
@@ -1227,17 +1213,16 @@ def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
     sources compiled for the host, launched over CPU tensors by address): the unrotated parameters by one launch
     (moments in their own state tensors), the rotated ones by one launch for ``M_t``, ``V_t`` and ``U~`` over
     ``G~`` and one for the tail around the per-parameter GEMMs.  Against the multi-tensor chain it replaces, both
-    with a correctly rounded root (as on CUDA): the same bits, every parameter and moment at every step, refresh
-    steps included; launches independent of the number of parameters.  Then a NaN: the launches were queued,
-    gated by the device verdict, and wrote nothing, and the error names the parameter; and finite gradients whose
-    sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
+    with the library's correctly rounded root (as on CUDA): the same bits, every parameter and moment at every
+    step, refresh steps included; launches independent of the number of parameters.  Then a NaN: the launches were
+    queued, gated by the device verdict, and wrote nothing, and the error names the parameter; and finite gradients
+    whose sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.optim.families.adam import cupy_group
     from adapters import pytorch as tp
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    monkeypatch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
     launcher = _torch_host_launcher(tmp_path)
     kernels_on = [False]
     monkeypatch.setattr(tp, "_launcher_for", lambda cfg, dt, device: launcher if kernels_on[0] else None)
@@ -1456,7 +1441,6 @@ def test_property_the_cuda_group_kernels_give_the_chains_bits(
     start = [torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes]
     stream = [[torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes] for _ in range(5)]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "_foreach_sqrt", _correctly_rounded_foreach_sqrt(torch))
         patch.setattr(tp, "_launcher_for", lambda cfg, dt, device: torch_host_launcher if on[0] else None)
         runs = []
         launched = len(torch_host_launcher.launches)

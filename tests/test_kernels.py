@@ -524,50 +524,14 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.max(np.abs(want))))
 
 
-# ----------------------------------------------------------------------------- issue 31: torch's VML root in kernels
-
-
-def _vml_or_skip():
-    torch = pytest.importorskip("torch")
-    from adadiag_ref._kernels import vml
-
-    if not vml.available():
-        pytest.skip("this torch build's sqrt is not MKL VML's")
-    return torch, vml
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_vml_root_in_a_kernel_equals_torch_sqrt_whatever_the_chunks(dtype: type) -> None:
-    """``sqrt_into`` inside a numba kernel gives ``torch.sqrt``'s bits (which differ from the correctly rounded
-    root on some entries of MKL builds), cut into chunks of any length."""
-    import numba
-
-    torch, vml = _vml_or_skip()
-    from adadiag_ref._kernels.vml import sqrt_into
-
-    @numba.njit
-    def chunked(x, out, chunk):  # type: ignore[no-untyped-def]
-        for start in range(0, x.shape[0], chunk):
-            stop = min(start + chunk, x.shape[0])
-            sqrt_into(x[start:stop], out[start:stop])
-
-    x = np.concatenate([vml.probe(dtype), np.abs(np.random.default_rng(0).standard_normal(5000)).astype(dtype)])
-    expected = torch.sqrt(torch.from_numpy(x)).numpy()
-    uint = f"u{x.itemsize}"
-    for chunk in (1, 7, 4096, x.size):
-        out = np.full_like(x, np.nan)
-        chunked(x, out, chunk)
-        assert np.array_equal(out.view(uint), expected.view(uint)), chunk
+# ----------------------------------------------------------------------------- issue 31: the torch route's kernels
 
 
 @pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_vml_kernels_equal_the_reference_formulas_block_by_block(dtype: type, decay: bool) -> None:
-    """The VML kernels (blocks of 7 entries over 101: a partial last block) equal the reference's formulas, with
-    ``torch.sqrt`` for the root, bit for bit; MKL's thread count is the same after the call as before."""
-    import ctypes
-
-    torch, vml = _vml_or_skip()
+def test_torch_route_kernels_equal_the_reference_formulas(dtype: type, decay: bool) -> None:
+    """The torch CPU route's one-pass kernels (the unrotated step in place; the rotated moments into new arrays with
+    ``U~`` over ``G~``) equal the reference's formulas with the correctly rounded root, bit for bit."""
     rng = np.random.default_rng(1)
     n = 101
     W, g, M = (rng.standard_normal(n).astype(dtype) for _ in range(3))
@@ -575,20 +539,15 @@ def test_vml_kernels_equal_the_reference_formulas_block_by_block(dtype: type, de
     b1, c1, b2, c2 = _kernels.ema_coefficients(0.85, 0.995, dtype)
     eps, neg_lr, wd = (_kernels.scalar(x, dtype) for x in (1e-8, -1e-2, 0.1 if decay else 0.0))
     v = b2 * V + c2 * (g * g)
-    root = torch.sqrt(torch.from_numpy(v)).numpy()
     m = b1 * M + c1 * g
-    u = m / (root + eps)
+    u = m / (np.sqrt(v) + eps)
     w = W + neg_lr * (u + wd * W if decay else u)
 
-    threads = vml._library().MKL_Get_Max_Threads
-    threads.restype = ctypes.c_int
-    before = threads()
     W1, M1, V1 = W.copy(), M.copy(), V.copy()
-    adam_kernels.adam_step_vml_flat(W1, g, M1, V1, b1, c1, b2, c2, eps, neg_lr, wd, decay, np.empty(7, dtype))
-    assert threads() == before
+    adam_kernels.adam_step_in_place_flat(W1, g, M1, V1, b1, c1, b2, c2, eps, neg_lr, wd, decay)
     for got, want in ((V1, v), (M1, m), (W1, w)):
         assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
     newM, newV, GU = np.empty_like(M), np.empty_like(V), g.copy()
-    adam_kernels.adam_moments_vml_flat(M, V, GU, newM, newV, b1, c1, b2, c2, eps, np.empty(7, dtype))
+    adam_kernels.adam_moments_over_flat(M, V, GU, b1, c1, b2, c2, eps, newM, newV)
     for got, want in ((newV, v), (newM, m), (GU, u)):
         assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))

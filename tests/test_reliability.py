@@ -266,7 +266,7 @@ IN_PLACE_POINTS = [
     (core, "rotate"),
     (core, "refresh_step_structure"),
     ("native", "multiply"),
-    ("native", "sqrt"),
+    (adam_inplace, "sqrt"),  # the library's root (adadiag_ref._xp.sqrt), between the ufuncs
     ("native", "divide"),
     (adam_kernels, "adam_moments_inplace"),
 ]

@@ -20,7 +20,7 @@ and ``replay`` use the parallel forms for arrays of :data:`PARALLEL_MIN_SIZE` en
 numba's non-spinning ``workqueue`` layer; the engine between its GEMM phases; the torch CPU route never
 (torch's OpenMP threads spin after each parallel region): it cuts its arrays over ``torch.get_num_threads()``
 threads of its own instead (``optim/families/adam/torch_route.py``).  BLAS owns the cores during GEMMs
-(docs/performance.md, "Threads").  :mod:`.vml` makes torch's own square root (MKL VML) callable from kernels.
+(docs/performance.md, "Threads").
 """
 
 from __future__ import annotations

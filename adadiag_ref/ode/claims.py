@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._xp import Array, Namespace, namespace
+from .._xp import Array, Namespace, namespace, sqrt
 from ..optim.families.common import clip_factor, factored
 from ..optim.families.hfac import normalization_constants
 from .problems import Problem, custom_problem
@@ -193,7 +193,7 @@ def sufficient_condition(
         kr, ks = normalization_constants(system, m, n)
         _, _, R, S = factored(state, G_rot, system.eps, xp)
         gamma = float(clip_factor(G_rot / S, system.clip_threshold, xp))
-        lhs = 0.5 * system.momentum_scale * (xp.sqrt(kr * state.s)[None, :] + xp.sqrt(ks * state.r)[:, None])
+        lhs = 0.5 * system.momentum_scale * (sqrt(kr * state.s, xp)[None, :] + sqrt(ks * state.r, xp)[:, None])
         return ok and q <= 1.0 and float(xp.max(lhs)) <= gamma * math.sqrt(float(R)) * (1.0 + tiny)
     return ok
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .._xp import Array, namespace
+from .._xp import Array, namespace, sqrt
 
 __all__ = ["ConstantStepSize", "ControllerState", "Decision", "PIController", "initial_step", "weighted_rms"]
 
@@ -29,7 +29,7 @@ def weighted_rms(y0: Array, y1: Array, y_err: Array, rtol: float, atol: float) -
     xp = namespace(y_err)
     scale = atol + rtol * xp.maximum(xp.abs(y0), xp.abs(y1))
     ratio = y_err / scale
-    return float(xp.sqrt(xp.mean(ratio * ratio)))
+    return float(sqrt(xp.mean(ratio * ratio), xp))
 
 
 class ControllerState(NamedTuple):
@@ -119,7 +119,7 @@ def initial_step(
 
     def norm(x: Array) -> float:
         r = x / scale
-        return float(xp.sqrt(xp.mean(r * r)))
+        return float(sqrt(xp.mean(r * r), xp))
 
     d0, d1 = norm(y0), norm(f0)
     h0 = 1e-6 if d0 < 1e-5 or d1 < 1e-5 else 0.01 * d0 / d1

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .._xp import Array, Namespace, namespace
+from .._xp import Array, Namespace, namespace, sqrt
 from .problems import Problem
 from .systems import (
     Basis,
@@ -206,7 +206,7 @@ class SystemTerm:
     def grad_norm(self, y: Array) -> float:
         """``||grad L(W)||_F``."""
         G = self.problem.grad(self.unpack(y).W)
-        return float(self.xp.sqrt(self.xp.sum(G * G)))
+        return float(sqrt(self.xp.sum(G * G), self.xp))
 
     def hamiltonian(self, y: Array) -> float:
         """``H(y)`` (independent of the basis)."""
@@ -229,7 +229,7 @@ class SystemTerm:
         return Diagnostics(
             H=float(hamiltonian(self.system, state, loss, xp=xp)),
             L=float(loss),
-            grad_norm=float(xp.sqrt(xp.sum(G * G))),
+            grad_norm=float(sqrt(xp.sum(G * G), xp)),
             rate=float(hamiltonian_rate(self.system, state, G, G_rot, xp=xp)),
         )
 

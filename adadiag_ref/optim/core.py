@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, state_dtype
+from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, sqrt, state_dtype
 from ..config import BaseConfig
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
 from .dispatch import direction as family_direction
@@ -328,7 +328,7 @@ def _structure_sizes(g_rot: Array, two_sided: bool, xp: Namespace) -> Array:
         return xp.sum(xp.where(diagonal, xp.abs(g_rot), xp.zeros_like(g_rot)), axis=-1)  # one nonzero term a row
     scale = xp.max(xp.abs(g_rot), axis=(-2, -1), keepdims=True)
     y = g_rot / xp.where(scale > 0, scale, xp.ones_like(scale))
-    return xp.sqrt(xp.sum(y * y, axis=-1))
+    return sqrt(xp.sum(y * y, axis=-1), xp)
 
 
 def _numerical_rank(sizes: Array, side: int, xp: Namespace) -> Array:

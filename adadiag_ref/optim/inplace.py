@@ -54,11 +54,6 @@ def _check_writable(arrays: dict[str, Array | None]) -> None:
                 )
 
 
-"""Entries per block of the torch CPU route: ``V_t`` and ``sqrt(V_t)`` of one block (128 KiB in float64) stay in
-the core's cache between the kernel passes and torch's ``sqrt``; and a block is below torch's parallel grain
-(32768 entries), so ``torch.sqrt`` runs on the calling thread instead of waking its OpenMP team every block."""
-
-
 def update_in_place(
     state: State,
     grad: Array,
@@ -84,8 +79,7 @@ def update_in_place(
     that raises leaves the parameter and the state bit-identical.  Every route
     but one computes the new values into scratch buffers and writes them at the
     end; the CPU torch route of an unrotated parameter (:mod:`adadiag_ref.optim.families.adam.torch_route`)
-    writes ``W``, ``M`` and ``V`` in place block by block, running only numba
-    kernels and torch's own square root into a preallocated block between its writes.
+    writes ``W``, ``M`` and ``V`` in place in one numba kernel pass, after everything that can fail.
     On PyTorch the Adam family's ``M`` and ``V`` otherwise take over their scratch
     tensors' storage (``Tensor.set_``) instead of copying it: the same tensor
     objects, the same values, one pass over memory less each (views taken of

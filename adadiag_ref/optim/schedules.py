@@ -19,7 +19,7 @@ from typing import Any
 import array_api_compat.numpy as compat_numpy
 import numpy as np
 
-from .._xp import Array, Namespace, creation_device, is_float64
+from .._xp import Array, Namespace, creation_device, is_float64, sqrt
 
 __all__ = [
     "adafactor_beta2",
@@ -131,15 +131,15 @@ def relative_step(lr: Any, t: Array, xp: Namespace) -> Any:
         return float(relative_step(lr, t, np))
     if not isinstance(lr, int | float):
         t = _on_device(t, xp, lr)
-    return xp.minimum(lr * xp.ones_like(t), 1.0 / xp.sqrt(t))
+    return xp.minimum(lr * xp.ones_like(t), 1.0 / sqrt(t, xp))
 
 
 def rms(x: Array, xp: Namespace) -> Array:
     """Root mean square ``RMS(X) = sqrt(mean(X^2))`` over all entries; of a stack of matrices (``x.ndim > 2``,
     ``batch_dims > 0``) per matrix, shape ``(*B, 1, 1)``."""
     if x.ndim > 2:
-        return xp.sqrt(xp.mean(x * x, axis=(-2, -1), keepdims=True))
-    return xp.sqrt(xp.mean(x * x))
+        return sqrt(xp.mean(x * x, axis=(-2, -1), keepdims=True), xp)
+    return sqrt(xp.mean(x * x), xp)
 
 
 def clip_by_rms(u: Array, threshold: float | None, xp: Namespace) -> Array:

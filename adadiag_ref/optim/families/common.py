@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from ..._xp import Array, Namespace
+from ..._xp import Array, Namespace, sqrt
 from ...config import OPTIMIZERS, BaseConfig, default_eps
 
 __all__ = [
@@ -168,7 +168,7 @@ def normalise(g: Array, r: Array, s: Array, xp: Namespace) -> Array:
     # vectors broadcast against G~ (no m x n temporary of its own) keep G~'s memory order; a stack's r (*B, m)
     # and s (*B, n) give each matrix its own 1^T r
     total = xp.sum(r) if r.ndim == 1 else xp.sum(r, axis=-1, keepdims=True)
-    return g * (xp.sqrt(total) / xp.sqrt(s))[..., None, :] / xp.sqrt(r)[..., :, None]
+    return g * (sqrt(total, xp) / sqrt(s, xp))[..., None, :] / sqrt(r, xp)[..., :, None]
 
 
 # ----------------------------------------------------------------------------- continuous pieces
@@ -178,13 +178,13 @@ def clip_factor(U: Array, threshold: float | None, xp: Namespace) -> Array:
     """``gamma = 1 / max(1, RMS(U) / d)``, so that ``clip(U) = gamma U``; 1 when ``d`` is None."""
     if threshold is None:
         return xp.ones((), dtype=U.dtype)
-    ratio = xp.sqrt(xp.mean(U * U)) / threshold
+    ratio = sqrt(xp.mean(U * U), xp) / threshold
     return 1.0 / xp.maximum(ratio, xp.ones_like(ratio))
 
 
 def factored_scale(r: Array, s: Array, xp: Namespace) -> Array:
     """``S = sqrt(V^)`` with ``V^ = r s^T / (1_m^T r)`` (``m x n``)."""
-    return xp.sqrt(r[:, None] * s[None, :] / xp.sum(r))
+    return sqrt(r[:, None] * s[None, :] / xp.sum(r), xp)
 
 
 def clipped_normalised(G_rot: Array, r: Array, s: Array, threshold: float | None, xp: Namespace) -> Array:

@@ -44,6 +44,7 @@ from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
 from ...._kernels import scalar
+from ...._xp import sqrt as library_sqrt
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
@@ -387,8 +388,8 @@ def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | Non
     in ``xp``'s own operations on ``device``: ``None`` when every result is the same bit for bit, else what
     differed.  The launches: :meth:`CudaGroup.step` (flat moments, the engine's) and :meth:`~CudaGroup.step_at`,
     :meth:`~CudaGroup.direction_at`, :meth:`~CudaGroup.tail` and :meth:`~CudaGroup.tail_at` (the torch adapter's);
-    ``sqrt`` is the reference's square root (default ``xp.sqrt``)."""
-    root = xp.sqrt if sqrt is None else sqrt
+    ``sqrt`` is the reference's square root (default the library's, :func:`adadiag_ref._xp.sqrt`)."""
+    root = (lambda v: library_sqrt(v, xp)) if sqrt is None else sqrt
     kind = getattr(xp, group.dtype.name)
 
     def arrays(*values: tuple[float, ...]) -> list[Any]:

@@ -1,12 +1,13 @@
 """The Adam family's group kernels: the entrywise part of a step of *many* CPU tensors in one numba call each.
 
 The torch adapter's default CPU route (:mod:`adadiag_ref.adapters.pytorch`) steps every parameter of a group
-(one dtype, one step ``t``, no refresh due) with four kernel calls and one ``torch.sqrt`` in all, whatever the
+(one dtype, one step ``t``, no refresh due) with four kernel calls and one NumPy ``sqrt`` in all, whatever the
 number of parameters: the kernels receive the addresses of the parameters', gradients' and moments' memory
 (``Tensor.data_ptr()``) and their sizes, and walk them one after the other.  The arithmetic is the torch CPU
 route's (:mod:`.torch_route`), entry for entry: the same formulas (:func:`~.numba_route._second_moment_entry`,
 :func:`~adadiag_ref._kernels.ema_entry`, :func:`~adadiag_ref._kernels.delta_entry`), the same coefficients,
-``sqrt(V_t)`` by ``torch.sqrt`` over one flat scratch; so the results are those of ``update_in_place`` bit for
+``sqrt(V_t)`` by the library's correctly rounded root over one flat scratch (NumPy's,
+:func:`adadiag_ref._xp.sqrt`); so the results are those of ``update_in_place`` bit for
 bit (``tests/test_adapter_torch.py`` compares them with the core's ``ar.step``).
 
 The callers guarantee what the kernels cannot check: every address is that of a dense tensor of the scratch's
@@ -17,7 +18,7 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
   basis) and the number of NaN or Inf entries of each gradient ``G`` (the step's finiteness check, read from
   host memory: no pass of its own);
 * :func:`apply_unrotated`: ``M <- b1 M + c1 G``, ``V <- V_t``, ``W <- W + (-eta) (M_t / (sqrt(V_t) + eps)
-  [+ lambda W])`` in place (the torch route's ``_adam_apply_root_flat``);
+  [+ lambda W])`` in place, given ``V_t`` and its root in the scratch;
 * :func:`direction_rotated`: ``M_t`` into the scratch holding ``sqrt(V_t)`` and ``U~ = M_t / (sqrt(V_t) + eps)``
   over ``G~`` (this step's own GEMM output); nothing of the state written;
 * :func:`read_counters`, :func:`advance_counters`: the int32 host step counters read and advanced in place (one
@@ -25,12 +26,13 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
 * :func:`apply_rotated`: after the caller's GEMMs ``D = P U~ Q^T``: ``W <- W + (-eta) (D + lambda W)``,
   ``M <- M_t``, ``V <- V_t``.
 
-The parameters above the group kernels' size (the adapter's large lane, torch's VML root called inside the
-kernels, each call over the rows of a chunk table so that ``torch_route.split_rows`` can cut it between threads):
+The parameters above the group kernels' size (the adapter's large lane: one pass over each array, the root taken
+inside the kernels, each call over the rows of a chunk table so that ``torch_route.split_rows`` can cut it between
+threads):
 
 * :func:`nonfinite_at`: the number of NaN or Inf entries of all their gradients (one read, before any write);
-* :func:`step_vml_at`: the unrotated ones' whole step in place;
-* :func:`moments_vml_at`: a rotated one's ``M <- M_t``, ``V <- V_t`` in place and ``U~`` over ``G~``; its tail
+* :func:`step_at`: the unrotated ones' whole step in place;
+* :func:`moments_at`: a rotated one's ``M <- M_t``, ``V <- V_t`` in place and ``U~`` over ``G~``; its tail
   ``W <- W + (-eta) (D + lambda W)`` is the engine's :func:`engine_tail`.
 """
 
@@ -51,10 +53,10 @@ from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
 from .numba_route import (
-    _adam_entry,
+    _adam_step_span,
     _second_moment_entry,
-    adam_moments_vml_in_place,
-    adam_step_vml_flat,
+    adam_moments_own_flat,
+    adam_step_in_place_flat,
     kernel_scalars,
 )
 
@@ -70,11 +72,11 @@ __all__ = [
     "direction_rotated",
     "disjoint",
     "engine_group",
-    "moments_vml_at",
+    "moments_at",
     "prepare_members",
     "read_counters",
     "second_moment",
-    "step_vml_at",
+    "step_at",
 ]
 
 AVAILABLE = _kernels.AVAILABLE
@@ -173,19 +175,6 @@ def _advance_counters(c_at, like):  # type: ignore[no-untyped-def]
         c[0] += 1
 
 
-@_kernels._inline
-def _step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """One member's span in place: ``M, V <- M_t, V_t``, ``W <- W + (-eta)(U + lambda W)``; every array indexed
-    alike from 0, so that LLVM vectorises the loop (an offset index into the flat moments did not, and the
-    square roots and divisions then ran one at a time: 4x slower)."""
-    for k in range(g.shape[0]):
-        w = W[k]
-        m, v, u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
-        M[k] = m
-        V[k] = v
-        W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
-
-
 def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """The engine's unrotated flat group in place: per chunk ``(member, lo, hi)`` of the members' entries,
     ``M, V <- M_t, V_t`` at the member's offset in the flat moments and ``W <- W + (-eta)(U + lambda W)`` in the
@@ -195,7 +184,7 @@ def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr,
         o = offsets[i]
         W = _array(w_at[i], hi, M)
         g = _array(g_at[i], hi, M)
-        _step_span(W[lo:hi], g[lo:hi], M[o + lo : o + hi], V[o + lo : o + hi], b1, c1, b2, c2, eps, neg_lr, wd,
+        _adam_step_span(W[lo:hi], g[lo:hi], M[o + lo : o + hi], V[o + lo : o + hi], b1, c1, b2, c2, eps, neg_lr, wd,
                    decay)  # fmt: skip
 
 
@@ -219,26 +208,25 @@ def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
     return total
 
 
-def _step_vml_at(w_at, g_at, m_at, v_at, chunks, b1, c1, b2, c2, eps, neg_lr, wd, decay, root):  # type: ignore[no-untyped-def]
+def _step_at(w_at, g_at, m_at, v_at, chunks, b1, c1, b2, c2, eps, neg_lr, wd, decay, like):  # type: ignore[no-untyped-def]
     """The unrotated Adam step in place over the members' own memory, row by row of ``chunks``
-    (``(member, lo, hi)``), each span by :func:`~.numba_route.adam_step_vml_flat` (``sqrt(V_t)`` by torch's VML
-    root into the scratch ``root``): one call for any number of large parameters instead of one per parameter."""
+    (``(member, lo, hi)``), each span by :func:`~.numba_route.adam_step_in_place_flat` (one pass): one call for any
+    number of large parameters instead of one per parameter.  ``like``: any array of the members' dtype."""
     for c in range(chunks.shape[0]):
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        adam_step_vml_flat(_array(w_at[i], hi, root)[lo:hi], _array(g_at[i], hi, root)[lo:hi],
-                           _array(m_at[i], hi, root)[lo:hi], _array(v_at[i], hi, root)[lo:hi], b1, c1, b2, c2, eps,
-                           neg_lr, wd, decay, root)  # fmt: skip
+        adam_step_in_place_flat(_array(w_at[i], hi, like)[lo:hi], _array(g_at[i], hi, like)[lo:hi],
+                                _array(m_at[i], hi, like)[lo:hi], _array(v_at[i], hi, like)[lo:hi], b1, c1, b2, c2,
+                                eps, neg_lr, wd, decay)  # fmt: skip
 
 
-def _moments_vml_at(m_at, v_at, u_at, chunks, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
+def _moments_at(m_at, v_at, u_at, chunks, b1, c1, b2, c2, eps, like):  # type: ignore[no-untyped-def]
     """A rotated member's moments in place over its own memory, row by row of ``chunks`` (``(member, lo,
     hi)``): ``V <- V_t``, ``M <- M_t`` and ``U~`` over ``G~`` at ``u_at`` (the caller's GEMM output), each span by
-    :func:`~.numba_route.adam_moments_vml_in_place` (``sqrt(V_t)`` by torch's VML root into the scratch
-    ``root``)."""
+    :func:`~.numba_route.adam_moments_own_flat` (one pass).  ``like``: any array of the member's dtype."""
     for c in range(chunks.shape[0]):
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        adam_moments_vml_in_place(_array(m_at[i], hi, root)[lo:hi], _array(v_at[i], hi, root)[lo:hi],
-                                  _array(u_at[i], hi, root)[lo:hi], b1, c1, b2, c2, eps, root)  # fmt: skip
+        adam_moments_own_flat(_array(m_at[i], hi, like)[lo:hi], _array(v_at[i], hi, like)[lo:hi],
+                              _array(u_at[i], hi, like)[lo:hi], b1, c1, b2, c2, eps)  # fmt: skip
 
 
 def _dense_address_of(a):  # type: ignore[no-untyped-def]
@@ -257,11 +245,11 @@ if AVAILABLE:
     apply_unrotated = _kernels._jit(_apply_unrotated)
     direction_rotated = _kernels._jit(_direction_rotated)
     apply_rotated = _kernels._jit(_apply_rotated)
-    step_vml_at = _kernels._jit(_step_vml_at)
-    moments_vml_at = _kernels._jit(_moments_vml_at)
+    step_at = _kernels._jit(_step_at)
+    moments_at = _kernels._jit(_moments_at)
 else:  # pragma: no cover
     second_moment = apply_unrotated = direction_rotated = apply_rotated = None
-    read_counters = advance_counters = step_vml_at = moments_vml_at = None
+    read_counters = advance_counters = step_at = moments_at = None
     engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
     engine_tail = engine_tail_parallel = None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from array_api_compat import is_torch_namespace
 
-from ...._xp import Array, Namespace, native_module
+from ...._xp import Array, Namespace, native_module, sqrt
 from ....config import BaseConfig
 from ...rotation import unrotate
 from ...schedules import beta_hats
@@ -28,11 +28,13 @@ __all__ = ["in_place", "moments_with_ufuncs"]
 
 
 def moments_with_ufuncs(
-    M: Array, V: Array, g_rot: Array, owned: bool, b1_t: Array, b2_t: Array, eps: float, native: Any
+    M: Array, V: Array, g_rot: Array, owned: bool, b1_t: Array, b2_t: Array, eps: float, xp: Namespace
 ) -> tuple[Array, Array, Array]:
     """``(M_t, V_t, U~)`` of the Adam direction with backend ufuncs, at most two new arrays (``owned``: ``G~``
     may be overwritten).  The functional EMA is ``b * old + (1 - b) * new``; IEEE addition and multiplication
-    commute exactly, so the results are the family function's bit for bit."""
+    commute exactly, and the root is the library's (:func:`adadiag_ref._xp.sqrt`), so the results are the family
+    function's bit for bit."""
+    native = native_module(xp)
     new_V = native.multiply(V, b2_t)
     buf = g_rot * g_rot  # G~^2, later the scratch for b1 * M, sqrt(V) and U~
     buf *= 1.0 - b2_t
@@ -44,7 +46,7 @@ def moments_with_ufuncs(
         new_M = native.multiply(g_rot, 1.0 - b1_t)
     native.multiply(M, b1_t, out=buf)
     new_M += buf
-    native.sqrt(new_V, out=buf)
+    sqrt(new_V, xp, out=buf)
     buf += eps
     native.divide(new_M, buf, out=buf)  # U~ = M / (sqrt(V) + eps)
     return new_M, new_V, buf
@@ -58,7 +60,7 @@ def in_place(state: AdamState, step_in: Any, cfg: BaseConfig, param: Array, eta:
     M, V = state.M, state.V
     found = moments_in_place(M, V, g_rot, owned, b1_t, b2_t, cfg, xp)
     if found is None:
-        found = moments_with_ufuncs(M, V, g_rot, owned, b1_t, b2_t, cfg.eps, native_module(xp))
+        found = moments_with_ufuncs(M, V, g_rot, owned, b1_t, b2_t, cfg.eps, xp)
     new_M, new_V, buf = found
     direction = unrotate(buf, state.P, state.Q, xp, transposed=layout.transposed)
     delta = parameter_delta(direction, w, eta, cfg, layout, param.dtype, xp, owned=True)

@@ -46,8 +46,6 @@ from ...._kernels import (
     rows_in_memory_order,
     scalar,
 )
-from ...._kernels.vml import local_threads as _vml_local_threads
-from ...._kernels.vml import sqrt_into as _vml_sqrt
 from ...._xp import Array, Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
@@ -69,8 +67,8 @@ def _second_moment_entry(v0, x, b2, c2):  # type: ignore[no-untyped-def]
 def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
     """One entry of the Adam direction: ``m = b1 m0 + c1 x``, ``v = b2 v0 + c2 x^2``, ``u = m / (sqrt(v) + eps)``.
 
-    The one place the kernels write the formula (same operations, same order as the family function); the
-    moments come from the two helpers above, which the torch route's block kernels share."""
+    The one place the kernels write the formula (same operations, same order as the family function); the root is
+    the correctly rounded one (LLVM's ``sqrt``), the library's root (:func:`adadiag_ref._xp.sqrt`)."""
     m = ema_entry(m0, x, b1, c1)
     v = _second_moment_entry(v0, x, b2, c2)
     return m, v, m / (math.sqrt(v) + eps)
@@ -162,102 +160,24 @@ def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V,
         D[k] = delta_entry(u, w[k], neg_lr, wd, decay)
 
 
-def _adam_second_moment_flat(V0, g, b2, c2, V):  # type: ignore[no-untyped-def]
-    """``V = b2 V0 + c2 G~^2`` on flat views (the torch CPU route: its ``sqrt`` is torch's own)."""
-    for k in range(g.shape[0]):
-        V[k] = _second_moment_entry(V0[k], g[k], b2, c2)
-
-
-def _adam_apply_root_flat(W, g, M, V, v, root, b1, c1, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place on flat views, given ``v = V_t`` and ``root = sqrt(V_t)`` (computed by the
-    caller's backend): ``M <- b1 M + c1 G``, ``V <- v``, ``W <- W + (-eta) (M / (root + eps) [+ lambda W])``."""
+@_inline
+def _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """One span of the unrotated Adam step in place: ``M, V <- M_t, V_t`` and ``W <- W + (-eta)(U + lambda W)``
+    (:func:`_adam_entry`, :func:`delta_entry`).  Every array is indexed alike from 0, so that LLVM vectorises the
+    loop (an offset index into flat moments did not, and the square roots and divisions then ran one at a time:
+    4x slower)."""
     for k in range(g.shape[0]):
         w = W[k]
-        m = ema_entry(M[k], g[k], b1, c1)
+        m, v, u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
         M[k] = m
-        V[k] = v[k]
-        W[k] = w + delta_entry(m / (root[k] + eps), w, neg_lr, wd, decay)
+        V[k] = v
+        W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
 
 
-def _adam_direction_root_flat(M0, GU, MR, b1, c1, eps):  # type: ignore[no-untyped-def]
-    """Flat views, given ``MR = sqrt(V_t)`` (computed by the caller's backend into the new ``M``'s memory):
-    ``MR <- M_t = b1 M0 + c1 G~`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over ``G~`` itself; each entry of ``GU``
-    and ``MR`` is read before it is written, one argument per array (no aliased pointers)."""
-    for k in range(GU.shape[0]):
-        m = ema_entry(M0[k], GU[k], b1, c1)
-        GU[k] = m / (MR[k] + eps)
-        MR[k] = m
-
-
-def _adam_step_vml_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay, root):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place on flat views, ``sqrt(V_t)`` by torch's own VML root
-    (:mod:`adadiag_ref._kernels.vml`), block by block in one call: for each block of ``root.size`` entries,
-    ``V <- V_t = b2 V + c2 G^2``, ``root = sqrt(V_t)`` (VML, into the scratch ``root``, which stays in cache),
-    then ``M <- M_t = b1 M + c1 G`` and ``W <- W + (-eta) (M_t / (root + eps) [+ lambda W])``.  Each array
-    crosses memory once; the formulas and their order are :func:`_adam_entry`'s and :func:`delta_entry`'s.
-    MKL runs single-threaded on this thread meanwhile (the caller owns the threads, see ``torch_route``)."""
-    size = g.shape[0]
-    block = root.shape[0]
-    previous = _vml_local_threads(1)
-    for start in range(0, size, block):
-        stop = min(start + block, size)
-        k = stop - start
-        Vb, gb, Mb, Wb, rb = V[start:stop], g[start:stop], M[start:stop], W[start:stop], root[:k]
-        for i in range(k):
-            Vb[i] = _second_moment_entry(Vb[i], gb[i], b2, c2)
-        _vml_sqrt(Vb, rb)
-        for i in range(k):
-            w = Wb[i]
-            m = ema_entry(Mb[i], gb[i], b1, c1)
-            Mb[i] = m
-            Wb[i] = w + delta_entry(m / (rb[i] + eps), w, neg_lr, wd, decay)
-    _vml_local_threads(previous)
-
-
-def _adam_moments_vml_flat(M0, V0, GU, M, V, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
-    """Flat views, ``sqrt(V_t)`` by torch's VML root, block by block (as :func:`_adam_step_vml_flat`):
-    ``V = b2 V0 + c2 G~^2`` and ``M = b1 M0 + c1 G~`` into the new arrays, ``U~ = M / (sqrt(V) + eps)`` over
-    ``G~`` itself (``GU`` is read, then overwritten; one argument per array, no aliased pointers)."""
-    size = GU.shape[0]
-    block = root.shape[0]
-    previous = _vml_local_threads(1)
-    for start in range(0, size, block):
-        stop = min(start + block, size)
-        k = stop - start
-        V0b, Vb, GUb, M0b, Mb = V0[start:stop], V[start:stop], GU[start:stop], M0[start:stop], M[start:stop]
-        rb = root[:k]
-        for i in range(k):
-            Vb[i] = _second_moment_entry(V0b[i], GUb[i], b2, c2)
-        _vml_sqrt(Vb, rb)
-        for i in range(k):
-            m = ema_entry(M0b[i], GUb[i], b1, c1)
-            Mb[i] = m
-            GUb[i] = m / (rb[i] + eps)
-    _vml_local_threads(previous)
-
-
-def _adam_moments_vml_in_place(M, V, GU, b1, c1, b2, c2, eps, root):  # type: ignore[no-untyped-def]
-    """:func:`_adam_moments_vml_flat` writing the state in place: ``V <- V_t``, ``M <- M_t``, ``U~`` over ``G~``,
-    block by block with torch's VML root (for callers whose later steps cannot fail: the torch adapter's large
-    lane, whose GEMM buffers exist before its first write).  The same loops as :func:`_adam_moments_vml_flat`, written
-    twice on purpose, measured on 5.6 M float32 entries: one body shared with aliased arguments (``M0`` is ``M``)
-    kept LLVM's loops scalar (15.7 ms against 9.4), and copying each block into the new arrays first so that one
-    in-place body serves both made the other kernel 1.4x slower."""
-    size = GU.shape[0]
-    block = root.shape[0]
-    previous = _vml_local_threads(1)
-    for start in range(0, size, block):
-        stop = min(start + block, size)
-        k = stop - start
-        Vb, GUb, Mb, rb = V[start:stop], GU[start:stop], M[start:stop], root[:k]
-        for i in range(k):
-            Vb[i] = _second_moment_entry(Vb[i], GUb[i], b2, c2)
-        _vml_sqrt(Vb, rb)
-        for i in range(k):
-            m = ema_entry(Mb[i], GUb[i], b1, c1)
-            Mb[i] = m
-            GUb[i] = m / (rb[i] + eps)
-    _vml_local_threads(previous)
+def _adam_step_in_place_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
+    """The unrotated Adam step in place on flat views, in one pass (the torch CPU route): each array crosses memory
+    once, and nothing of the parameter's size is allocated (:func:`_adam_step_span`)."""
+    _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay)
 
 
 adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
@@ -281,22 +201,7 @@ adam_moments_own_counted_flat, adam_moments_own_counted_flat_parallel = _serial_
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
 
 
-adam_second_moment_flat = _jit(_adam_second_moment_flat)
-
-
-adam_apply_root_flat = _jit(_adam_apply_root_flat)
-
-
-adam_direction_root_flat = _jit(_adam_direction_root_flat)
-
-
-adam_step_vml_flat = _jit(_adam_step_vml_flat)
-
-
-adam_moments_vml_flat = _jit(_adam_moments_vml_flat)
-
-
-adam_moments_vml_in_place = _jit(_adam_moments_vml_in_place)
+adam_step_in_place_flat = _jit(_adam_step_in_place_flat)
 
 
 # ----------------------------------------------------------------------------- routes

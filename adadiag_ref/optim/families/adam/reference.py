@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ...._xp import Array, Namespace
+from ...._xp import Array, Namespace, sqrt
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ..common import Constants, FlowField, Moments, ema
@@ -49,7 +49,7 @@ def direction(state: AdamState, g: Array, t: Array, cfg: BaseConfig, xp: Namespa
     b1_t, b2_t = beta_hats(cfg, t, xp)
     M = ema(b1_t, state.M, g)
     V = ema(b2_t, state.V, g * g)
-    return M / (xp.sqrt(V) + cfg.eps), {"M": M, "V": V}
+    return M / (sqrt(V, xp) + cfg.eps), {"M": M, "V": V}
 
 
 # ----------------------------------------------------------------------------- continuous
@@ -69,14 +69,14 @@ def vector_field(c: Constants, state: AdamODEState, G_rot: Array, xp: Namespace)
     """``U~ = M / (sqrt(V) + eps)``, ``M' = a (G~ - M)``, ``V' = b (G~^2 - V)``."""
     M, V = state.M, state.V
     return FlowField(
-        direction=lambda: M / (xp.sqrt(V) + c.eps),
+        direction=lambda: M / (sqrt(V, xp) + c.eps),
         moments={"M": lambda: c.a * (G_rot - M), "V": lambda: c.b * (G_rot * G_rot - V)},
     )
 
 
 def hamiltonian(c: Constants, state: AdamODEState, loss: Array, xp: Namespace) -> Array:
     """``H = L + <M / (sqrt(V) + eps), M> / (2a)`` (the paper's, with ``1/(2a)``)."""
-    return loss + xp.sum(state.M * state.M / (xp.sqrt(state.V) + c.eps)) / (2 * c.a)
+    return loss + xp.sum(state.M * state.M / (sqrt(state.V, xp) + c.eps)) / (2 * c.a)
 
 
 def hamiltonian_rate(c: Constants, state: AdamODEState, G_rot: Array, xp: Namespace) -> Array:
@@ -89,7 +89,7 @@ def hamiltonian_rate(c: Constants, state: AdamODEState, G_rot: Array, xp: Namesp
     """
     q = c.b / (4 * c.a)
     M2 = state.M * state.M
-    sqrtV = xp.sqrt(state.V)
+    sqrtV = sqrt(state.V, xp)
     D = sqrtV + c.eps
     num = M2 * G_rot * G_rot
     zero = xp.zeros_like(num)

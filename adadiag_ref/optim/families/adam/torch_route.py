@@ -1,19 +1,16 @@
 """The Adam family's torch route: ``update_in_place`` on float32/float64 CPU torch tensors (the torch adapter).
 
-The Adam kernels of :mod:`.numba_route` run on zero-copy NumPy views of the tensors, with ``sqrt(V_t)`` taken
-by torch's own square root (torch's CPU square root is not always correctly rounded, and the result must equal
-the torch reference bit for bit): on MKL builds the very VML function eager ``torch.sqrt`` calls, from inside
-the kernels (:mod:`adadiag_ref._kernels.vml`), otherwise ``torch.sqrt`` per block.  No parameter-sized array is
-allocated for an unrotated parameter, and each array crosses memory about once (:func:`_adam_torch_cpu`).
-Declines (``False``, nothing written) for every other backend, device or layout; :mod:`.inplace` then runs the
-backend's own ufuncs.
+The Adam kernels of :mod:`.numba_route` run on zero-copy NumPy views of the tensors, one pass per array, with the
+correctly rounded square root (LLVM's), the library's root on every backend (:func:`adadiag_ref._xp.sqrt`: the
+torch reference route takes it too, where eager ``torch.sqrt`` would take MKL VML's).  No parameter-sized array
+is allocated for an unrotated parameter (:func:`_adam_torch_cpu`).  Declines (``False``, nothing written) for
+every other backend, device or layout; :mod:`.inplace` then runs the backend's own ufuncs.
 
 Threads (issue 31): a kernel's flat arrays of at least ``2 x`` :data:`SPLIT_MIN_SIZE` entries are cut into
 ``torch.get_num_threads()`` contiguous parts run at once, one on the calling thread and the others on
-persistent helper threads (:func:`_split`; the kernels release the GIL and keep MKL single-threaded on their
-thread while they run, so VML never opens an OpenMP team of its own next to them).  numba's thread pool is
-never used here: next to torch's OpenMP threads, which spin after each parallel region, it ran slower than one
-thread.  The group kernels' chunk tables go the same way in guided pieces that each thread takes as it finishes
+persistent helper threads (:func:`_split`; the kernels release the GIL).  numba's thread pool is never used
+here: next to torch's OpenMP threads, which spin after each parallel region, it ran slower than one thread.  The
+group kernels' chunk tables go the same way in guided pieces that each thread takes as it finishes
 (:func:`split_rows`).  Every entry is computed by the same code whatever the cut, so the bits do not depend on the
 threads.
 """
@@ -23,14 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from array_api_compat import is_torch_namespace
 
 from .... import _kernels
-from ...._kernels import alike, flat, vml
+from ...._kernels import alike, flat
 from ...._xp import Array
 from ....config import BaseConfig
 from ...blas_threads import Workers
@@ -75,37 +71,16 @@ def _host_views(*tensors: Any) -> list[Any] | None:
     return views if len(dtypes) == 1 else None
 
 
-BLOCK = 1 << 14
-"""Entries per block of the fallback route (``torch.sqrt`` called per block, when VML is not torch's root)."""
-
-#: Entries per block of the VML kernels (one ``vm?Sqrt`` call each: MKL's overhead of a few microseconds per call
-#: against ~0.5 ns per entry; a block's ``V_t`` and root, 128 KiB each in float32, stay in the L2/L3 cache).
-VML_BLOCK = 1 << 15
-
 #: Flat arrays with at least this many entries per thread are split across ``torch.get_num_threads()`` threads.
 SPLIT_MIN_SIZE = 1 << 16
-
-_local = threading.local()
-
-
-def _scratch(dtype: Any) -> Any:
-    """This thread's block of scratch for the VML kernels' roots (one per dtype, kept: no fresh pages per call)."""
-    import numpy
-
-    blocks = _local.__dict__.setdefault("blocks", {})
-    key = (numpy.dtype(dtype), VML_BLOCK)
-    block = blocks.get(key)
-    if block is None:
-        block = blocks[key] = numpy.empty(VML_BLOCK, dtype=dtype)
-    return block
 
 
 _WORKERS = Workers()  # helper threads for _alongside
 _COMPILED: set[tuple[Any, Any]] = set()
 
 
-def _part(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], scratch: bool) -> None:
-    kernel(*arrays, *scalars, *((_scratch(arrays[0].dtype),) if scratch else ()))
+def _part(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], outputs: tuple[Any, ...]) -> None:
+    kernel(*arrays, *scalars, *outputs)
 
 
 def _alongside(helpers: Sequence[Callable[[], Any]], own: Callable[[], Any]) -> tuple[Any, list[Any]]:
@@ -121,23 +96,27 @@ def _alongside(helpers: Sequence[Callable[[], Any]], own: Callable[[], Any]) -> 
     return mine, [future.result() for future in futures]
 
 
-def _split(kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size: int, scratch: bool = False) -> None:
-    """``kernel(*arrays, *scalars[, scratch])`` over flat arrays of ``size`` entries, cut into contiguous parts run at
-    once on ``torch.get_num_threads()`` threads (this one and helpers; the numba kernels release the GIL, and the
-    VML kernels keep MKL single-threaded while they run).  Each entry is computed by the same code whatever the
-    cut, so the bits do not depend on the thread count."""
+def _split(
+    kernel: Any, arrays: tuple[Any, ...], scalars: tuple[Any, ...], size: int, outputs: tuple[Any, ...] = ()
+) -> None:
+    """``kernel(*arrays, *scalars, *outputs)`` over flat arrays of ``size`` entries, cut into contiguous parts run
+    at once on ``torch.get_num_threads()`` threads (this one and helpers; the numba kernels release the GIL).  Each
+    entry is computed by the same code whatever the cut, so the bits do not depend on the thread count."""
     import torch
 
     parts = min(torch.get_num_threads(), size // SPLIT_MIN_SIZE)
     key = (kernel, arrays[0].dtype)
     if parts <= 1 or key not in _COMPILED:  # numba compiles (or loads) a kernel on one thread, at its first call
-        _part(kernel, arrays, scalars, scratch)
+        _part(kernel, arrays, scalars, outputs)
         _COMPILED.add(key)
         return
     step = -(-size // parts)
     step += -step % 64  # cache-line aligned cuts
     bounds = [(start, min(start + step, size)) for start in range(0, size, step)]
-    jobs = [functools.partial(_part, kernel, tuple(a[lo:hi] for a in arrays), scalars, scratch) for lo, hi in bounds]
+    jobs = [
+        functools.partial(_part, kernel, tuple(a[lo:hi] for a in arrays), scalars, tuple(a[lo:hi] for a in outputs))
+        for lo, hi in bounds
+    ]
     _alongside(jobs[1:], jobs[0])
 
 
@@ -167,17 +146,16 @@ def split_rows(
     rows: Any,
     after: tuple[Any, ...],
     dtype: Any,
-    scratch: bool = False,
     threads: int | None = None,
 ) -> list[Any]:
-    """``kernel(*before, piece, *after[, scratch])`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
+    """``kernel(*before, piece, *after)`` over the rows of a chunk table ``rows`` (``(member, lo, hi)``,
     :func:`~.group_route.chunk_table`) on ``threads`` threads (``torch.get_num_threads()`` when ``None``): this one
     and helpers, each taking the next piece of :func:`guided_cuts` as it finishes (pieces of at least ``4 x``
     :data:`SPLIT_MIN_SIZE` entries); returns each call's result, in the pieces' order.  Each entry is computed by
     the same code whatever the cut, so the bits do not depend on the thread count.
 
     A static cut into one part per thread lost time when a thread shared its core: right after a multi-threaded
-    ``torch.mm`` (as after a backward pass), the large lane's ``step_vml_at`` over LLaMA-60M's 4-block set on 2
+    ``torch.mm`` (as after a backward pass), the large lane's VML-root step kernel over LLaMA-60M's 4-block set on 2
     threads took 22.2 and 21.9 ms cut statically, 20.1 and 18.7 ms guided (11 alternated rounds, two runs); back
     to back 15.5/17.9 against 15.6/16.9 ms."""
     import numpy
@@ -189,7 +167,7 @@ def split_rows(
     key = (kernel, numpy.dtype(dtype))
 
     def call(piece: Any) -> Any:
-        return kernel(*before, piece, *after, *((_scratch(dtype),) if scratch else ()))
+        return kernel(*before, piece, *after)
 
     if parts <= 1 or key not in _COMPILED:  # numba compiles (or loads) a kernel on one thread, at its first call
         _COMPILED.add(key)
@@ -227,18 +205,14 @@ def _adam_torch_cpu(
     caller then runs the backend ufuncs.
 
     Bit-identical to the reference on torch: the same formulas in the same order, the coefficients
-    ``b_hat`` computed by torch as there, the same torch GEMMs, and ``sqrt(V_t)`` by torch's own square root
-    (torch's CPU square root is not always the correctly rounded one, so the kernels must not use their
-    own); kernels compiled without fastmath.  With VML (:func:`adadiag_ref._kernels.vml.available`): one
-    kernel call per part (:func:`_split`), which walks its arrays in blocks of :data:`VML_BLOCK` entries,
-    writing ``V_t`` of a block, calling VML for its root into per-thread scratch and finishing the block.
-    Without: blocks of :data:`BLOCK` entries from Python, a kernel writing ``V_t`` into scratch,
-    ``torch.sqrt`` taking its root, a second kernel finishing the block.  Each array crosses memory about once.
+    ``b_hat`` computed by torch as there, the same torch GEMMs, and the correctly rounded root, which is the
+    library's (:func:`adadiag_ref._xp.sqrt`); kernels compiled without fastmath.  One pass per array: one kernel
+    call per part (:func:`_split`).
 
-    * no rotation: ``M``, ``V`` and ``W <- W + (-eta) (U + lambda W)`` are written in place, block by block;
-      nothing of the parameter's size is allocated (the embedding and LM head of a language model: fresh
-      arrays of their size cost page faults of the order of the arithmetic).  Everything that can fail is
-      checked before the first block; the blocks run only kernels and the square root into scratch.
+    * no rotation: ``M``, ``V`` and ``W <- W + (-eta) (U + lambda W)`` are written in place
+      (:func:`~.numba_route.adam_step_in_place_flat`); nothing of the parameter's size is allocated (the
+      embedding and LM head of a language model: fresh arrays of their size cost page faults of the order of the
+      arithmetic).  Everything that can fail is checked before the kernel runs.
     * with rotation: ``M_t``, ``V_t`` go into two new tensors and ``U~`` over ``G~`` (this call's own GEMM
       output), ``D = P U~ Q^T`` (torch GEMM, new), one pass ``W <- W + (-eta) (D + lambda W)``, then ``M``
       and ``V`` adopt the new tensors' storage (``Tensor.set_``): the state is written only after the GEMM.
@@ -264,36 +238,16 @@ def _adam_torch_cpu(
 
     size = M_np.size
     fg, fM, fV = flat(g_np), flat(M_np), flat(V_np)
-    vml_root = vml.available()  # torch.sqrt's own function, callable inside the kernels
     if not rotated:
-        fw = flat(w_np)
-        if vml_root:
-            scalars = (b1, c1, b2, c2, eps, neg_lr, wd, decay)
-            _split(numba_route.adam_step_vml_flat, (fw, fg, fM, fV), scalars, size, True)
-            return True
-        block = min(BLOCK, size)
-        scratch = torch.empty((2, block), dtype=M.dtype)  # V_t and sqrt(V_t) of one block
-        v_t, root_t = scratch[0], scratch[1]
-        v_np, root_np = scratch.numpy()
-        for start in range(0, size, block):
-            stop = min(start + block, size)
-            k = stop - start
-            numba_route.adam_second_moment_flat(fV[start:stop], fg[start:stop], b2, c2, v_np[:k])
-            torch.sqrt(v_t[:k], out=root_t[:k])
-            numba_route.adam_apply_root_flat(fw[start:stop], fg[start:stop], fM[start:stop], fV[start:stop],
-                                          v_np[:k], root_np[:k], b1, c1, eps, neg_lr, wd, decay)  # fmt: skip
+        scalars = (b1, c1, b2, c2, eps, neg_lr, wd, decay)
+        _split(numba_route.adam_step_in_place_flat, (flat(w_np), fg, fM, fV), scalars, size)
         return True
     new_M, new_V = torch.empty_like(M), torch.empty_like(V)  # dense inputs: the same strides
     new_views = _host_views(new_M, new_V)
     if new_views is None or not alike(M_np, *new_views):  # pragma: no cover - empty_like keeps dense strides
         return False
     fnM, fnV = (flat(v) for v in new_views)
-    if vml_root:
-        _split(numba_route.adam_moments_vml_flat, (fM, fV, fg, fnM, fnV), (b1, c1, b2, c2, eps), size, True)
-    else:  # sqrt(V_t) is parked in the new M's memory until M_t overwrites it
-        numba_route.adam_second_moment_flat(fV, fg, b2, c2, fnV)
-        torch.sqrt(torch.from_numpy(fnV), out=torch.from_numpy(fnM))
-        numba_route.adam_direction_root_flat(fM, fg, fnM, b1, c1, eps)
+    _split(numba_route.adam_moments_over_flat, (fM, fV, fg), (b1, c1, b2, c2, eps), size, (fnM, fnV))
     D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)  # U~ lives in G~'s buffer now
     D_views = _host_views(D)
     if D_views is not None and alike(D_views[0], w_np):  # commit: nothing below fails

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ...._xp import Array, Namespace
+from ...._xp import Array, Namespace, sqrt
 from ....config import BaseConfig, HfacConfig
 from ...schedules import beta_hats, clip_by_rms
 from .. import common
@@ -73,8 +73,8 @@ def direction(state: HfacState, g: Array, t: Array, cfg: BaseConfig, xp: Namespa
     u = common.ema(b1_t, state.u, row_mean)
     v = common.ema(b1_t, state.v, col_mean)
     r, s = common.factored_second_moment(state.r, state.s, g, cfg.eps, b2_t, xp)
-    phi = b1_t * (u - row_mean) / xp.sqrt(r / n)
-    psi = b1_t * (v - col_mean) / xp.sqrt(s / m)
+    phi = b1_t * (u - row_mean) / sqrt(r / n, xp)
+    psi = b1_t * (v - col_mean) / sqrt(s / m, xp)
     clipped = clip_by_rms(common.normalise(g, r, s, xp), cfg.clip_threshold, xp)
     U = 0.5 * (phi[..., :, None] + psi[..., None, :]) + clipped
     return U, {"u": u, "v": v, "r": r, "s": s}
@@ -109,8 +109,8 @@ def vector_field(c: Constants, state: HfacODEState, G_rot: Array, xp: Namespace)
     u, v, r, s = state.u, state.v, state.r, state.s
 
     def direction() -> Array:
-        phi = (u - g_r) / xp.sqrt(r / kr)
-        psi = (v - g_c) / xp.sqrt(s / ks)
+        phi = (u - g_r) / sqrt(r / kr, xp)
+        psi = (v - g_c) / sqrt(s / ks, xp)
         return common.clipped_normalised(G_rot, r, s, c.clip_threshold, xp) + (0.5 * c.momentum_scale) * (
             phi[:, None] + psi[None, :]
         )
@@ -133,7 +133,7 @@ def hamiltonian(c: Constants, state: HfacODEState, loss: Array, xp: Namespace) -
     K_u = c.momentum_scale * n * math.sqrt(kr) / (4 * c.a)
     K_v = c.momentum_scale * m * math.sqrt(ks) / (4 * c.a)
     return (
-        loss + K_u * xp.sum(state.u * state.u / xp.sqrt(state.r)) + K_v * xp.sum(state.v * state.v / xp.sqrt(state.s))
+        loss + K_u * xp.sum(state.u * state.u / sqrt(state.r, xp)) + K_v * xp.sum(state.v * state.v / sqrt(state.s, xp))
     )
 
 
@@ -155,7 +155,7 @@ def hamiltonian_rate(c: Constants, state: HfacODEState, G_rot: Array, xp: Namesp
     g_r, g_c = xp.mean(G_rot, axis=1), xp.mean(G_rot, axis=0)
     cu = 0.5 * c.momentum_scale * n * math.sqrt(kr)
     cv = 0.5 * c.momentum_scale * m * math.sqrt(ks)
-    sr, ss = xp.sqrt(state.r), xp.sqrt(state.s)
+    sr, ss = sqrt(state.r, xp), sqrt(state.s, xp)
     u2, v2 = state.u * state.u, state.v * state.v
     row = cu * xp.sum((g_r * g_r - (1.0 - q) * u2) / sr) - cu * q * xp.sum(u2 * rho / (state.r * sr))
     col = cv * xp.sum((g_c * g_c - (1.0 - q) * v2) / ss) - cv * q * xp.sum(v2 * sigma / (state.s * ss))
