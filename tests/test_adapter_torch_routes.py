@@ -370,6 +370,33 @@ def test_the_large_lane_writes_before_the_small_lane_and_no_step_calls_torch_sqr
         assert roots == []
 
 
+def test_the_lanes_of_a_step_compute_its_coefficients_once(monkeypatch):
+    """``b_hat_1, b_hat_2`` (torch scalar ops, the per-parameter route's bits) are computed once per step for all the
+    lanes of a configuration (here a small lane and a large one), and afresh when the betas change; bit for bit
+    ``kernels="reference"`` throughout."""
+    runs = []
+    for kernels in ("auto", "reference"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in LARGE_SHAPES]
+        runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels)))
+    _steps(runs, range(2))
+    assert len(runs[0][1]._host_plan.lanes) == 2
+    calls = []
+    original = at._host_betas
+    monkeypatch.setattr(at, "_host_betas", lambda *a: calls.append(1) or original(*a))
+    at._LANE_BETAS.clear()  # shared by the process's optimizers: another test may have computed this step's
+    _steps(runs[:1], range(2, 3))
+    assert len(calls) == 1
+    _steps(runs[1:], range(2, 3))
+    for _, opt in runs:
+        opt.param_groups[0]["betas"] = (0.8, 0.99)
+    calls.clear()
+    _steps(runs[:1], range(3, 4))
+    assert len(calls) == 1
+    _steps(runs[1:], range(3, 4))
+    _assert_same(runs)
+
+
 @given(
     sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=12),
     parts=st.integers(2, 8),
