@@ -75,7 +75,7 @@ def sqrt(x: Array, xp: Namespace, out: Array | None = None) -> Array:
     bits of the same trajectory on NumPy (docs/spec.md, "The square root").
 
     ``out``: an array of ``x``'s shape and dtype to write the root into (a mutable backend: NumPy, CuPy or torch),
-    returned; else a new array (of ``x``'s strides for a torch tensor).
+    returned; else a new array (for a torch tensor in the layout ``torch.sqrt`` would give it).
     """
     if is_torch_namespace(xp) and _numpy_may_root(x, out):
         with np.errstate(invalid="ignore"):  # a negative entry gives NaN, as torch.sqrt, without a warning
@@ -88,7 +88,7 @@ def sqrt(x: Array, xp: Namespace, out: Array | None = None) -> Array:
 
 def sqrt_each(xs: list[Array], xp: Namespace) -> list[Array]:
     """:func:`sqrt` of each array of ``xs``, new arrays (the torch adapter's multi-tensor chain on CPU tensors: one
-    NumPy error state for the list and NumPy's own allocation, about 3 us a tiny tensor instead of 11)."""
+    NumPy error state for the list and NumPy's own allocation: about 5 us a tiny tensor instead of 11)."""
     if xs and is_torch_namespace(xp) and _numpy_may_root(*xs):
         import torch
 
