@@ -1193,7 +1193,7 @@ def _lane_betas(cfg: BaseConfig, count: int, dtype: torch.dtype) -> tuple[float,
     ops each): kept for the last few ``(betas, bias_correction, count, dtype)``, all they depend on (the same torch
     ops on the same inputs give the same bits)."""
     try:
-        key = (tuple(cfg.betas), cfg.bias_correction, count, dtype)
+        key = (tuple((type(b), b) for b in cfg.betas), cfg.bias_correction, count, dtype)  # 0.9 and np.float64(0.9)
         hash(key)
     except TypeError:  # array betas: computed afresh
         return _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)[:2]
