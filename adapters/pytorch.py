@@ -540,7 +540,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                         "torch._foreach_* tail)"
                     )
                 elif reason is None:
-                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype, NumPy's sqrt)"
+                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype)"
                 else:
                     moments = "per parameter: update_in_place (the family's in-place routes, first that applies)"
                 if not rotated:
@@ -1064,7 +1064,8 @@ class _LaneMembers:
 
 class _Lane(_LaneMembers):
     """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
-    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t`` and ``sqrt(V_t)``),
+    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t``, and the rotated members'
+    ``M_t``),
     unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
 
     def finish(self) -> _Lane | None:
@@ -1077,7 +1078,7 @@ class _Lane(_LaneMembers):
         sizes = [p.numel() for p in self.params]
         split = int(sum(sizes[:k]))
         total = int(sum(sizes))
-        self.scratch = torch.empty((2, total), dtype=self.dtype)  # V_t and sqrt(V_t) (later M_t, rotated)
+        self.scratch = torch.empty((2, total), dtype=self.dtype)  # V_t, and M_t of the rotated members
         # G~ (later U~) and D of the rotated members, each at a 64-byte boundary as a fresh tensor is: BLAS may
         # round otherwise on operands at other alignments (measured: a GEMM of a 7 x 5 float64 operand 280 bytes
         # into a buffer differed in the last bit from the same GEMM of a fresh copy)
@@ -1100,7 +1101,7 @@ class _Lane(_LaneMembers):
         self.u_at = group_route.addresses([r.g_out for r in self.rotations])
         self.d_at = group_route.addresses([r.d_out for r in self.rotations])
         self.x_tail = self.u_at  # the second-moment kernel reads G~ there
-        self.vt, self.root = self.scratch.numpy()
+        self.vt, self.mt = self.scratch.numpy()
         self.split = split
         self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
         return self
@@ -1128,22 +1129,21 @@ class _Lane(_LaneMembers):
         return f"{self.wheres[int(step_in.bad.argmax())]} contains NaN or Inf at step {step_in.taken + 1}"
 
     def apply(self, step_in: _LaneStep) -> None:
-        """The writes: ``sqrt(V_t)``, the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
+        """The writes: the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
         b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
-        numpy.sqrt(self.vt, out=self.root)  # the library's root: correctly rounded (adadiag_ref._xp.sqrt)
         k, split = self.n_unrot, self.split
         if k < len(self.params):
-            vt, mr = self.vt[split:], self.root[split:]
+            vt, mt = self.vt[split:], self.mt[split:]
             sizes, offsets = self.sizes[k:], self.rot_offsets
-            group_route.direction_rotated(self.m_at[k:], self.u_at, sizes, offsets, b1, c1, eps, mr)
+            group_route.direction_rotated(self.m_at[k:], self.u_at, sizes, offsets, b1, c1, eps, vt, mt)
             for rotation in self.rotations:
                 rotation.unrotate()
             group_route.apply_rotated(self.w_at[k:], self.d_at, self.m_at[k:], self.v_at[k:], sizes, offsets,
-                                      neg_lr, wd, decay, mr, vt)  # fmt: skip
+                                      neg_lr, wd, decay, mt, vt)  # fmt: skip
         if k:
             group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
-                                        self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay, self.vt,
-                                        self.root)  # fmt: skip
+                                        self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay,
+                                        self.vt)  # fmt: skip
         group_route.advance_counters(self.c_at, self.counts)
 
 
@@ -1318,7 +1318,7 @@ def _large_lanes_first(lanes: list[Any], ready: list[Any]) -> list[tuple[Any, An
     was eager ``torch.sqrt``, which ran on torch's OpenMP workers (VML's ``parallel_for`` cuts at 2048 entries)
     that then spun beside a large lane's kernels cut between threads: on LLaMA-60M's 4-block set, ``AdamW``, 2
     threads, median of 15 steps, 27.0-29.5 ms with the norms' small lane first, 21.1-21.9 ms with it last.  The root
-    is NumPy's on the calling thread now; the order is kept, as the large lanes' threads are then freshest."""
+    is taken inside the kernels now; the order is kept, as it costs nothing."""
     pairs = list(zip(lanes, ready, strict=True))
     return sorted(pairs, key=lambda pair: not isinstance(pair[0], _LargeLane))
 

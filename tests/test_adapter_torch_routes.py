@@ -199,7 +199,7 @@ def test_routes_report_each_part_per_parameter():
     assert routes["0.weight"] == {
         "refresh": "batched stack (ar.refresh_bases per config and shape), per-parameter route that step",
         "rotate": "GEMM (torch.matmul per parameter)",
-        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype, NumPy's sqrt)",
+        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype)",
     }
     bf16 = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))
     opt16 = at.AdamW([bf16])
@@ -302,6 +302,16 @@ def test_moment_storage_moved_by_hand_is_followed():
 LARGE_SHAPES = [(130, 300), (20000,), (170, 100), (5, 7), (7,)]  # three above 16384 entries, two below
 
 
+def _large_adamw_pair(dtype=torch.float32, **hyper):
+    """``AdamW`` over :data:`LARGE_SHAPES` twice, from the same start: the default route and ``kernels="reference"``."""
+    runs = []
+    for kernels in ("auto", "reference"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_SHAPES]
+        runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels, **hyper)))
+    return runs
+
+
 def _pieces(sizes, threads):
     """The pieces ``torch_route.split_rows`` cuts a lane's rows into for ``sizes`` on ``threads`` threads (one
     call each), under ``_large_lane``'s ``SPLIT_MIN_SIZE``."""
@@ -323,11 +333,7 @@ def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dty
     pass (``group_route.step_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
     rows cut between threads; a NaN in one of them changes nothing and names it."""
     with _large_lane(monkeypatch, "step_at", threads) as calls:
-        runs = []
-        for kernels in ("auto", "reference"):
-            gen = torch.Generator().manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_SHAPES]
-            runs.append((params, at.AdamW(params, lr=0.01, weight_decay=weight_decay, kernels=kernels)))
+        runs = _large_adamw_pair(dtype, weight_decay=weight_decay)
         _steps(runs, range(5))
         _assert_same(runs)
         sizes = [p.numel() for p in runs[0][0] if p.numel() > 16384]
@@ -344,15 +350,11 @@ def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dty
 def test_the_large_lane_writes_before_the_small_lane_and_no_step_calls_torch_sqrt(monkeypatch):
     """The writes of a step: the large lane's kernels first, the small lane's after them
     (``pytorch._large_lanes_first``); the order changes no bit (``kernels="reference"`` alongside).  Neither lane
-    calls ``torch.sqrt``: the root is the library's (NumPy's over the small lane's scratch, LLVM's in the kernels)."""
+    calls ``torch.sqrt``: the root is the library's, taken inside the kernels (LLVM's)."""
     from adadiag_ref.optim.families.adam import group_route
 
     with _large_lane(monkeypatch, "step_at", 2) as calls:
-        runs = []
-        for kernels in ("auto", "reference"):
-            gen = torch.Generator().manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in LARGE_SHAPES]
-            runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels)))
+        runs = _large_adamw_pair()
         _steps(runs, range(2))
         large_calls_at_small = []
         roots = []
@@ -374,11 +376,7 @@ def test_the_lanes_of_a_step_compute_its_coefficients_once(monkeypatch):
     """``b_hat_1, b_hat_2`` (torch scalar ops, the per-parameter route's bits) are computed once per step for all the
     lanes of a configuration (here a small lane and a large one), and afresh when the betas change; bit for bit
     ``kernels="reference"`` throughout."""
-    runs = []
-    for kernels in ("auto", "reference"):
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in LARGE_SHAPES]
-        runs.append((params, at.AdamW(params, lr=0.01, kernels=kernels)))
+    runs = _large_adamw_pair()
     _steps(runs, range(2))
     assert len(runs[0][1]._host_plan.lanes) == 2
     calls = []

@@ -1,12 +1,12 @@
 """The Adam family's group kernels: the entrywise part of a step of *many* CPU tensors in one numba call each.
 
 The torch adapter's default CPU route (:mod:`adadiag_ref.adapters.pytorch`) steps every parameter of a group
-(one dtype, one step ``t``, no refresh due) with four kernel calls and one NumPy ``sqrt`` in all, whatever the
+(one dtype, one step ``t``, no refresh due) with four kernel calls in all, whatever the
 number of parameters: the kernels receive the addresses of the parameters', gradients' and moments' memory
 (``Tensor.data_ptr()``) and their sizes, and walk them one after the other.  The arithmetic is the torch CPU
 route's (:mod:`.torch_route`), entry for entry: the same formulas (:func:`~.numba_route._second_moment_entry`,
 :func:`~adadiag_ref._kernels.ema_entry`, :func:`~adadiag_ref._kernels.delta_entry`), the same coefficients,
-``sqrt(V_t)`` by the library's correctly rounded root over one flat scratch (NumPy's,
+``V_t`` in one flat scratch, its root the correctly rounded one taken inside the kernels (the library's,
 :func:`adadiag_ref._xp.sqrt`); so the results are those of ``update_in_place`` bit for
 bit (``tests/test_adapter_torch.py`` compares them with the core's ``ar.step``).
 
@@ -18,8 +18,8 @@ strides alike, :func:`adadiag_ref._kernels.alike`).
   basis) and the number of NaN or Inf entries of each gradient ``G`` (the step's finiteness check, read from
   host memory: no pass of its own);
 * :func:`apply_unrotated`: ``M <- b1 M + c1 G``, ``V <- V_t``, ``W <- W + (-eta) (M_t / (sqrt(V_t) + eps)
-  [+ lambda W])`` in place, given ``V_t`` and its root in the scratch;
-* :func:`direction_rotated`: ``M_t`` into the scratch holding ``sqrt(V_t)`` and ``U~ = M_t / (sqrt(V_t) + eps)``
+  [+ lambda W])`` in place, given ``V_t`` in the scratch;
+* :func:`direction_rotated`: ``M_t`` into the scratch's second row and ``U~ = M_t / (sqrt(V_t) + eps)``
   over ``G~`` (this step's own GEMM output); nothing of the state written;
 * :func:`read_counters`, :func:`advance_counters`: the int32 host step counters read and advanced in place (one
   call each instead of a stack and a ``torch._foreach_add_`` over 0-d tensors, 0.2 ms for 75 of them);
@@ -39,6 +39,7 @@ threads):
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -119,30 +120,33 @@ def _second_moment(g_at, x_at, v_at, sizes, offsets, b2, c2, vt, bad):  # type: 
             vt[o + k] = _second_moment_entry(v[k], x[k], b2, c2)
 
 
-def _apply_unrotated(w_at, g_at, m_at, v_at, sizes, offsets, b1, c1, eps, neg_lr, wd, decay, vt, root):  # type: ignore[no-untyped-def]
+def _apply_unrotated(w_at, g_at, m_at, v_at, sizes, offsets, b1, c1, eps, neg_lr, wd, decay, vt):  # type: ignore[no-untyped-def]
     for i in range(sizes.shape[0]):
         n, o = sizes[i], offsets[i]
         W = _array(w_at[i], n, vt)
         g = _array(g_at[i], n, vt)
         M = _array(m_at[i], n, vt)
         V = _array(v_at[i], n, vt)
+        new_V = vt[o : o + n]
         for k in range(n):
             w = W[k]
             m = ema_entry(M[k], g[k], b1, c1)
+            v = new_V[k]
             M[k] = m
-            V[k] = vt[o + k]
-            W[k] = w + delta_entry(m / (root[o + k] + eps), w, neg_lr, wd, decay)
+            V[k] = v
+            W[k] = w + delta_entry(m / (math.sqrt(v) + eps), w, neg_lr, wd, decay)
 
 
-def _direction_rotated(m_at, gu_at, sizes, offsets, b1, c1, eps, mr):  # type: ignore[no-untyped-def]
+def _direction_rotated(m_at, gu_at, sizes, offsets, b1, c1, eps, vt, mt):  # type: ignore[no-untyped-def]
     for i in range(sizes.shape[0]):
         n, o = sizes[i], offsets[i]
-        M0 = _array(m_at[i], n, mr)
-        GU = _array(gu_at[i], n, mr)
+        M0 = _array(m_at[i], n, mt)
+        GU = _array(gu_at[i], n, mt)
+        new_V, new_M = vt[o : o + n], mt[o : o + n]
         for k in range(n):
             m = ema_entry(M0[k], GU[k], b1, c1)
-            GU[k] = m / (mr[o + k] + eps)
-            mr[o + k] = m
+            GU[k] = m / (math.sqrt(new_V[k]) + eps)
+            new_M[k] = m
 
 
 def _apply_rotated(w_at, d_at, m_at, v_at, sizes, offsets, neg_lr, wd, decay, mt, vt):  # type: ignore[no-untyped-def]
