@@ -1181,28 +1181,8 @@ def _lane_inputs(
 def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype) -> tuple[Any, ...]:
     """``b1, c1, b2, c2, eps, -eta, lambda, decay`` of step ``count + 1`` for the kernels, ``b_t`` as
     :func:`_host_betas` computes them (the per-parameter route's bits)."""
-    b1, b2 = _lane_betas(cfg, count, dtype)
+    b1, b2, _, _ = _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)
     return kernel_scalars(b1, b2, cfg, learning_rate(cfg, lr), torch.empty(0, dtype=dtype).numpy().dtype)
-
-
-_LANE_BETAS: dict[tuple[Any, ...], tuple[float, float]] = {}
-
-
-def _lane_betas(cfg: BaseConfig, count: int, dtype: torch.dtype) -> tuple[float, float]:
-    """``b1_t, b2_t`` of :func:`_host_betas`, computed once for the lanes of a step (about 0.15 ms of torch scalar
-    ops each): kept for the last few ``(betas, bias_correction, count, dtype)``, all they depend on (the same torch
-    ops on the same inputs give the same bits)."""
-    try:
-        key = (tuple((type(b), b) for b in cfg.betas), cfg.bias_correction, count, dtype)  # 0.9 and np.float64(0.9)
-        hash(key)
-    except TypeError:  # array betas: computed afresh
-        return _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)[:2]
-    found = _LANE_BETAS.get(key)
-    if found is None:
-        if len(_LANE_BETAS) > 8:
-            _LANE_BETAS.clear()
-        found = _LANE_BETAS[key] = _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)[:2]
-    return found
 
 
 class _LargeStep(NamedTuple):
@@ -1610,12 +1590,29 @@ def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layo
     return all(m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in (M, V))
 
 
+_HOST_BETAS: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
+
+
 def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float, float]:
     """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``count`` (the host counter, an int32 tensor), computed
-    by the core's torch code as ``prepare_step`` computes ``t`` in ``dtype``, as exact Python floats."""
+    by the core's torch code as ``prepare_step`` computes ``t`` in ``dtype``, as exact Python floats.
+
+    Computed once for all the lanes and batches of a step (about 0.15 ms of torch scalar ops each time): kept for the
+    last few ``(betas, bias_correction, count, dtype)``, all they depend on (the same torch ops on the same inputs
+    give the same bits); computed afresh for betas that are not Python floats or a counter off the host."""
+    key = None
+    if count.device.type == "cpu" and all(type(b) is float for b in cfg.betas):
+        key = (tuple(cfg.betas), bool(cfg.bias_correction), count.detach().numpy().item(), dtype)  # no aten read
+        found = _HOST_BETAS.get(key)
+        if found is not None:
+            return found
     t = torch_namespace().astype(count + 1, dtype)
     b1_t, b2_t = beta_hats(cfg, t, torch_namespace())
     b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
+    if key is not None:
+        if len(_HOST_BETAS) > 8:
+            _HOST_BETAS.clear()
+        _HOST_BETAS[key] = (b1, b2, c1, c2)
     return b1, b2, c1, c2
 
 

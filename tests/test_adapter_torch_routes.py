@@ -380,9 +380,9 @@ def test_the_lanes_of_a_step_compute_its_coefficients_once(monkeypatch):
     _steps(runs, range(2))
     assert len(runs[0][1]._host_plan.lanes) == 2
     calls = []
-    original = at._host_betas
-    monkeypatch.setattr(at, "_host_betas", lambda *a: calls.append(1) or original(*a))
-    at._LANE_BETAS.clear()  # shared by the process's optimizers: another test may have computed this step's
+    original = at.beta_hats
+    monkeypatch.setattr(at, "beta_hats", lambda *a: calls.append(1) or original(*a))  # inside at._host_betas
+    at._HOST_BETAS.clear()  # shared by the process's optimizers: another test may have computed this step's
     _steps(runs[:1], range(2, 3))
     assert len(calls) == 1
     _steps(runs[1:], range(2, 3))
