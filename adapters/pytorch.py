@@ -1594,12 +1594,13 @@ _HOST_BETAS: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
 
 
 def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float, float]:
-    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``count`` (the host counter, an int32 tensor), computed
-    by the core's torch code as ``prepare_step`` computes ``t`` in ``dtype``, as exact Python floats.
+    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``count`` (the host counter, an int32 tensor), as exact
+    Python floats: the core's host coefficients (:mod:`~adadiag_ref.optim.schedules`: float64 by Python's ``math``
+    from the integer step, rounded once to ``dtype``), so every route and backend has the same floats on any CPU.
 
-    Computed once for all the lanes and batches of a step (about 0.15 ms of torch scalar ops each time): kept for the
-    last few ``(betas, bias_correction, count, dtype)``, all they depend on (the same torch ops on the same inputs
-    give the same bits); computed afresh for betas that are not Python floats or a counter off the host."""
+    Computed once for all the lanes and batches of a step: kept for the last few
+    ``(betas, bias_correction, count, dtype)``, all they depend on; computed afresh for betas that are not Python
+    floats or a counter off the host."""
     key = None
     if count.device.type == "cpu" and all(type(b) is float for b in cfg.betas):
         key = (tuple(cfg.betas), bool(cfg.bias_correction), count.detach().numpy().item(), dtype)  # no aten read
@@ -1608,7 +1609,8 @@ def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tup
             return found
     t = torch_namespace().astype(count + 1, dtype)
     b1_t, b2_t = beta_hats(cfg, t, torch_namespace())
-    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
+    b1, b2 = _host_number(b1_t), _host_number(b2_t)
+    c1, c2 = (_host_number(torch.tensor(1.0 - b, dtype=dtype)) for b in (b1, b2))  # exact in float64, rounded once
     if key is not None:
         if len(_HOST_BETAS) > 8:
             _HOST_BETAS.clear()

@@ -124,15 +124,20 @@ KINDS = ["generic", "clustered", "rank_deficient", "near_tied", "tied_entries"]
 @pytest.mark.parametrize(("shape", "two_sided"), [((8, 12), False), ((8, 12), True), ((8, 8), True)])
 def test_device_bases_equal_numpy(backend, kind, dtype, shape, two_sided, monkeypatch):
     """Each route (``svd``; ``gram`` for float32 one-sided) on the device against NumPy's bases: exact on
-    ``array_api_strict``; on torch and JAX to 1e-12 (float64) and 1e-5 (float32), the spec's tolerances: two
-    backward-stable decompositions of one matrix agree to a small multiple of ``eps / gap`` (gaps >= 0.1 here,
-    clusters and the null space exact), and the rules then remove every choice.  ``torch_ops``: CPU tensors
-    through torch's own operations (``linalg.TORCH_CPU_ON_NUMPY`` off), as on a CUDA device."""
+    ``array_api_strict`` except near ties; on torch and JAX to 1e-12 (float64) and 1e-5 (float32), the spec's
+    tolerances: two backward-stable decompositions of one matrix agree to a small multiple of ``eps / gap`` (gaps
+    >= 0.1 here, clusters and the null space exact), and the rules then remove every choice.  ``torch_ops``: CPU
+    tensors through torch's own operations (``linalg.TORCH_CPU_ON_NUMPY`` off), as on a CUDA device.
+
+    ``near_tied`` on ``array_api_strict``: the device route's GEMMs are not the host route's, and which OpenBLAS
+    kernel runs them depends on the processor (``OPENBLAS_CORETYPE``: the SkylakeX kernel moved 8 of 64 entries of
+    ``P`` by up to 3e-8 in float32, the Haswell kernel none); a near tie amplifies that rounding by ``1 / gap``, so
+    there the spec's tolerance is asserted, not bits (docs/spec.md, "Bits across processors")."""
     if backend == "torch_ops":
         monkeypatch.setattr(ar.linalg, "TORCH_CPU_ON_NUMPY", False)
     xp = _load_backend("torch" if backend == "torch_ops" else backend)
     G = spectrum(kind, *shape, dtype, np.random.default_rng(34))
-    exact = backend == "array_api_strict"
+    exact = backend == "array_api_strict" and kind != "near_tied"
     tol = 1e-12 if dtype == np.float64 else 1e-5
     for method in ("svd", "gram"):
         ref = canonical_svd(G, compute_q=two_sided, method=method)

@@ -78,7 +78,10 @@ def test_step_without_refresh_converts_nothing(name, shape, dtype):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_host_counter_gives_the_same_trajectory(name):
-    """``count=`` against the state's counter, 12 steps with refreshes at 1 and 11: the same bits."""
+    """``count=`` against the state's counter, 12 steps with refreshes at 1 and 11: the same bits in float32; in
+    float64 within 1e-12 (docs/spec.md, "The step's coefficients": the host counter's coefficients come from the C
+    library's float64 ``expm1``, the device counter's from the backend's, which may differ by an ulp, and a refresh
+    at step 11 carries that through one SVD)."""
     rng = np.random.default_rng(1)
     for shape in SHAPES:
         for dtype in (np.float32, np.float64):
@@ -89,13 +92,18 @@ def test_host_counter_gives_the_same_trajectory(name):
                 g = strict(rng.standard_normal(shape).astype(dtype))
                 w_host, s_host = ar.step(s_host, g, cfg, w_host, count=k)
                 w_device, s_device = ar.step(s_device, g, cfg, w_device)
-            np.testing.assert_array_equal(host(w_host), host(w_device))
+            same = np.testing.assert_array_equal if dtype == np.float32 else _within_1e12
+            same(host(w_host), host(w_device))
             assert int(s_host.count) == int(s_device.count) == 12
             for field in s_host._fields[1:]:
                 a, b = getattr(s_host, field), getattr(s_device, field)
                 assert (a is None) == (b is None)
                 if a is not None:
-                    np.testing.assert_array_equal(host(a), host(b))
+                    same(host(a), host(b))
+
+
+def _within_1e12(a, b):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * float(np.max(np.abs(b), initial=0.0)))
 
 
 def test_host_counter_on_numpy_is_bit_identical_to_the_state_counter():
@@ -152,7 +160,10 @@ def test_schedules_return_host_numbers_for_a_host_step():
                 else:
                     on_host, on_device = fn(*args, t_host, xs), fn(*args, t_device, xs)
                 assert type(on_host) is float
-                assert on_host == float(on_device), (fn.__name__, count)
+                if dtype == xs.float32:  # float64 on both sides, rounded once: the same float32
+                    assert on_host == float(on_device), (fn.__name__, count)
+                else:  # the C library's expm1 against the backend's: within an ulp of float64
+                    assert abs(on_host - float(on_device)) <= 2.3e-16 * abs(on_host), (fn.__name__, count)
 
 
 # ----------------------------------------------------------------------------- refresh

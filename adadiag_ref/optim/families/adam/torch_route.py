@@ -205,7 +205,7 @@ def _adam_torch_cpu(
     caller then runs the backend ufuncs.
 
     Bit-identical to the reference on torch: the same formulas in the same order, the coefficients
-    ``b_hat`` computed by torch as there, the same torch GEMMs, and the correctly rounded root, which is the
+    ``b_hat`` the host's as there, the same torch GEMMs, and the correctly rounded root, which is the
     library's (:func:`adadiag_ref._xp.sqrt`); kernels compiled without fastmath.  One pass per array: one kernel
     call per part (:func:`_split`).
 
@@ -229,8 +229,8 @@ def _adam_torch_cpu(
     g_np, w_np, M_np, V_np = views
     if not alike(g_np, M_np, V_np, *(() if rotated else (w_np,))):
         return False
-    # torch's own b_hat (as the reference computes them), read from host memory
-    coefficients = _host_views(*betas_t)
+    # the host coefficients (Python floats: docs/spec.md, "The step's coefficients"), or a 0-d tensor's in host memory
+    coefficients = betas_t if all(isinstance(b, float) for b in betas_t) else _host_views(*betas_t)
     if coefficients is None:
         return False
     b1, c1, b2, c2, eps, neg_lr, wd, decay = kernel_scalars(coefficients[0], coefficients[1], cfg, eta, M_np.dtype)
