@@ -1,10 +1,9 @@
 """Development variants of ``adadiag-ref bench``: where the time of a step goes, and hand-written baselines.
 
-Not part of the installed command (which times what a user runs): these rows split the in-place engine's
-AdaDiag step into its GEMMs and its elementwise passes, run those passes serially, and time two hand-written
-baselines, an unfused NumPy AdamW and AdaDiag written directly in torch ops.  The baselines restate the Adam
-moment update on purpose (they are what a user would write without the library); they are timed, never used
-as a reference.
+Not part of the installed command: these rows time ``ar.Engine``'s AdaDiag step with and without its finiteness
+check, beside two hand-written baselines, an unfused NumPy AdamW and AdaDiag written directly in torch ops.
+The baselines restate the Adam moment update on purpose (they are what a user would write without the library);
+they are timed, never used as a reference.
 
 Run: ``python benchmarks/bench_variants.py [--model llama-60m|llama-130m] [--quick] [--reps N] [--rule paper|all]``.
 """
@@ -20,6 +19,7 @@ from threadpoolctl import threadpool_limits
 from adadiag_ref.memory import LLAMA_CONFIGS, llama_parameters
 from adadiag_ref.perf.bench import (
     QUICK,
+    EngineSteps,
     _setup_threads,
     _work_specs,
     bench_torch_adadiag,
@@ -28,7 +28,7 @@ from adadiag_ref.perf.bench import (
     measure_gemm,
     median_time,
 )
-from adadiag_ref.perf.engine import AdaDiagEngine, AdamWEngine, is_rotated
+from adadiag_ref.perf.params import adadiag_bytes, adadiag_flops, adamw_bytes, is_rotated
 
 
 def bench_numpy_adamw_unfused(size: int, reps: int) -> float:
@@ -65,24 +65,17 @@ def run(model: str, *, quick: bool, reps: int, rule: str, use_torch: bool) -> di
     with threadpool_limits(limits=ncpu, user_api="blas"):
         bw = measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
         peak = max(measure_gemm(work, reps).values())
-        adamw_bound = AdamWEngine(specs).bytes_moved() / bw
-        eng = AdaDiagEngine(specs, rule=rule)
-        gemm_bound, elem_bound = eng.flops() / peak, eng.bytes_moved() / bw
+        adamw_bound = adamw_bytes(specs) / bw
+        gemm_bound, elem_bound = adadiag_flops(specs, rule) / peak, adadiag_bytes(specs, rule) / bw
+        eng = EngineSteps("adadiag", specs, rule)
 
-        def serial_step() -> None:
-            eng.set_parallel_elementwise(False)
-            try:
-                eng.step()
-            finally:
-                eng.set_parallel_elementwise(True)
+        def unchecked() -> None:
+            for engine, grads, params in eng.parts:
+                engine.step(grads, params, check=False)
 
-        variants = {  # one engine, its variants in alternation (a shared VM drifts by 20 % within minutes)
-            "adadiag_engine": eng.step,
-            "adadiag_engine_serial": serial_step,
-            "adadiag_gemm_only": lambda: eng.step(elementwise=False),
-            "adadiag_elementwise_only": lambda: eng.step(gemm=False),
-        }
+        variants = {"adadiag_engine": eng, "adadiag_engine_unchecked": unchecked}  # in alternation: the VM drifts
         res = interleaved_medians(variants, reps, warmup=2, pause=0.0 if quick else 0.05)
+        eng.close()
         res["adamw_numpy_unfused"] = bench_numpy_adamw_unfused(size, reps)
         if use_torch:
             import torch
@@ -91,10 +84,8 @@ def run(model: str, *, quick: bool, reps: int, rule: str, use_torch: bool) -> di
             res["torch_adadiag_direct"] = bench_torch_adadiag(specs, reps, rule)
     rows = [
         ("AdamW numpy in place, unfused", "adamw_numpy_unfused", adamw_bound),
-        ("AdaDiag numba + BLAS in place (engine)", "adadiag_engine", gemm_bound + elem_bound),
-        ("AdaDiag engine, elementwise serial", "adadiag_engine_serial", gemm_bound + elem_bound),
-        ("AdaDiag engine, GEMMs only", "adadiag_gemm_only", gemm_bound),
-        ("AdaDiag engine, elementwise only", "adadiag_elementwise_only", elem_bound),
+        ("AdaDiag ar.Engine", "adadiag_engine", gemm_bound + elem_bound),
+        ("AdaDiag ar.Engine, check=False", "adadiag_engine_unchecked", gemm_bound + elem_bound),
         ("AdaDiag direct torch ops", "torch_adadiag_direct", gemm_bound + elem_bound),
     ]
     print(f"{'non-refresh step (variants)':44s} {'median ms':>10s} {'bound ms':>9s} {'ratio':>6s}")

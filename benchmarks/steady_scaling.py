@@ -1,8 +1,7 @@
 """How the steady-state (non-refresh) AdaDiag step grows with the matrix side and with the parameter count.
 
-Float32, one-sided AdaDiag (``P`` only), the in-place engine's passes
-(``adadiag_ref.perf.engine``: ``P^T G`` and ``P U`` by BLAS, the moment and
-update passes by numba) and the functional ``ar.update``:
+Float32, one-sided AdaDiag (``P`` only), ``ar.Engine``'s step (what a NumPy
+loop runs) and the functional ``ar.update``:
 
 * side: one square ``s x s`` matrix, ``s = 256 ... 4096``;
 * count: ``k`` matrices of 512 x 1376 (LLaMA-60M's MLP shape), ``k = 1 ... 32``.
@@ -29,10 +28,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import adadiag_ref as ar
-from adadiag_ref import _kernels
-from adadiag_ref.optim.families.adam import numba_route as adam_kernels
 from adadiag_ref.perf.bench import _setup_threads, call_times, machine_description
-from adadiag_ref.perf.engine import coefficients
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -43,34 +39,15 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
     return min(call_times(fn, reps))
 
 
-class _Matrices:
-    """Engine buffers for a list of ``m x n`` work matrices (one-sided AdaDiag, float32)."""
-
-    def __init__(self, shapes: list[tuple[int, int]], seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.items = []
-        for m, n in shapes:
-            P, _ = np.linalg.qr(rng.standard_normal((m, m)).astype(np.float32))
-            W, G = rng.standard_normal((m, n), dtype=np.float32), rng.standard_normal((m, n), dtype=np.float32)
-            self.items.append((np.ascontiguousarray(P), W, G, np.zeros((m, n), np.float32),
-                               np.zeros((m, n), np.float32), np.empty((m, n), np.float32),
-                               np.empty((m, n), np.float32)))  # fmt: skip
-        self.t = 0
-
-    def step(self, *, gemm: bool = True, elementwise: bool = True) -> None:
-        self.t += 1
-        b1, c1, b2, c2 = coefficients(self.t, (0.9, 0.999), np.float32)
-        f = np.float32
-        for P, W, G, M, V, Gt, D in self.items:
-            if gemm:
-                np.matmul(P.T, G, out=Gt)
-            if elementwise:
-                adam_kernels.adam_moments_own_flat_parallel(M.reshape(-1), V.reshape(-1), Gt.reshape(-1),
-                                                        b1, c1, b2, c2, f(1e-8))  # fmt: skip
-            if gemm:
-                np.matmul(P, Gt, out=D)
-            if elementwise:
-                _kernels.apply_update_inplace_parallel(W.reshape(-1), D.reshape(-1), f(1e-3), f(0.0))
+def _engine(shapes: list[tuple[int, int]]) -> Callable[[], None]:
+    """One ``ar.Engine`` step of one-sided AdaDiag over ``shapes`` (float32, the basis from the warm-up's refresh)."""
+    cfg = ar.make_config("adadiag", update_freq=None)
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    grads = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    engine = ar.Engine(params, cfg)
+    engine.step(grads, params)  # step 1 refreshes
+    return lambda: engine.step(grads, params)
 
 
 def _functional(shapes: list[tuple[int, int]]) -> Callable[[], None]:
@@ -93,20 +70,12 @@ def measure(sizes: list[int], counts: list[int], reps: int) -> dict[str, Any]:
     res: dict[str, Any] = {"side": {}, "count": {}}
     for s in sizes:
         r = max(1, reps if s <= 2048 else reps // 3)
-        mats = _Matrices([(s, s)])
-        row = {
-            "step": _best(mats.step, r),
-            "gemm": _best(lambda mats=mats: mats.step(elementwise=False), r),  # type: ignore[misc]
-            "elementwise": _best(lambda mats=mats: mats.step(gemm=False), r),  # type: ignore[misc]
-            "functional": _best(_functional([(s, s)]), r),
-        }
-        del mats
+        row = {"step": _best(_engine([(s, s)]), r), "functional": _best(_functional([(s, s)]), r)}
         res["side"][s] = row
         print(f"side {s:5d}: " + ", ".join(f"{k} {v * 1e3:9.2f} ms" for k, v in row.items()), flush=True)
     for k in counts:
-        mats = _Matrices([(512, 1376)] * k)
-        row = {"step": _best(mats.step, reps), "functional": _best(_functional([(512, 1376)] * k), reps)}
-        del mats
+        shapes = [(512, 1376)] * k
+        row = {"step": _best(_engine(shapes), reps), "functional": _best(_functional(shapes), reps)}
         res["count"][k] = row
         print(f"{k:3d} x 512x1376: " + ", ".join(f"{n} {v * 1e3:9.2f} ms" for n, v in row.items()), flush=True)
     return res
@@ -135,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [s for s in (256, 512, 1024, 2048, 4096) if s <= args.max_side]
     counts = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.max_count]
     res = measure(sizes, counts, args.reps)
-    theory = {"elementwise": 2.0, "gemm": 3.0, "step": 3.0, "functional": 3.0}
+    theory = {"step": 3.0, "functional": 3.0}
     big = [s for s in sizes if s >= 512]
     exponents = {k: fit(big, [res["side"][s][k] for s in big]) for k in theory}
     count_exponents = {k: fit(counts, [res["count"][c][k] for c in counts]) for k in ("step", "functional")}
@@ -150,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, marker in (("step", "o"), ("gemm", "s"), ("elementwise", "^"), ("functional", "x")):
+    for key, marker in (("step", "o"), ("functional", "x")):
         ax1.loglog(sizes, [res["side"][s][key] * 1e3 for s in sizes], marker=marker,
                    label=f"{key}: fitted {exponents[key]:.2f}, theory {theory[key]:.0f}")  # fmt: skip
     ax1.set_xlabel("matrix side s (one s x s matrix)")

@@ -1,10 +1,5 @@
-"""The in-place engine of ``adadiag-ref bench`` (adadiag_ref.perf.engine) against the functional reference.
-
-The engine keeps AdaDiag's state in preallocated float32 buffers and runs its
-elementwise passes as numba kernels; the reference is ``ar.update`` on the same
-``P``, ``G`` and ``W``.  Same formulas, same order, same BLAS calls, so the
-parameters must agree bit for bit after several steps.
-"""
+"""``adadiag-ref bench`` times what a user runs: :class:`adadiag_ref.perf.bench.EngineSteps` is ``ar.Engine``
+over the parameter set (rotated matrices in one engine, the rest in an AdamW one), and its steps are the core's."""
 
 from __future__ import annotations
 
@@ -12,111 +7,46 @@ import numpy as np
 import pytest
 
 import adadiag_ref as ar
-from adadiag_ref import _kernels
 from adadiag_ref.memory import ParamSpec
-from adadiag_ref.optim.families.adam import AdamState
+from adadiag_ref.perf import bench
+from adadiag_ref.perf.params import BETAS, EPS, LR, adadiag_bytes, adadiag_flops, adamw_bytes
 
-pytestmark = pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed")
-pytest.importorskip("threadpoolctl")  # the bench extra: the engine sets BLAS threads for its GEMM phases
+pytest.importorskip("threadpoolctl")  # the bench extra
+
+SPECS = [
+    ParamSpec("blocks.0.q", (24, 40), "block"),
+    ParamSpec("blocks.0.down", (40, 24), "block"),
+    ParamSpec("embed", (50, 16), "embedding"),
+    ParamSpec("norm", (16,), "norm"),
+]
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_adadiag_engine_equals_functional_update(parallel: bool) -> None:
-    from adadiag_ref.perf.engine import AdaDiagEngine
-
-    specs = [ParamSpec("blocks.0.q", (24, 40), "block"), ParamSpec("blocks.0.down", (40, 24), "block")]
-    eng = AdaDiagEngine(specs, lr=1e-2, parallel_elementwise=parallel)
-    cfg = ar.make_config("adadiag", lr=1e-2, update_freq=None)
-    reference = []
-    for it in eng.items:
-        m, n = it["W"].shape
-        state = AdamState(count=np.zeros((), np.int32), P=it["P"].copy(), Q=None,
-                          M=np.zeros((m, n), np.float32), V=np.zeros((m, n), np.float32))  # fmt: skip
-        reference.append([state, it["G"].copy(), it["W"].copy()])
+def test_engine_steps_group_by_the_rule_and_step_like_the_core() -> None:
+    """The paper's rule: the two block matrices in an AdaDiag engine, embedding and norm in an AdamW one; three
+    steps (the first refreshes) equal ``ar.step`` on copies of the same parameters and gradients (float32: rtol
+    1e-5, the engine batches its GEMMs per work shape, which may round differently from one product each)."""
+    steps = bench.EngineSteps("adadiag", SPECS, "paper", warmup=0)
+    assert [sorted(engine.keys) for engine, _, _ in steps.parts] == [["blocks.0.down", "blocks.0.q"], ["embed", "norm"]]
+    initial = [[p.copy() for p in params] for _, _, params in steps.parts]
     for _ in range(3):
-        eng.step()
-        for item in reference:
-            delta, item[0] = ar.update(item[0], item[1], cfg, item[2])
-            item[2] = item[2] + delta
-    for it, (state, _, w) in zip(eng.items, reference, strict=True):
-        np.testing.assert_array_equal(it["W"], w)
-        np.testing.assert_array_equal(it["M"], state.M)
-        np.testing.assert_array_equal(it["V"], state.V)
+        steps()
+    for (engine, grads, params), start, name in zip(steps.parts, initial, ("adadiag", "adamw"), strict=True):
+        cfg = ar.make_config(name, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, update_freq=None)
+        for g, w, got in zip(grads, start, params, strict=True):
+            state = ar.init(w, cfg)
+            for _ in range(3):
+                w, state = ar.step(state, g, cfg, w)
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+        assert all(engine.count(key) == 3 for key in engine.keys)
+    steps.close()
+    assert steps.parts == []
 
 
-def _mixed_specs() -> list[ParamSpec]:
-    shapes = [(24, 40), (40, 24), (16, 16), (16, 48), (8, 30)]
-    return [ParamSpec(f"blocks.{i}.w", shape, "block") for i, shape in enumerate(shapes)]
-
-
-def test_engine_gemms_run_single_threaded_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    # OpenBLAS's workers spin ~0.1 s after a multi-threaded call and take a core from the numba pass that follows;
-    # the engine splits each GEMM phase over Python threads that call BLAS with one thread each.  The groups must be
-    # in flight together: the first GEMM of each group waits at a barrier for the other group's, so an engine that
-    # ran them in sequence (or on one thread) breaks the barrier, and the two threads are there whatever the load
-    # (without it a worker could finish its group before the pool started a second thread).
-    import threading
-
-    from threadpoolctl import threadpool_info
-
-    from adadiag_ref.perf.engine import AdaDiagEngine
-
-    def blas_threads() -> set[int]:
-        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
-
-    warm = AdaDiagEngine(_mixed_specs(), gemm_threads=1)
-    warm.step()  # compiles the numba passes, which loads scipy's BLAS: the engine below then limits it too
-    warm.close()  # (the GEMMs call numpy's BLAS only; without this the check depended on the tests run before)
-    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=2)
-    assert len(eng.gemm_groups) == 2
-    group_starts = {id(group[0][out]) for group in eng.gemm_groups for out in ("Gt", "D")}  # first GEMM, each phase
-    both_groups_running = threading.Barrier(2, timeout=30.0)  # only an engine that serialises the groups waits it out
-    calls: list[tuple[int, set[int]]] = []
-    real = np.matmul
-
-    def spy(*args: object, out: np.ndarray, **kwargs: object) -> object:
-        if id(out) in group_starts:
-            both_groups_running.wait()
-        calls.append((threading.get_ident(), blas_threads()))
-        return real(*args, out=out, **kwargs)
-
-    before = blas_threads()
-    monkeypatch.setattr(np, "matmul", spy)
-    try:
-        eng.step()
-    finally:
-        monkeypatch.setattr(np, "matmul", real)
-        eng.close()
-    assert len(calls) == 2 * len(_mixed_specs())
-    assert len({ident for ident, _ in calls}) == 2 and threading.get_ident() not in {i for i, _ in calls}
-    assert all(threads == {1} for _, threads in calls)
-    assert blas_threads() == before  # restored after the step
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_engine_result_does_not_depend_on_gemm_threads(threads: int) -> None:
-    from adadiag_ref.perf.engine import AdaDiagEngine
-
-    one, many = AdaDiagEngine(_mixed_specs(), gemm_threads=1), AdaDiagEngine(_mixed_specs(), gemm_threads=threads)
-    for _ in range(3):
-        one.step()
-        many.step()
-    for a, b in zip(one.items, many.items, strict=True):
-        for key in ("W", "M", "V", "D"):
-            np.testing.assert_array_equal(a[key], b[key])
-    one.close()
-    many.close()
-
-
-def test_balanced_groups_share_the_gemm_work() -> None:
-    from adadiag_ref.perf.engine import AdaDiagEngine, balanced_groups
-
-    eng = AdaDiagEngine(_mixed_specs(), gemm_threads=1)
-    work = {id(it): it["P"].shape[0] ** 2 * it["G"].shape[1] for it in eng.items}
-    for k in (1, 2, 3, 7):
-        groups = balanced_groups(eng.items, k)
-        assert sorted(id(it) for g in groups for it in g) == sorted(work)  # every matrix exactly once
-        assert len(groups) == min(k, len(eng.items))
-        loads = [sum(work[id(it)] for it in g) for g in groups]
-        assert max(loads) - min(loads) <= max(work.values())  # largest-first greedy: within one matrix
-    eng.close()
+def test_bounds_count_the_rotated_and_unrotated_work() -> None:
+    """The rooflines' bounds: AdamW 7 float32 arrays per entry; AdaDiag ``4 m^2 n`` flops per rotated matrix
+    (work frame ``m <= n``) and 9 arrays per rotated entry, 7 per unrotated one."""
+    entries = 24 * 40 + 40 * 24 + 50 * 16 + 16
+    assert adamw_bytes(SPECS) == 28 * entries
+    assert adadiag_flops(SPECS, "paper") == 2 * 4 * 24 * 24 * 40
+    assert adadiag_bytes(SPECS, "paper") == 4 * (9 * 2 * 960 + 7 * (800 + 16))
+    assert adadiag_flops(SPECS, "all") == 2 * 4 * 24 * 24 * 40 + 4 * 16 * 16 * 50  # the embedding too

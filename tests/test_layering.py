@@ -13,7 +13,7 @@ Floors, from the bottom:
 1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
    core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
-3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.engine``, ``perf.allocator``,
+3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.allocator``,
    ``perf.params``;
 4. framework adapters: ``adapters`` (torch, optax);
 5. applications: the command lines (``cli``, ``golden.cli``, ``ode.cli``, ``perf.cli``), ``perf.bench`` (with its
@@ -39,7 +39,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("_xp", "config", "linalg", "_kernels", "buffers", "_cli"),
     ("optim", "memory", "replay"),
     ("",),  # the package's __init__ (the public facade)
-    ("golden", "testing", "ode", "perf", "perf.engine", "perf.allocator", "perf.params"),
+    ("golden", "testing", "ode", "perf", "perf.allocator", "perf.params"),
     ("adapters",),
     (
         "cli",

@@ -49,16 +49,16 @@ def test_scaling_report_and_plot(tmp_path: Path) -> None:
     assert any("fitted p" in line for line in lines)
 
 
-def test_refresh_routes_time_the_step_on_the_routes_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the refresh share is refresh time / (T x step time): both must use the same cores (--threads 1: one)
-    seen: list[object] = []
-    real = refresh.AdaDiagEngine
+def test_refresh_routes_time_the_users_engine_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the refresh share is refresh time / (T x step time): the step is ar.Engine's, what a user's loop runs
+    seen: list[tuple[object, ...]] = []
+    real = refresh.EngineSteps
 
     def spy(*args: object, **kwargs: object) -> object:
-        seen.append(kwargs.get("gemm_threads"))
+        seen.append(args[:1] + args[2:])
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(refresh, "_threads", lambda threads: threads)  # no process-wide thread setting in a test
-    monkeypatch.setattr(refresh, "AdaDiagEngine", spy)
+    monkeypatch.setattr(refresh, "EngineSteps", spy)
     refresh.run_routes(quick=True, reps=1, threads=1, out=lambda line: None)
-    assert seen == [1]
+    assert seen == [("adadiag", "paper")]

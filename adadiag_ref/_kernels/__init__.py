@@ -231,13 +231,6 @@ def _fortran(a: np.ndarray) -> bool:
 # ----------------------------------------------------------------------------- the update's tail, in place
 
 
-def _apply_update_flat(W, D, lr, wd):  # type: ignore[no-untyped-def]
-    """In place: ``W -= lr (D + wd W)`` (flat 1-D views)."""
-    for k in prange(W.shape[0]):
-        w = W[k]
-        W[k] = w - lr * (D[k] + wd * w)
-
-
 def _scale_direction_flat(D, w, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """In place on a fresh unrotated direction ``D = P U~ Q^T``: ``D <- (-eta) (D + lambda W)``."""
     for k in prange(D.shape[0]):
@@ -288,7 +281,6 @@ def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     )
 
 
-apply_update_inplace, apply_update_inplace_parallel = _serial_and_parallel(_apply_update_flat)
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
 apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
 # serial only: the torch CPU route cuts its arrays over threads of its own (optim/families/adam/torch_route.py)

@@ -7,7 +7,7 @@ norms, embedding and head) it measures, all in one process:
   best shape) and memory bandwidth (a two-thread STREAM triad ``a = b + s c``);
 * each optimizer's non-refresh step, as a median, and its ratio to its lower
   bound ``GEMM flops / peak + elementwise bytes / bandwidth``, for what a user
-  runs: the in-place engine, the functional core ``ar.update``, the in-place
+  runs: ``ar.Engine`` (:class:`EngineSteps`), the functional core ``ar.update``, the in-place
   core ``ar.update_in_place``, torch.optim.AdamW (foreach and fused) and the
   torch adapter when torch is installed;
 * one basis refresh of every rotated matrix (SVD, ``auto`` and Gram routes) on
@@ -22,9 +22,8 @@ unrotated baseline (AdamW's elementwise update).  ``rule="all"`` rotates every
 matrix.
 
 BLAS threads are set through threadpoolctl for the run and restored after it.
-Development variants (the engine split into GEMMs and elementwise passes, an
-unfused NumPy AdamW, AdaDiag written directly in torch ops) live in
-``benchmarks/bench_variants.py`` of the source tree.
+Development variants (an unfused NumPy AdamW, AdaDiag written directly in torch
+ops) live in ``benchmarks/bench_variants.py`` of the source tree.
 """
 
 from __future__ import annotations
@@ -45,7 +44,15 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
-from .params import QUICK, gradient_with_spectrum, is_rotated, torch_direct_adadiag
+from .params import (
+    QUICK,
+    adadiag_bytes,
+    adadiag_flops,
+    adamw_bytes,
+    gradient_with_spectrum,
+    is_rotated,
+    torch_direct_adadiag,
+)
 
 
 def _setup_threads() -> int:
@@ -303,6 +310,43 @@ class FunctionalSteps:
         self.items.clear()
 
 
+class EngineSteps:
+    """What a user's NumPy training loop runs: :class:`adadiag_ref.Engine` stepping every parameter of ``specs``
+    (float32, ``lr``, betas and ``eps`` of :mod:`.params`, no weight decay, the default finiteness check), kept
+    across calls.  The matrices that ``optimizer`` rotates under ``rule`` (:func:`.params.is_rotated`) form one
+    engine of ``optimizer``, the rest one engine of ``adamw`` (a param group each, as in the torch adapter).
+
+    ``update_freq=None``: the basis comes from step 1's refresh, taken in the ``warmup`` steps at construction, so
+    every timed call is a steady, non-refresh step of the same gradients.  Calling the object runs one step.
+    """
+
+    def __init__(self, optimizer: str, specs: list[ParamSpec], rule: str = "paper", warmup: int = 1) -> None:
+        import adadiag_ref as ar
+
+        from .params import BETAS, EPS, LR
+
+        groups: dict[str, list[ParamSpec]] = {}
+        for s in specs:
+            groups.setdefault(optimizer if is_rotated(s, rule) else "adamw", []).append(s)
+        rng = np.random.default_rng(1)
+        self.parts: list[tuple[Any, list[np.ndarray], list[np.ndarray]]] = []
+        for name, members in groups.items():
+            cfg = ar.make_config(name, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, update_freq=None)
+            params = [rng.standard_normal(s.shape, dtype=np.float32) for s in members]
+            grads = [rng.standard_normal(s.shape, dtype=np.float32) for s in members]
+            self.parts.append((ar.Engine(params, cfg, names=[s.name for s in members]), grads, params))
+        for _ in range(warmup):
+            self()
+
+    def __call__(self) -> None:
+        for engine, grads, params in self.parts:
+            engine.step(grads, params)
+
+    def close(self) -> None:
+        """Drop the engines and their arrays (the memory of a large model)."""
+        self.parts.clear()
+
+
 def bench_functional(
     name: str, specs: list[ParamSpec], reps: int, rule: str = "paper", in_place: bool = False
 ) -> float:
@@ -500,8 +544,6 @@ def _run(
             torch.set_num_threads(ncpu)
         except ImportError:
             use_torch = False
-    from .engine import AdaDiagEngine, AdamWEngine
-
     size = sum(math.prod(s.shape) for s in specs)
     rotated = [s for s in specs if is_rotated(s, rule)]
     work = [ws for s, ws in _work_specs(rotated)]
@@ -524,9 +566,9 @@ def _run(
     # AdamW
     # every row but the functional ones (FunctionalSteps warms up on its own) is timed through a CallLog
     logs: dict[str, CallLog] = {}
-    eng = AdamWEngine(specs)
-    adamw_bound = eng.bytes_moved() / bw
-    logs["adamw_engine"] = CallLog(eng.step, warmup=1)
+    eng = EngineSteps("adamw", specs)
+    adamw_bound = adamw_bytes(specs) / bw
+    logs["adamw_engine"] = CallLog(eng, warmup=1)
     if use_torch:  # the engine and torch's fused AdamW in alternation: a fair head-to-head on a drifting VM
         fused = torch_adamw(specs, fused=True)
         logs["torch_adamw_fused"] = CallLog(fused.step, warmup=1)
@@ -536,14 +578,14 @@ def _run(
         del fused
     else:
         res["adamw_engine"] = median_time(logs["adamw_engine"], reps, warmup=1)
-    del eng
+    eng.close()
     if functional:
         res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
         res["adamw_in_place"] = bench_functional("adamw", specs, max(2, reps // 2), in_place=True)
     if use_torch:
         logs["torch_adamw_foreach"] = CallLog(torch_adamw(specs, foreach=True).step, warmup=1)
         res["torch_adamw_foreach"] = median_time(logs["torch_adamw_foreach"], reps, warmup=1)
-    for key, text in [("adamw_engine", "AdamW numba fused in place (engine)"),
+    for key, text in [("adamw_engine", "AdamW ar.Engine (what a NumPy loop runs)"),
                       ("adamw_functional", "AdamW ar.update (functional reference)"),
                       ("adamw_in_place", "AdamW ar.update_in_place (NumPy)"),
                       ("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)"),
@@ -552,12 +594,12 @@ def _run(
             rows.append((key, text, res[key], adamw_bound, "bandwidth bound"))
 
     # AdaDiag
-    eng2 = AdaDiagEngine(specs, rule=rule)
-    gemm_bound = eng2.flops() / peak
-    elem_bound = eng2.bytes_moved() / bw
+    eng2 = EngineSteps("adadiag", specs, rule)
+    gemm_bound = adadiag_flops(specs, rule) / peak
+    elem_bound = adadiag_bytes(specs, rule) / bw
     adadiag_bound = gemm_bound + elem_bound
 
-    logs["adadiag_engine"] = CallLog(eng2.step, warmup=2)
+    logs["adadiag_engine"] = CallLog(eng2, warmup=2)
     res["adadiag_engine"] = median_time(logs["adadiag_engine"], reps, warmup=2)
     eng2.close()
     if functional:
@@ -572,7 +614,7 @@ def _run(
             for key, name in (("torch_adadiag_adapter", "adapter"), ("torch_adadiag_core", "core")):
                 logs[key] = CallLog(steps[name], warmup=1)
                 res[key] = median_time(logs[key], max(3, reps // 2), warmup=1)
-    rows.append(("adadiag_engine", "AdaDiag numba + BLAS in place (engine)", res["adadiag_engine"], adadiag_bound,
+    rows.append(("adadiag_engine", "AdaDiag ar.Engine (what a NumPy loop runs)", res["adadiag_engine"], adadiag_bound,
                  "GEMM + bytes"))  # fmt: skip
     for key, text in [("adadiag_functional", "AdaDiag ar.update (functional reference)"),
                       ("adadiag_in_place", "AdaDiag ar.update_in_place (NumPy)"),

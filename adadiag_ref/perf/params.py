@@ -24,6 +24,9 @@ __all__ = [
     "EPS",
     "LR",
     "QUICK",
+    "adadiag_bytes",
+    "adadiag_flops",
+    "adamw_bytes",
     "coefficients",
     "gradient_with_spectrum",
     "is_rotated",
@@ -53,6 +56,24 @@ def is_rotated(spec: ParamSpec, rule: str) -> bool:
     if work_shape(spec.shape)[0] == 1:
         return False
     return rule == "all" or spec.role == "block"
+
+
+def adamw_bytes(specs: list[ParamSpec]) -> int:
+    """AdamW's traffic bound for one float32 step: read ``W, G, M, V``, write ``W, M, V`` (7 arrays)."""
+    return 7 * 4 * sum(math.prod(s.shape) for s in specs)
+
+
+def adadiag_flops(specs: list[ParamSpec], rule: str) -> int:
+    """AdaDiag's GEMM work for one step: ``G~ = P^T G`` and ``D = P U~``, ``2 m^2 n`` flops each per rotated
+    matrix (``rule``: :func:`is_rotated`)."""
+    return sum(4 * m * m * n for m, n in (work_shape(s.shape) for s in specs if is_rotated(s, rule)))
+
+
+def adadiag_bytes(specs: list[ParamSpec], rule: str) -> int:
+    """AdaDiag's elementwise traffic bound for one float32 step: 9 arrays per rotated entry (moments: read
+    ``G~, M, V``, write ``M, V, U~``; update: read ``W, D``, write ``W``), 7 per unrotated one (AdamW's)."""
+    rotated = sum(math.prod(s.shape) for s in specs if is_rotated(s, rule))
+    return 4 * (9 * rotated + 7 * (sum(math.prod(s.shape) for s in specs) - rotated))
 
 
 def gradient_with_spectrum(shape: tuple[int, ...], spectrum: str, rng: np.random.Generator) -> np.ndarray:

@@ -47,8 +47,16 @@ from threadpoolctl import threadpool_limits
 
 from ..linalg import canonical_svd, canonicalize_svd
 from ..memory import LLAMA_CONFIGS, llama_parameters
-from .bench import QUICK, _setup_threads, blas_threads, gradient_with_spectrum, interleaved_medians, median_time
-from .engine import AdaDiagEngine, is_rotated, work_shape
+from .bench import (
+    QUICK,
+    EngineSteps,
+    _setup_threads,
+    blas_threads,
+    gradient_with_spectrum,
+    interleaved_medians,
+    median_time,
+)
+from .params import is_rotated, work_shape
 
 __all__ = ["CANDIDATES", "leading_half_disagreement", "run_routes", "run_scaling"]
 
@@ -187,8 +195,8 @@ def run_routes(
     specs = llama_parameters(config)
     rotated = [s for s in specs if is_rotated(s, "paper")]
     shapes = Counter(work_shape(s.shape) for s in rotated)
-    engine = AdaDiagEngine(specs, rule="paper", gemm_threads=threads)  # as many cores as the refresh routes get
-    step_before = median_time(engine.step, max(reps, 3), warmup=2)
+    engine = EngineSteps("adadiag", specs, "paper")  # ar.Engine, the step a user's NumPy loop takes
+    step_before = median_time(engine, max(reps, 3), warmup=2)
     out(f"refresh routes: {'quick (tiny shapes)' if quick else model}, {len(rotated)} rotated matrices "
         f"({', '.join(f'{c} x {m}x{n}' for (m, n), c in sorted(shapes.items()))}), float32, T = {period}")  # fmt: skip
     out(f"AdaDiag engine step (median of {max(reps, 3)}): {step_before * 1e3:.1f} ms; OpenBLAS threads: {threads}")
@@ -204,7 +212,7 @@ def run_routes(
             fns: dict[str, Callable[[], Any]] = {name: _bound(CANDIDATES[name], G, previous[shape]) for name in routes}
             per_shape[shape] = interleaved_medians(fns, reps, warmup=1, pause=0.0)
         title = "sigma_i ~ 1/i" if spectrum == "decaying" else "Gaussian"
-        step_after = median_time(engine.step, max(reps, 3), warmup=1)  # the machine drifts: step beside routes
+        step_after = median_time(engine, max(reps, 3), warmup=1)  # the machine drifts: step beside routes
         step = statistics.median([step_before, step_after])  # measured just before and just after the routes
         step_before = step_after
         out("")

@@ -12,8 +12,8 @@ AdamW ``ar.update`` (functional, every param)   7 arrays per element / bandwidth
 AdaDiag ``ar.update`` (functional)              ``4 m^2 n`` flops / peak + 9 (rotated) or 7       <= 1.4
                                                 (unrotated) arrays per element / bandwidth
 ``replay`` AdaDiag, one 512 x 1376 matrix       one measured refresh + K x (GEMM + 9 arrays)      <= 1.2
-engine, AdaDiag elementwise part                9 / 7 arrays per element / bandwidth              <= 1.3
-engine, AdaDiag whole step                      GEMM + bytes                                      <= 1.15
+``ar.Engine`` AdaDiag step (what a NumPy loop    GEMM + bytes                                      <= 1.15
+runs, :class:`~.bench.EngineSteps`)
 torch adapter ``opt.step``                      AdaDiag written directly in torch ops (not a      <= 1.1
                                                 bound: both called in alternation, a ratio per
                                                 round, the median)
@@ -48,7 +48,7 @@ from threadpoolctl import threadpool_limits
 from ..memory import LLAMA_CONFIGS, llama_parameters
 from . import bench
 from .allocator import free_page_reporting, freed_memory_retained
-from .engine import AdaDiagEngine, is_rotated
+from .params import adadiag_bytes, adadiag_flops, is_rotated
 
 __all__ = ["TARGETS", "replay_bench", "run"]
 
@@ -57,8 +57,7 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
     ("adamw_functional", "AdamW ar.update / bandwidth bound", 3.0),
     ("adadiag_functional", "AdaDiag ar.update / GEMM + bytes bound", 1.4),
     ("replay", "replay AdaDiag 512x1376 / its bound", 1.2),
-    ("engine_elementwise", "engine AdaDiag elementwise / bandwidth bound", 1.3),
-    ("engine_step", "engine AdaDiag step / GEMM + bytes bound", 1.15),
+    ("engine_step", "ar.Engine AdaDiag step / GEMM + bytes bound", 1.15),
     ("torch_adapter", "torch adapter / AdaDiag in torch ops", 1.1),
 )
 
@@ -142,7 +141,7 @@ def _run(
     out("allocator: " + ("glibc keeps freed memory (--retain-freed-memory)" if freed_memory_retained()
                          else "the C library's defaults (fresh pages for large outputs)"))  # fmt: skip
     size = sum(math.prod(s.shape) for s in specs)
-    eng = AdaDiagEngine(specs, rule=rule)
+    eng = bench.EngineSteps("adadiag", specs, rule)
     steps = 4 if quick else 30
     # the functional rows and replay keep their states and inputs across rounds (a steady state, as a training
     # loop sees it); each round times one step of each
@@ -156,17 +155,14 @@ def _run(
     roofline = bench.Roofline((1 << 22) if quick else (1 << 25), [*work, (m, n)], 3)
 
     def adadiag_bound(bw: float, peak: float) -> float:  # the GEMMs at the peak + the elementwise bytes
-        return eng.flops() / peak + eng.bytes_moved() / bw
+        return adadiag_flops(specs, rule) / peak + adadiag_bytes(specs, rule) / bw
 
     for r in range(reps):
         row: dict[str, float] = {}
         bounds: dict[str, float] = {}
         seen: list[tuple[float, float]] = []  # this round's rooflines, for its summary line
         bw, peak = _measure(roofline, seen)
-        row.update(bench.interleaved_medians(
-            {"engine_step": eng.step, "engine_elementwise": lambda: eng.step(gemm=False)}, 3, warmup=1, pause=0.0
-        ))  # fmt: skip
-        bounds["engine_elementwise"] = eng.bytes_moved() / bw
+        row["engine_step"] = bench.median_time(eng, 3, warmup=1)
         bounds["engine_step"] = adadiag_bound(bw, peak)
         bw, peak = _measure(roofline, seen)
         row["adamw_functional"] = _after_pause(adamw)

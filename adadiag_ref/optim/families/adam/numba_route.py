@@ -113,13 +113,6 @@ def _adam_direction_flat(M0, V0, g, b1, c1, b2, c2, eps, M, V, U):  # type: igno
         M[k], V[k], U[k] = _adam_entry(M0[k], V0[k], g[k], b1, c1, b2, c2, eps)
 
 
-def _adamw_flat(W, g, M, V, b1, c1, b2, c2, eps, lr, wd):  # type: ignore[no-untyped-def]
-    for k in prange(W.shape[0]):
-        w = W[k]
-        M[k], V[k], u = _adam_entry(M[k], V[k], g[k], b1, c1, b2, c2, eps)
-        W[k] = w - lr * (u + wd * w)
-
-
 def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ignore[no-untyped-def]
     """Flat views: ``M = b1 M0 + c1 G~``, ``V = b2 V0 + c2 G~^2`` into new arrays, and ``U = M / (sqrt(V) + eps)``
     over ``G~`` itself (``GU`` is read, then overwritten).
@@ -131,7 +124,7 @@ def _adam_moments_over_flat(M0, V0, GU, b1, c1, b2, c2, eps, M, V):  # type: ign
 
 
 def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
-    """In place on flat views (the engine): ``M <- b1 M + c1 G~``, ``V <- b2 V + c2 G~^2``,
+    """In place on flat views (the group kernels): ``M <- b1 M + c1 G~``, ``V <- b2 V + c2 G~^2``,
     ``GU <- M / (sqrt(V) + eps)``; each array is one argument (no aliased pointers, see above)."""
     for k in prange(GU.shape[0]):
         M[k], V[k], GU[k] = _adam_entry(M[k], V[k], GU[k], b1, c1, b2, c2, eps)
@@ -178,9 +171,6 @@ def _adam_step_in_place_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay)
     """The unrotated Adam step in place on flat views, in one pass (the torch CPU route): each array crosses memory
     once, and nothing of the parameter's size is allocated (:func:`_adam_step_span`)."""
     _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay)
-
-
-adamw_inplace, adamw_inplace_parallel = _serial_and_parallel(_adamw_flat)
 
 
 adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam_moments_rows)
