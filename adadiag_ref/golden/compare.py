@@ -239,7 +239,8 @@ class ComparisonReport:
     def field_verdicts(self) -> str:
         """Each compared field on its own: ``W agrees at all 12 steps; V differs from step 1; count agrees``."""
         parts = []
-        for name, first, _ in self.field_status:
+        ordered = sorted(self.field_status, key=lambda f: f[0] != PARAMETER)  # W first, then the states
+        for name, first, _ in ordered:
             parts.append(
                 f"{name} agrees at all {self.steps} steps" if first is None else f"{name} differs from step {first}"
             )
@@ -959,8 +960,11 @@ def compare(
         last = (error or "").strip().splitlines()[-1:] or [""]
         cause = f"{CAUSE_RAISED} at step {first}: {last[0]}"
     elif mismatch.field != PARAMETER:
+        # a convention the whole trajectory of W fits explains the state too (coupled L2 decay moves P): first
+        w_fails = any(first_out is not None for name, first_out, _ in status if name == PARAMETER)
+        patterns = recognise(case, traj, rtols, atols) if w_fails else []
         if got is not None:
-            patterns = _patterns(mismatch, got, case, cfg, float(state_rtols[mismatch.step - 1]))
+            patterns += _patterns(mismatch, got, case, cfg, float(state_rtols[mismatch.step - 1]))
         cause = _state_hint(mismatch, patterns, case, compared)
     else:
         patterns = recognise(case, traj, rtols, atols)

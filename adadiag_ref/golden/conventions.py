@@ -14,7 +14,7 @@ live core (:func:`adadiag_ref.optim.step`, NumPy, the case's dtype) and one chan
 =========================  =====================================================================================
 
 plus ``no_update_at_step_1`` (``W_2 = W_1``: SOAP's and others' first step only builds the preconditioner),
-read off the trajectory directly.  A convention is named only when the port's whole trajectory (every step it
+read off the trajectory directly when no convention above fits.  A convention is named only when the port's whole trajectory (every step it
 ran) meets the rebuilt one within 10x the case's tolerances while it does not meet the fixture: evidence, not a
 guess.  The check runs on a failing case only (a few ms per convention on a golden case).
 """
@@ -175,11 +175,6 @@ def recognise(case: GoldenCase, traj: np.ndarray, rtols: np.ndarray, atols: np.n
     """The conventions a port's trajectory ``traj`` (``traj[t-1] = W_{t+1}``, the steps it ran) fits, as
     messages ``"<name>: <what it is>"``; ``rtols``, ``atols``: the case's tolerances per step."""
     found = []
-    n = traj.shape[0]
-    if n and _meets(traj[:1], case.w0[None], rtols, atols) and not _meets(case.params[:1], case.w0[None], rtols, atols):
-        found.append(
-            "no_update_at_step_1: W_2 = W_1 (the first step only built the state); the spec updates W at t = 1"
-        )
     cfg = case.make_config()
     for convention in CONVENTIONS:
         if not convention.applies(cfg, case):
@@ -190,4 +185,11 @@ def recognise(case: GoldenCase, traj: np.ndarray, rtols: np.ndarray, atols: np.n
             continue
         if _meets(traj, rebuilt, rtols, atols) and not _meets(rebuilt, case.params, rtols, atols):
             found.append(f"{convention.name}: {convention.message}")
+    n = traj.shape[0]
+    stalled = n and _meets(traj[:1], case.w0[None], rtols, atols)
+    if stalled and not found and not _meets(case.params[:1], case.w0[None], rtols, atols):
+        # last: a zero G_1 with a convention above also leaves W_2 = W_1 (up to the decay it drops)
+        found.append(
+            "no_update_at_step_1: W_2 = W_1 (the first step only built the state); the spec updates W at t = 1"
+        )
     return found
