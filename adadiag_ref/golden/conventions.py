@@ -14,9 +14,10 @@ live core (:func:`adadiag_ref.optim.step`, NumPy, the case's dtype) and one chan
 =========================  =====================================================================================
 
 plus ``no_update_at_step_1`` (``W_2 = W_1``: SOAP's and others' first step only builds the preconditioner),
-read off the trajectory directly when no convention above fits.  A convention is named only when the port's whole trajectory (every step it
-ran) meets the rebuilt one within 10x the case's tolerances while it does not meet the fixture: evidence, not a
-guess.  The check runs on a failing case only (a few ms per convention on a golden case).
+read off the trajectory directly when no convention above fits.  A convention is named only when the port's
+whole trajectory (every step it ran) meets the rebuilt one within 10x the case's tolerances while the rebuilt
+one does not meet the fixture: evidence, not a guess.  The check runs on a failing case only (about 1 ms per
+convention on a golden case).
 """
 
 from __future__ import annotations
