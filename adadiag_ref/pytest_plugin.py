@@ -9,9 +9,9 @@ installed (it does nothing unless asked).  Two ways to use it:
   as ``adadiag-ref conform`` runs it; ``--adadiag-ref-optimizer=NAME`` says which optimizer it implements
   when the name does not tell (default for a command: every case).  A case that needs an option the port lacks
   is skipped with the reason (not applicable); ``--adadiag-ref-accepts``, ``--adadiag-ref-state-map``,
-  ``--adadiag-ref-moments``, ``--adadiag-ref-rtol``, ``--adadiag-ref-state-rtol`` and ``--adadiag-ref-port-option``
-  are ``conform``'s ``--accepts``, ``--state-map``, ``--moments``, ``--rtol``, ``--state-rtol`` and
-  ``--port-option``.
+  ``--adadiag-ref-moments``, ``--adadiag-ref-rtol``, ``--adadiag-ref-state-rtol``, ``--adadiag-ref-rename`` and
+  ``--adadiag-ref-port-option`` are ``conform``'s ``--accepts``, ``--state-map``, ``--moments``, ``--rtol``,
+  ``--state-rtol``, ``--rename`` and ``--port-option``.
 * the fixture ``adadiag_ref_case``: a test that takes it runs once per golden case (a
   :class:`~adadiag_ref.golden.GoldenCase`), optionally narrowed with ``@pytest.mark.adadiag_ref(optimizer=...,
   dtype=...)``; it then calls :func:`adadiag_ref.testing.assert_trajectory_close` on its own step function.
@@ -43,6 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--adadiag-ref-moments", choices=["auto", "raw", "corrected"], default="auto", help="M, V kept")
     group.addoption("--adadiag-ref-rtol", type=float, default=None, help="the parameters' rtol (default: the case's)")
     group.addoption("--adadiag-ref-state-rtol", type=float, default=None, help="the states' rtol (default: the case's)")
+    group.addoption("--adadiag-ref-rename", metavar="KEY=PORT_KEY,...", default=None, help="the port's keyword names")
     group.addoption(
         "--adadiag-ref-port-option", metavar="KEY=VALUE", action="append", default=[], help="an extra keyword (JSON)"
     )
@@ -125,6 +126,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             config.getoption("adadiag_ref_moments"),
             config.getoption("adadiag_ref_rtol"),
             config.getoption("adadiag_ref_state_rtol"),
+            config.getoption("adadiag_ref_rename"),
         )
         runner, inferred = port_runner(kind, spec, options=options)
         chosen = config.getoption("adadiag_ref_optimizer")

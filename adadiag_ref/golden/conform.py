@@ -159,6 +159,8 @@ class ConformOptions:
         state_map: the port's state names for fixture fields (``{"exp_avg": "M"}``), over the known layouts.
         moments: ``auto``, ``raw`` or ``corrected`` (:func:`~adadiag_ref.golden.compare.compare`).
         rtol, state_rtol: the parameters' and the states' relative tolerance instead of the case's.
+        rename: the port's names of the case's keywords (``{"bias_correction": "correct_bias"}``: HF, GaLore,
+            SOAP; ``{"update_freq": "precondition_frequency"}``: SOAP), applied before the keywords are matched.
     """
 
     accepts: tuple[str, ...] = ()
@@ -167,6 +169,7 @@ class ConformOptions:
     moments: str = "auto"
     rtol: float | None = None
     state_rtol: float | None = None
+    rename: dict[str, str] = field(default_factory=dict)
 
     def compare(self, step_fn: Any, case: GoldenCase) -> ComparisonReport:
         """:func:`~adadiag_ref.golden.compare.compare` with these options."""
@@ -199,15 +202,21 @@ def _is_library_port(port: Any) -> bool:
 
 
 def port_options(
-    port: Callable[..., Any], case: GoldenCase, api: str, accepts: Iterable[str] = ()
+    port: Callable[..., Any],
+    case: GoldenCase,
+    api: str,
+    accepts: Iterable[str] = (),
+    rename: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The case's config as keywords ``port`` takes, and the keywords left out (each at the library's default).
 
     A keyword counts as taken when the signature names it or ``accepts`` declares it (a port's ``**kwargs``
     would swallow any keyword without honouring it, so it proves nothing; the library's own ports validate
     theirs and take every key).  Raises :class:`NotApplicable` when the port lacks a keyword whose value in
-    the case is not the library's default.
+    the case is not the library's default.  ``rename`` gives the port's name of a keyword (its value and
+    default are the case's).
     """
+    names = rename or {}
     options = applicable_options(case, api)
     label = getattr(port, "__name__", str(port))
     try:
@@ -222,8 +231,8 @@ def port_options(
     defaults = _library_defaults(case.optimizer, api)
     kept, left_out = {}, []
     for key, value in options.items():
-        if key in taken:
-            kept[key] = value
+        if names.get(key, key) in taken:
+            kept[names.get(key, key)] = value
         elif key in defaults and defaults[key] == value:
             left_out.append(key)
         elif swallows is not None:
@@ -279,7 +288,7 @@ def torch_runner(cls: Any, options: ConformOptions | None = None) -> Runner:
     opts = options or ConformOptions()
 
     def run(case: GoldenCase) -> ComparisonReport:
-        kwargs, _ = port_options(cls, case, "torch", opts.accepts)
+        kwargs, _ = port_options(cls, case, "torch", opts.accepts, opts.rename)
         param = torch.nn.Parameter(torch.from_numpy(np.array(case.w0, copy=True)))
         optimizer = cls([param], **{**kwargs, **opts.port_options})
 
@@ -326,7 +335,7 @@ def optax_runner(factory: Callable[..., Any], options: ConformOptions | None = N
     def run(case: GoldenCase) -> ComparisonReport:
         if case.dtype == "float64":
             jax.config.update("jax_enable_x64", True)  # a float64 case needs float64 arrays
-        kwargs, _ = port_options(factory, case, "optax", opts.accepts)
+        kwargs, _ = port_options(factory, case, "optax", opts.accepts, opts.rename)
         tx = factory(**{**kwargs, **opts.port_options})
         box: dict[str, Any] = {"params": jnp.asarray(case.w0)}
         box["state"] = tx.init(box["params"])
@@ -612,9 +621,11 @@ def conform_options(
     moments: str = "auto",
     rtol: float | None = None,
     state_rtol: float | None = None,
+    rename: str | None = None,
 ) -> ConformOptions:
     """:class:`ConformOptions` from the command line's (and the pytest plugin's) text forms: ``accepts`` a comma
-    list, each ``port_option`` ``KEY=VALUE`` (a JSON value, else the text), ``state_map`` ``NAME=FIELD,...``."""
+    list, each ``port_option`` ``KEY=VALUE`` (a JSON value, else the text), ``state_map`` ``NAME=FIELD,...``,
+    ``rename`` ``KEY=PORT_KEY,...``."""
     extra = {}
     for item in port_option:
         key, sep, text = item.partition("=")
@@ -631,11 +642,25 @@ def conform_options(
         moments=moments,
         rtol=rtol,
         state_rtol=state_rtol,
+        rename=_pairs(rename or "", "--rename", "KEY=PORT_KEY"),
     )
 
 
+def _pairs(text: str, flag: str, form: str) -> dict[str, str]:
+    """``"a=b,c=d"`` as ``{"a": "b", "c": "d"}``; a malformed pair is a ``ValueError`` naming ``flag``."""
+    out = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = (x.strip() for x in pair.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {pair!r}: expected {form}")
+        out[key] = value
+    return out
+
+
 def _options(args: argparse.Namespace) -> ConformOptions:
-    return conform_options(args.accepts, args.port_option, args.state_map, args.moments, args.rtol, args.state_rtol)
+    return conform_options(
+        args.accepts, args.port_option, args.state_map, args.moments, args.rtol, args.state_rtol, args.rename
+    )
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -755,6 +780,12 @@ def add_parser(subparsers: Any) -> None:
         metavar="KEY,...",
         default=None,
         help="keywords the port honours through **kwargs (a **kwargs alone does not say it)",
+    )
+    parser.add_argument(
+        "--rename",
+        metavar="KEY=PORT_KEY,...",
+        default=None,
+        help="the port's names of the case's keywords (bias_correction=correct_bias)",
     )
     parser.add_argument(
         "--port-option",

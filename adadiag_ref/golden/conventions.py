@@ -7,6 +7,7 @@ live core (:func:`adadiag_ref.optim.step`, NumPy, the case's dtype) and one chan
 ``eps_before_bias``        HF ``correct_bias`` (GaLore): ``eta sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)``,
                            i.e. ``eps_t = eps / sqrt(1 - b2^t)`` against the fixture's ``sqrt(V) + eps``
 ``decay_after_update``     ``W_{t+1} = (W_t - eta P U~ Q^T)(1 - eta lambda)``: the decay of the updated ``W``
+``hf_adamw``               both of the above (HF transformers' and GaLore's ``AdamW``)
 ``coupled_l2``             ``G_t + lambda W_t`` fed to the moments (Adam's L2), no decoupled decay
 ``missing_decay``          no decay term: ``got - want = eta lambda W_t`` at the first step
 ``no_bias_correction``     the raw EMAs in the update (``m / (sqrt(v) + eps)``, no ``1 - beta^t``)
@@ -84,6 +85,17 @@ def _decay_after_update(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
     return _run(bare, case, after=lambda w: w * np.asarray(shrink, dtype=w.dtype))
 
 
+def _hf_adamw(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
+    b2, shrink = float(cfg.betas[1]), 1.0 - cfg.lr * cfg.weight_decay
+    bare = dataclasses.replace(cfg, weight_decay=0.0)
+    return _run(
+        bare,
+        case,
+        cfg_at=lambda t: dataclasses.replace(bare, eps=cfg.eps / math.sqrt(1.0 - b2**t)),
+        after=lambda w: w * np.asarray(shrink, dtype=w.dtype),
+    )
+
+
 def _coupled_l2(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
     bare = dataclasses.replace(cfg, weight_decay=0.0)
     wd = cfg.weight_decay
@@ -129,6 +141,14 @@ CONVENTIONS: tuple[Convention, ...] = (
         "W_{t+1} = W_t - eta (U + lambda W_t)",
         _decays,
         _decay_after_update,
+    ),
+    Convention(
+        "hf_adamw",
+        "HF's AdamW (GaLore's): eps added before the bias correction and the decay applied to the updated W, "
+        "(W_t - eta sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps))(1 - eta lambda); the spec: "
+        "W_{t+1} = W_t - eta (M / (sqrt(V) + eps) + lambda W_t) with the bias-corrected M, V",
+        lambda cfg, case: _adam_bias_corrected(cfg, case) and _decays(cfg, case),
+        _hf_adamw,
     ),
     Convention(
         "coupled_l2",
