@@ -276,10 +276,9 @@ class ComparisonReport:
             worst = float(np.max(ratio)) if ratio.size else 0.0
             note = f"; {self.tolerance_note()}" if self.widened_from is not None else ""
             moments = f"; moments {', '.join(self.moment_notes)}" if self.moment_notes else ""
-            return (
-                f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{checked}{moments}; "
-                f"every compared field agrees at every step{note})"
-            )
+            every = "; every compared field agrees at every step" if self.state_fields else ""
+            compared = f"{checked}{moments}{every}{note}"
+            return f"{self.case}: OK ({self.steps} steps, worst error {worst:.2g} x tolerance{compared})"
         t = self.first_diverging_step
         if self.first_mismatch is None and self.error is not None:
             where = f"at step {self.error_step} of {self.steps}" if self.error_step else "before its first step"
