@@ -30,6 +30,7 @@ class PortAdaDiag(torch.optim.Optimizer):
     skip_first = False  # no update at step 1 (the state is built)
     other_side = False  # a square matrix rotated on its right side
     svd_dtype = None  # the basis from an SVD in this dtype (float32: a float32 SVD of a float64 gradient)
+    refresh_structure = True  # the refresh-step structure of docs/spec.md section 5
 
     def __init__(  # type: ignore[no-untyped-def]
         self,
@@ -82,7 +83,9 @@ class PortAdaDiag(torch.optim.Optimizer):
                     state["P"] = P.T.clone() if self.store_transposed else P
                 P = (state["P"].T if self.store_transposed else state["P"]) if rotated else torch.eye(m, dtype=G.dtype)
                 Gt = P.T @ G
-                if refresh:  # the refresh-step structure of docs/spec.md section 5: rows beyond the rank are zero
+                if (
+                    refresh and self.refresh_structure
+                ):  # the refresh-step structure of docs/spec.md section 5: rows beyond the rank are zero
                     sizes = (Gt / Gt.abs().max().clamp_min(torch.finfo(G.dtype).tiny)).norm(dim=1)
                     rank = int((sizes > max(m, n) * torch.finfo(G.dtype).eps * sizes.max()).sum())
                     Gt[rank:] = 0
@@ -194,3 +197,9 @@ class Float32SvdAdaDiag(PortAdaDiag):
     """Bug: the basis from a float32 SVD of a float64 gradient."""
 
     svd_dtype = "float32"
+
+
+class NoStructureAdaDiag(PortAdaDiag):
+    """Bug: G~ used as computed on a refresh step (no structural zeros beyond the numerical rank)."""
+
+    refresh_structure = False

@@ -258,3 +258,32 @@ def test_plugin_counts_its_items_and_skips_what_does_not_apply(pytester: pytest.
     run = pytester.runpytest(*args, "-rs")
     run.assert_outcomes(passed=len(ADAMW) - len(NOBC) + 1, skipped=len(NOBC))
     run.stdout.fnmatch_lines(["*not applicable: needs bias_correction=False*"])
+
+
+def test_a_rank_deficient_refresh_without_its_structure_points_at_the_structure() -> None:
+    """Without the refresh-step rule, G~'s rounding noise beyond the rank reaches W (the state agrees to its
+    tolerance): the hint names the structure, not eps placement or the decay."""
+    failed, float64 = _failed("NoStructureAdaDiag")
+    assert len(float64) >= 2 and len(failed) == len(float64), [r.case for r in failed]
+    for report in failed:
+        assert "refresh-step structure of G~" in str(report.likely_cause), str(report)
+        assert "rank-deficient" in str(report.likely_cause)
+    case = load_case(failed[0].case)
+    parameters_only = compare(np.stack([np.asarray(r) for r in _trajectory(failed[0].case)]), case)
+    assert "refresh-step structure of G~" in str(parameters_only.likely_cause), str(parameters_only)
+
+
+def _trajectory(name: str) -> list:  # type: ignore[type-arg]
+    """NoStructureAdaDiag's parameters on one case (no state: the parameters-only hint)."""
+    import _ports
+    import torch
+
+    case = load_case(name)
+    param = torch.nn.Parameter(torch.from_numpy(case.w0.copy()))
+    opt = _ports.NoStructureAdaDiag([param], **{k: v for k, v in case.config.items() if k != "state_dtype"})
+    out = []
+    for g in case.grads:
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+        out.append(param.detach().numpy().copy())
+    return out

@@ -548,6 +548,11 @@ def likely_cause(
         persistent = bool(np.all(rel[first - 1 :] >= _EPS32 / 64))
         if bounded and persistent:
             return CAUSE_FLOAT32
+    if first == 1 and 1 in completion_steps:
+        return (
+            f"{CAUSE_STEP1}; the refresh at step 1 is rank-deficient: also the refresh-step structure of G~ "
+            "(docs/spec.md, section 5: exact zeros beyond the numerical rank)"
+        )
     if first == 1:
         return CAUSE_STEP1
     if first in refresh_steps:
