@@ -287,3 +287,12 @@ def _trajectory(name: str) -> list:  # type: ignore[type-arg]
         opt.step()
         out.append(param.detach().numpy().copy())
     return out
+
+
+def test_a_counter_alone_is_not_called_an_agreeing_state() -> None:
+    case = load_case("adamw-wide-f64")
+    params = case.params.copy()
+    params[4:] *= 1 + 1e-6
+    report = compare(params, case, states={"count": case.arrays["state_count"]})
+    assert report.state_fields == ("count",) and "state after step" not in str(report.likely_cause), str(report)
+    assert "count agrees at all 12 steps" in report.summary() and "W differs from step 5" in report.summary()
