@@ -50,6 +50,7 @@ def test_torch_adamw_passes_every_applicable_case_with_its_states(
     out = capsys.readouterr().out
     n = len(ADAMW)
     assert f"{n - len(NOBC)}/{n - len(NOBC)} applicable cases pass, {len(NOBC)} not applicable" in out, out
+    assert " s wall: " in out and " s start-up, " in out and " s in the cases)" in out, out
     for name in NOBC:
         assert f"{name}: not applicable: needs bias_correction=False" in out
     data = json.loads(report.read_text())
