@@ -19,7 +19,9 @@ that leave the tolerance, the largest parameter error at every step, the
 recognised patterns of the first wrong field and a hint drawn from that
 evidence.  A step function may return ``(W_{t+1}, state)`` with ``state`` a
 mapping of ``count P Q M V r s u v`` (work frame) to have the state checked
-too; a port that raises fails with its traceback.  ``adadiag-ref conform``
+too (torch.optim's ``exp_avg``, ``exp_avg_sq`` and optax's ``mu``, ``nu`` are read as ``M``, ``V``; other
+names through ``state_map``; raw EMAs detected or declared with ``moments``); a port that raises fails with its
+traceback.  ``adadiag-ref conform``
 (:mod:`adadiag_ref.golden.conform`) runs a torch class, an optax factory or a
 command over every case.
 """
@@ -35,6 +37,7 @@ from .golden.compare import (
     CAUSE_SCHEDULE,
     CAUSE_STEP1,
     CAUSE_STEP2,
+    KNOWN_STATE_NAMES,
     PARAMETER,
     ComparisonReport,
     Mismatch,
@@ -55,6 +58,7 @@ __all__ = [
     "CAUSE_SCHEDULE",
     "CAUSE_STEP1",
     "CAUSE_STEP2",
+    "KNOWN_STATE_NAMES",
     "PARAMETER",
     "ComparisonReport",
     "Mismatch",

@@ -29,6 +29,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import adadiag_r
     quiet_pip "torch==2.13.0"
     echo "setup-env: installing adadiag-ref (editable) with the extras test, torch, jax, numba, bench, plot, reproduce, gpucheck" >&2
     quiet_pip -e ".[test,torch,jax,numba,bench,plot,reproduce,gpucheck]"
+    # the conform-peers extra without its dependencies (pyproject.toml says why): the conformance kit's CI ports
+    echo "setup-env: installing galore-torch and pytorch-optimizer (--no-deps: the conformance kit's real ports)" >&2
+    quiet_pip --no-deps "galore-torch>=1.0" "pytorch-optimizer>=3.5"
     echo "$want" >"$stamp"
 fi
 echo "setup-env: .venv ready ($(python -c 'import adadiag_ref; print("adadiag-ref", adadiag_ref.__version__)'))" >&2

@@ -85,7 +85,7 @@ def test_cmd_port_passes_with_json_and_junit(tmp_path: Path, capsys: pytest.Capt
     picked = ["adafacdiag_pp-degenerate_wide-f64", "hfacdiag-conv32-f32", "adamw-tall-f64"]
     argv = ["conform", "--cmd", CMD_PORT, "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")]
     assert main(argv + [a for name in picked for a in ("--case", name)]) == 0
-    assert "3/3 cases pass" in capsys.readouterr().out
+    assert "3/3 applicable cases pass" in capsys.readouterr().out
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["passed"] == 3 and report["failed"] == 0
     fields = {r["case"]: set(r["state_fields"]) for r in report["results"]}
@@ -229,7 +229,7 @@ def test_conform_reports_failures_with_exit_1_and_junit(tmp_path: Path, capsys: 
     out = capsys.readouterr().out
     conv = {c.name for c in ADADIAG if len(c.shape) == 4}  # the port raises at step 3 on a conv kernel
     n, k = len(ADADIAG), len(conv)
-    assert f"{n - k}/{n} cases pass" in out and "planted failure at step 3" in out
+    assert f"{n - k}/{n} applicable cases pass" in out and "planted failure at step 3" in out
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite is not None
     assert (suite.get("tests"), suite.get("errors"), suite.get("failures")) == (str(n), str(k), "0")
@@ -242,7 +242,7 @@ def test_conform_reports_failures_with_exit_1_and_junit(tmp_path: Path, capsys: 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "one of the arguments --torch --optax --cmd is required"),
+        ([], "name a port: --torch MOD:CLASS, --optax MOD:FACTORY or --cmd COMMAND (or --list)"),
         (["--torch", "no_such_module_xyz:AdaDiag"], "cannot import no_such_module_xyz"),
         (["--torch", "adadiag_ref:NoSuchClass"], "has no attribute 'NoSuchClass'"),
         (["--torch", "AdaDiag"], "expected pkg.module:Name"),
@@ -263,7 +263,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys) -> None:  #
     assert len(err.splitlines()) == 1 and err.startswith("adadiag-ref: error:") and message in err, err
 
 
-def test_a_keyword_the_port_lacks_fails_only_the_cases_that_need_it() -> None:
+def test_a_keyword_the_port_lacks_makes_only_the_cases_that_need_it_not_applicable() -> None:
     pytest.importorskip("torch")
     import _ports
 
@@ -276,7 +276,11 @@ def test_a_keyword_the_port_lacks_fails_only_the_cases_that_need_it() -> None:
     needs_it = load_case("adadiag-wide-f64")
     needs_it = type(needs_it)(**{**needs_it.__dict__, "config": {**needs_it.config, "bias_correction": False}})
     report = torch_runner(NoBiasCorrection)(needs_it)
-    assert not report.passed and "takes no 'bias_correction'" in str(report.error)
+    assert not report.passed and not report.failed and report.error is None
+    assert report.summary() == (
+        "adadiag-wide-f64: not applicable: needs bias_correction=False (the library's default is True); "
+        "NoBiasCorrection takes no 'bias_correction'"
+    )
 
 
 # ----------------------------------------------------------------------------- replay reads the fixture's config

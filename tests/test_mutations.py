@@ -477,12 +477,12 @@ def _sign_flip_step(case: GoldenCase) -> int | None:
 # (mutant, fixture, expected first diverging step in the parameters, expected cause)
 FIRST_STEPS: list[tuple[str, str, int, str]] = [
     ("eps_inside_sqrt", "adadiag-wide-f64", 1, CAUSE_STEP1),
-    ("no_bias_correction", "adadiag-wide-f64", 1, CAUSE_STEP1),
+    ("no_bias_correction", "adadiag-wide-f64", 1, "no_bias_correction: "),  # a convention the kit names
     ("refresh_t_mod_T", "adadiag-wide-f64", 1, CAUSE_STEP1),
     ("refresh_t1_and_t_mod_T", "adadiag-wide-f64", 4, CAUSE_SCHEDULE),
     ("raw_lapack_bases", "adadiag-wide-f64", -1, CAUSE_REFRESH),
     ("moments_reprojected", "adadiag-wide-f64", 5, CAUSE_REFRESH),
-    ("decay_after_update", "adadiag-wide-f64", 1, CAUSE_STEP1),
+    ("decay_after_update", "adadiag-wide-f64", 1, "decay_after_update: "),
     ("rotation_wrong_side", "adadiag-wide-f64", 1, CAUSE_STEP1),
 ]
 

@@ -15,27 +15,35 @@ A port is one of
   (the file protocol: :data:`CMD_PROTOCOL`, docs/golden.md).
 
 Every case runs, whatever the others do: a port that raises (or a command that fails) is a failed case
-with its traceback.  The fixture's config is given under the API's names
-(:func:`~adadiag_ref.golden.format.api_options`); a keyword the port does not take is left out when its
-value is the library's default, and fails the case otherwise (the case needs it).
+with its traceback (the port's frames; the kit's own are left out).  The fixture's config is given under the
+API's names (:func:`~adadiag_ref.golden.format.api_options`), only the keys that apply to the optimizer
+(:func:`applicable_options`: an unrotated optimizer has no ``update_freq``); a keyword the port does not take is
+left out when its value is the library's default, and otherwise the case is *not applicable* to the port:
+skipped, counted and listed, never a failure.  What the constructor's signature names decides; a keyword a port
+would swallow through ``**kwargs`` counts only when declared (``accepts``, ``--accepts``).
+
+The states of torch.optim's Adam/AdamW (``step``, ``exp_avg``, ``exp_avg_sq``) and optax's ``ScaleByAdamState``
+(``count``, ``mu``, ``nu``) are recognised; other names are mapped with ``--state-map exp_avg=M,...``, and raw
+moments are detected or declared (``--moments``; :func:`~adadiag_ref.golden.compare.compare`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import inspect
 import json
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +51,29 @@ import numpy as np
 
 from .._cli import ErrorParser, fail, output_file, parse_and_run, positive_int
 from ..config import OPTIMIZERS, make_config
-from .compare import ComparisonReport, compare, error_report
+from .compare import KNOWN_STATE_NAMES, ComparisonReport, compare, error_report, parse_state_map, port_traceback
 from .format import STATE_FIELDS, GoldenCase, api_options, default_data_dir, load_cases, state_key
 
 __all__ = [
     "CMD_PROTOCOL",
+    "UNROTATED_ONLY_KEYS",
+    "ConformOptions",
     "ConformResult",
+    "NotApplicable",
     "add_parser",
+    "applicable_options",
     "cmd_runner",
+    "conform_options",
     "infer_optimizer",
     "junit_xml",
+    "list_cases",
     "load_object",
     "main",
+    "not_applicable_report",
     "optax_runner",
     "port_options",
     "port_runner",
+    "process_seconds",
     "run_conform",
     "select_cases",
     "torch_runner",
@@ -124,6 +140,53 @@ def infer_optimizer(port: Any) -> str | None:
     return by_class.get(label) or (label if label in OPTIMIZERS else None)
 
 
+UNROTATED_ONLY_KEYS = ("update_freq", "max_basis_dim", "basis_method")
+"""Config keys of the rotation (refresh period, size cap, SVD route): they say nothing to an optimizer without a
+basis (``adamw``, ``adafactor``, ``hfac``), whose cases therefore do not pass them to a port."""
+
+
+class NotApplicable(Exception):
+    """A case needs an option the port does not have (the message says which): skipped, not failed."""
+
+
+@dataclass(frozen=True)
+class ConformOptions:
+    """How a port is run and compared (the same for every case).
+
+    Attributes:
+        accepts: keywords the port honours through ``**kwargs`` (declared: a ``**kwargs`` alone proves nothing).
+        port_options: extra keywords for the constructor or factory (``foreach=False``), over the case's.
+        state_map: the port's state names for fixture fields (``{"exp_avg": "M"}``), over the known layouts.
+        moments: ``auto``, ``raw`` or ``corrected`` (:func:`~adadiag_ref.golden.compare.compare`).
+        rtol, state_rtol: the parameters' and the states' relative tolerance instead of the case's.
+        rename: the port's names of the case's keywords (``{"bias_correction": "correct_bias"}``: HF, GaLore,
+            SOAP; ``{"update_freq": "precondition_frequency"}``: SOAP), applied before the keywords are matched.
+    """
+
+    accepts: tuple[str, ...] = ()
+    port_options: dict[str, Any] = field(default_factory=dict)
+    state_map: dict[str, str] = field(default_factory=dict)
+    moments: str = "auto"
+    rtol: float | None = None
+    state_rtol: float | None = None
+    rename: dict[str, str] = field(default_factory=dict)
+
+    def compare(self, step_fn: Any, case: GoldenCase) -> ComparisonReport:
+        """:func:`~adadiag_ref.golden.compare.compare` with these options."""
+        return compare(
+            step_fn, case, rtol=self.rtol, state_rtol=self.state_rtol, state_map=self.state_map, moments=self.moments
+        )
+
+
+def applicable_options(case: GoldenCase, api: str) -> dict[str, Any]:
+    """The case's config under the API's names, without the keys that do not apply to its optimizer
+    (:data:`UNROTATED_ONLY_KEYS` for an optimizer without a basis)."""
+    options = api_options(case.config, api)
+    if OPTIMIZERS[case.optimizer].sides == 0:
+        options = {k: v for k, v in options.items() if k not in UNROTATED_ONLY_KEYS}
+    return options
+
+
 def _library_defaults(optimizer: str, api: str) -> dict[str, Any]:
     """The library's default of every keyword, under the API's names (what leaving a keyword out means here)."""
     cfg = make_config(optimizer)
@@ -133,73 +196,120 @@ def _library_defaults(optimizer: str, api: str) -> dict[str, Any]:
     return api_options(values, api)
 
 
-def port_options(port: Callable[..., Any], case: GoldenCase, api: str) -> tuple[dict[str, Any], list[str]]:
+def _is_library_port(port: Any) -> bool:
+    """The library's own torch classes and optax aliases: they validate every keyword they get."""
+    return str(getattr(port, "__module__", "")).startswith("adadiag_ref.")
+
+
+def port_options(
+    port: Callable[..., Any],
+    case: GoldenCase,
+    api: str,
+    accepts: Iterable[str] = (),
+    rename: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
     """The case's config as keywords ``port`` takes, and the keywords left out (each at the library's default).
 
-    Raises ``ValueError`` when the port lacks a keyword whose value in the case is not the default.
+    A keyword counts as taken when the signature names it or ``accepts`` declares it (a port's ``**kwargs``
+    would swallow any keyword without honouring it, so it proves nothing; the library's own ports validate
+    theirs and take every key).  Raises :class:`NotApplicable` when the port lacks a keyword whose value in
+    the case is not the library's default.  ``rename`` gives the port's name of a keyword (its value and
+    default are the case's).
     """
-    options = api_options(case.config, api)
+    names = rename or {}
+    options = applicable_options(case, api)
+    label = getattr(port, "__name__", str(port))
     try:
         parameters = inspect.signature(port).parameters
     except (TypeError, ValueError):  # a builtin without a signature: give it everything
         return options, []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    if _is_library_port(port):
         return options, []
+    named = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    swallows = next((n for n, p in parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    taken = named | set(accepts)
     defaults = _library_defaults(case.optimizer, api)
     kept, left_out = {}, []
     for key, value in options.items():
-        if key in parameters:
-            kept[key] = value
+        if names.get(key, key) in taken:
+            kept[names.get(key, key)] = value
         elif key in defaults and defaults[key] == value:
             left_out.append(key)
+        elif swallows is not None:
+            raise NotApplicable(
+                f"needs {key}={value!r}, which {label} would swallow through **{swallows} (no parameter names "
+                f"it); if it honours it, declare it: --accepts {key}"
+            )
         else:
-            raise ValueError(
-                f"{getattr(port, '__name__', port)} takes no {key!r}, and the case needs {key}={value!r} "
-                f"(the library's default is {defaults.get(key)!r})"
+            raise NotApplicable(
+                f"needs {key}={value!r} (the library's default is {defaults.get(key)!r}); {label} takes no {key!r}"
             )
     return kept, left_out
 
 
+def not_applicable_report(case: GoldenCase, reason: str) -> ComparisonReport:
+    """The report of a case the port cannot run (an option it lacks): neither passed nor failed."""
+    report = error_report(case, reason)
+    return dataclasses.replace(report, first_diverging_step=None, likely_cause=None, error=None, not_applicable=reason)
+
+
 def _guarded(runner: Callable[[GoldenCase], ComparisonReport]) -> Runner:
-    """A failure to build the port (its constructor raising, a keyword it lacks) fails the case, not the run."""
+    """A case the port cannot run is not applicable; a failure to build the port (its constructor raising)
+    fails the case, not the run, with the port's traceback."""
 
     def run(case: GoldenCase) -> ComparisonReport:
         try:
             return runner(case)
-        except Exception:
-            return error_report(case, traceback.format_exc())
+        except NotApplicable as exc:
+            return not_applicable_report(case, str(exc))
+        except Exception as exc:
+            return error_report(case, port_traceback(exc))
 
     return run
 
 
-def torch_runner(cls: Any) -> Runner:
+def _host_state(state: Any) -> dict[str, Any]:
+    """A torch optimizer's per-parameter state on the host: tensors as arrays, numbers (a Python ``step``) kept."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.detach().cpu().numpy()
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
+def torch_runner(cls: Any, options: ConformOptions | None = None) -> Runner:
     """Cases through a ``torch.optim.Optimizer`` class: ``cls([p], **config)``, ``p.grad = G_t``, ``step()``."""
     import torch
 
+    opts = options or ConformOptions()
+
     def run(case: GoldenCase) -> ComparisonReport:
-        kwargs, _ = port_options(cls, case, "torch")
+        kwargs, _ = port_options(cls, case, "torch", opts.accepts, opts.rename)
         param = torch.nn.Parameter(torch.from_numpy(np.array(case.w0, copy=True)))
-        optimizer = cls([param], **kwargs)
+        optimizer = cls([param], **{**kwargs, **opts.port_options})
 
         def step_fn(w: np.ndarray, g: np.ndarray, t: int) -> Any:
             param.grad = torch.from_numpy(g)
             optimizer.step()
-            state = optimizer.state.get(param, {})
-            tensors = {k: v.detach().cpu().numpy() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            return param.detach().cpu().numpy().copy(), tensors
+            return param.detach().cpu().numpy().copy(), _host_state(optimizer.state.get(param, {}))
 
-        return compare(step_fn, case)
+        return opts.compare(step_fn, case)
 
     return _guarded(run)
 
 
-def _optax_state(state: Any, params: Any) -> dict[str, Any]:
-    """The first NamedTuple in an optax state with a field named like a fixture state field (core states: the
-    library's ``CoreTransformState`` read through ``core_states``, the moments in the work frame)."""
+def _optax_state(state: Any, params: Any, state_map: dict[str, str] | None = None) -> dict[str, Any]:
+    """The first NamedTuple in an optax state with a field named like a fixture state field, a known layout's
+    (``ScaleByAdamState``'s ``mu``, ``nu``) or a mapped one (core states: the library's ``CoreTransformState``
+    read through ``core_states``, the moments in the work frame)."""
     import jax
 
     adapter = sys.modules.get("adadiag_ref.adapters.optax")
-    wanted = set(STATE_FIELDS) - {"count"}
+    wanted = (set(STATE_FIELDS) | set(KNOWN_STATE_NAMES) | set(state_map or {})) - {"count", "step"}
 
     def is_state(x: Any) -> bool:
         if adapter is not None and isinstance(x, adapter.CoreTransformState):
@@ -214,17 +324,19 @@ def _optax_state(state: Any, params: Any) -> dict[str, Any]:
     return {}
 
 
-def optax_runner(factory: Callable[..., Any]) -> Runner:
+def optax_runner(factory: Callable[..., Any], options: ConformOptions | None = None) -> Runner:
     """Cases through an optax factory: ``tx = factory(**config)`` (optax's names), ``tx.update`` under ``jax.jit``."""
     import jax
     import jax.numpy as jnp
     import optax
 
+    opts = options or ConformOptions()
+
     def run(case: GoldenCase) -> ComparisonReport:
         if case.dtype == "float64":
             jax.config.update("jax_enable_x64", True)  # a float64 case needs float64 arrays
-        kwargs, _ = port_options(factory, case, "optax")
-        tx = factory(**kwargs)
+        kwargs, _ = port_options(factory, case, "optax", opts.accepts, opts.rename)
+        tx = factory(**{**kwargs, **opts.port_options})
         box: dict[str, Any] = {"params": jnp.asarray(case.w0)}
         box["state"] = tx.init(box["params"])
         update = jax.jit(tx.update)
@@ -232,9 +344,9 @@ def optax_runner(factory: Callable[..., Any]) -> Runner:
         def step_fn(w: np.ndarray, g: np.ndarray, t: int) -> Any:
             updates, box["state"] = update(jnp.asarray(g), box["state"], box["params"])
             box["params"] = optax.apply_updates(box["params"], updates)
-            return np.asarray(box["params"]), _optax_state(box["state"], box["params"])
+            return np.asarray(box["params"]), _optax_state(box["state"], box["params"], opts.state_map)
 
-        return compare(step_fn, case)
+        return opts.compare(step_fn, case)
 
     return _guarded(run)
 
@@ -259,8 +371,9 @@ def write_cmd_input(case: GoldenCase, path: Path) -> None:
     )
 
 
-def cmd_runner(command: str, timeout: float = 120.0) -> Runner:
+def cmd_runner(command: str, timeout: float = 120.0, options: ConformOptions | None = None) -> Runner:
     """Cases through a command of :data:`CMD_PROTOCOL`, one process per case."""
+    opts = options or ConformOptions()
 
     def run(case: GoldenCase) -> ComparisonReport:
         with tempfile.TemporaryDirectory(prefix="adadiag-conform-") as tmp:
@@ -284,7 +397,15 @@ def cmd_runner(command: str, timeout: float = 120.0) -> Runner:
                 states = {k[len(prefix) :]: np.asarray(data[k]) for k in data.files if k.startswith(prefix)}
         if params.shape != (case.steps, *case.shape):
             return error_report(case, f"params has shape {params.shape}, expected {(case.steps, *case.shape)}")
-        return compare(params, case, states={k: v for k, v in states.items() if k in STATE_FIELDS})
+        return compare(
+            params,
+            case,
+            states=states,
+            rtol=opts.rtol,
+            state_rtol=opts.state_rtol,
+            state_map=opts.state_map,
+            moments=opts.moments,
+        )
 
     return run
 
@@ -294,49 +415,72 @@ def cmd_runner(command: str, timeout: float = 120.0) -> Runner:
 
 @dataclass(frozen=True)
 class ConformResult:
-    """Every case's report and time, for one port (``target``: what was run)."""
+    """Every case's report and time, for one port (``target``: what was run; ``startup``: the seconds before the
+    first case, from the process's start where it is known: imports, loading the fixtures, loading the port)."""
 
     target: str
     reports: tuple[ComparisonReport, ...]
     seconds: tuple[float, ...]
+    startup: float = 0.0
 
     @property
     def failed(self) -> list[ComparisonReport]:
-        return [r for r in self.reports if not r.passed]
+        return [r for r in self.reports if r.failed]
+
+    @property
+    def skipped(self) -> list[ComparisonReport]:
+        """The cases that do not apply to the port (an option it lacks), each with its reason."""
+        return [r for r in self.reports if r.not_applicable is not None]
+
+    @property
+    def passed(self) -> list[ComparisonReport]:
+        return [r for r in self.reports if r.passed]
 
     @property
     def total_seconds(self) -> float:
         return float(sum(self.seconds))
 
+    def counts(self) -> str:
+        """``14/14 applicable cases pass, 2 not applicable``."""
+        applicable = len(self.reports) - len(self.skipped)
+        text = f"{len(self.passed)}/{applicable} applicable cases pass"
+        return text + (f", {len(self.skipped)} not applicable" if self.skipped else "")
+
     def text(self, verbose: bool = False) -> str:
         """One line per case (a failing case: its full report when ``verbose``), then the count and the time."""
         lines = []
         for report in self.reports:
-            if verbose and not report.passed:
+            if verbose and report.failed:
                 lines.append(str(report))
             else:
                 lines.append(report.summary())
-                if report.error and not report.passed:
+                if report.error and report.failed:
                     lines.append("  " + "\n  ".join(report.error.rstrip().splitlines()[-6:]))
-        passed = len(self.reports) - len(self.failed)
-        lines.append(f"{passed}/{len(self.reports)} cases pass ({self.target}; {self.total_seconds:.1f} s)")
+        wall = self.startup + self.total_seconds
+        lines.append(
+            f"{self.counts()} ({self.target}; {wall:.1f} s wall: {self.startup:.1f} s start-up, "
+            f"{self.total_seconds:.1f} s in the cases)"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": "adadiag-conform",
-            "format_version": 1,
+            "format_version": 2,
             "target": self.target,
             "cases": len(self.reports),
-            "passed": len(self.reports) - len(self.failed),
+            "passed": len(self.passed),
             "failed": len(self.failed),
+            "not_applicable": len(self.skipped),
             "seconds": self.total_seconds,
+            "startup_seconds": self.startup,
             "results": [{**r.to_dict(), "seconds": s} for r, s in zip(self.reports, self.seconds)],
         }
 
 
 def junit_xml(result: ConformResult) -> str:
-    """JUnit XML: one ``testcase`` per case; a mismatch is a ``failure``, a port that raised an ``error``."""
+    """JUnit XML: one ``testcase`` per case; a mismatch is a ``failure``, a port that raised an ``error``, a case
+    that does not apply ``skipped``."""
     errors = sum(1 for r in result.failed if r.error is not None and r.first_mismatch is None)
     suite = ET.Element(
         "testsuite",
@@ -344,7 +488,7 @@ def junit_xml(result: ConformResult) -> str:
         tests=str(len(result.reports)),
         failures=str(len(result.failed) - errors),
         errors=str(errors),
-        skipped="0",
+        skipped=str(len(result.skipped)),
         time=f"{result.total_seconds:.3f}",
     )
     ET.SubElement(ET.SubElement(suite, "properties"), "property", name="target", value=result.target)
@@ -353,6 +497,9 @@ def junit_xml(result: ConformResult) -> str:
         case = ET.SubElement(
             suite, "testcase", classname=f"adadiag_ref.conform.{optimizer}", name=report.case, time=f"{seconds:.3f}"
         )
+        if report.not_applicable is not None:
+            ET.SubElement(case, "skipped", message=f"not applicable: {report.not_applicable}")
+            continue
         if report.passed:
             continue
         kind = "error" if report.error is not None and report.first_mismatch is None else "failure"
@@ -363,8 +510,35 @@ def junit_xml(result: ConformResult) -> str:
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux's ``/proc``), or ``None`` where that is not known."""
+    try:
+        fields_ = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return max(0.0, uptime - int(fields_[19]) / ticks)  # field 22 of stat: the start time in clock ticks
+
+
+def _run_as_command() -> bool:
+    """Whether this process is the ``adadiag-ref`` command (its age is then the start-up), not a host such as
+    pytest calling :func:`main`."""
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    return getattr(spec, "name", "") == "adadiag_ref.cli" or Path(sys.argv[0]).name == "adadiag-ref"
+
+
+_IMPORTED = time.perf_counter()
+"""When this module was imported: the start-up's beginning where :func:`process_seconds` is not known."""
+
+
 def run_conform(
-    runner: Runner, cases: Iterable[GoldenCase], target: str, progress: Callable[[str], None] | None = None
+    runner: Runner,
+    cases: Iterable[GoldenCase],
+    target: str,
+    progress: Callable[[str], None] | None = None,
+    startup: float = 0.0,
 ) -> ConformResult:
     """Run every case (each on its own: a failing case never stops the others) and time each."""
     reports, seconds = [], []
@@ -375,54 +549,126 @@ def run_conform(
         reports.append(report)
         if progress is not None:
             progress(report.summary())
-    return ConformResult(target, tuple(reports), tuple(seconds))
+    return ConformResult(target, tuple(reports), tuple(seconds), startup)
 
 
 def select_cases(
-    directory: str | Path | None, optimizers: list[str] | None, dtype: str | None, names: list[str] | None
+    directory: str | Path | None,
+    optimizers: list[str] | None,
+    dtype: str | None,
+    names: list[str] | None,
+    features: list[str] | None = None,
+    exclude: list[str] | None = None,
 ) -> list[GoldenCase]:
-    """The cases of a fixture set, filtered by optimizer, dtype and name (an unknown name is an error)."""
-    cases = [c for c in load_cases(directory, dtype=dtype) if optimizers is None or c.optimizer in optimizers]
+    """The cases of a fixture set, filtered by optimizer, dtype, name, feature (every one of ``features``) and
+    ``exclude`` (a case name or a feature); an unknown name or feature is an error that lists the known ones."""
+    every = load_cases(directory, dtype=dtype)
+    cases = [c for c in every if optimizers is None or c.optimizer in optimizers]
+    known_features = sorted({f for c in every for f in c.features})
+    for label, wanted in (("feature", features or []), ("case or feature", exclude or [])):
+        unknown = [f for f in wanted if f not in known_features and f not in {c.name for c in every}]
+        if unknown:
+            raise ValueError(f"no {label} {', '.join(unknown)}; the features: {', '.join(known_features)}")
     if names:
-        known = {c.name for c in cases}
+        known = [c.name for c in cases]
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"no case {', '.join(unknown)} among the selected ones")
+            raise ValueError(f"no case {', '.join(unknown)} among the selected ones; they are: {', '.join(known)}")
         cases = [c for c in cases if c.name in names]
-    return cases
+    cases = [c for c in cases if all(f in c.features for f in features or [])]
+    dropped = set(exclude or [])
+    return [c for c in cases if c.name not in dropped and not dropped & set(c.features)]
+
+
+def list_cases(cases: Iterable[GoldenCase]) -> str:
+    """One line per case: name, optimizer, dtype, shape, steps and features (``conform --list``)."""
+    rows = [
+        f"{c.name:32s} {c.optimizer:14s} {c.dtype:8s} {'x'.join(map(str, c.shape)):10s} {c.steps:3d} steps  "
+        f"{', '.join(c.features)}"
+        for c in cases
+    ]
+    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- the command
 
 
-def port_runner(kind: str, target: str, timeout: float = 120.0) -> tuple[Runner, list[str] | None]:
+def port_runner(
+    kind: str, target: str, timeout: float = 120.0, options: ConformOptions | None = None
+) -> tuple[Runner, list[str] | None]:
     """The runner of a port (``kind``: ``torch``, ``optax`` or ``cmd``; ``target``: ``MOD:NAME`` or the command)
     and the optimizers it implements when its name tells (``None``: say it, or for ``cmd``, every case).
 
     Raises ``ValueError`` (a usage error) when the port cannot be loaded or its framework is missing."""
     if kind == "cmd":
-        return cmd_runner(target, timeout), None
+        return cmd_runner(target, timeout, options), None
     if kind not in ("torch", "optax"):
         raise ValueError(f"unknown port kind {kind!r}; choose torch, optax or cmd")
-    port = load_object(target)
-    inferred = infer_optimizer(port)
     try:
-        runner = torch_runner(port) if kind == "torch" else optax_runner(port)
+        port = load_object(target)
+        runner = torch_runner(port, options) if kind == "torch" else optax_runner(port, options)
     except ModuleNotFoundError as exc:
         extra = "torch" if kind == "torch" else "jax"
         raise ValueError(f"--{kind} needs {exc.name}: pip install 'adadiag-ref[{extra}]'") from None
+    inferred = infer_optimizer(port)
     return runner, None if inferred is None else [inferred]
 
 
-def _build_runner(args: argparse.Namespace) -> tuple[Runner, str, list[str] | None]:
-    """The runner, a label of the target and the optimizers to check (``None``: every case)."""
-    kind = "cmd" if args.cmd is not None else "torch" if args.torch is not None else "optax"
-    target = {"cmd": args.cmd, "torch": args.torch, "optax": args.optax}[kind]
-    runner, inferred = port_runner(kind, target, args.timeout)
-    optimizers = args.optimizer or inferred
-    if optimizers is None and kind != "cmd":
-        raise ValueError(f"say which optimizer {target} implements: --optimizer NAME ({', '.join(OPTIMIZERS)})")
-    return runner, f"--{kind} {target}", optimizers
+def conform_options(
+    accepts: str | None = None,
+    port_option: Iterable[str] = (),
+    state_map: str | None = None,
+    moments: str = "auto",
+    rtol: float | None = None,
+    state_rtol: float | None = None,
+    rename: str | None = None,
+) -> ConformOptions:
+    """:class:`ConformOptions` from the command line's (and the pytest plugin's) text forms: ``accepts`` a comma
+    list, each ``port_option`` ``KEY=VALUE`` (a JSON value, else the text), ``state_map`` ``NAME=FIELD,...``,
+    ``rename`` ``KEY=PORT_KEY,...``."""
+    extra = {}
+    for item in port_option:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--port-option {item!r}: expected KEY=VALUE (a JSON value: foreach=false)")
+        try:
+            extra[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            extra[key.strip()] = text
+    return ConformOptions(
+        accepts=tuple(k.strip() for k in (accepts or "").split(",") if k.strip()),
+        port_options=extra,
+        state_map=parse_state_map(state_map or ""),
+        moments=moments,
+        rtol=rtol,
+        state_rtol=state_rtol,
+        rename=_pairs(rename or "", "--rename", "KEY=PORT_KEY"),
+    )
+
+
+def _pairs(text: str, flag: str, form: str) -> dict[str, str]:
+    """``"a=b,c=d"`` as ``{"a": "b", "c": "d"}``; a malformed pair is a ``ValueError`` naming ``flag``."""
+    out = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = (x.strip() for x in pair.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {pair!r}: expected {form}")
+        out[key] = value
+    return out
+
+
+def _options(args: argparse.Namespace) -> ConformOptions:
+    return conform_options(
+        args.accepts, args.port_option, args.state_map, args.moments, args.rtol, args.state_rtol, args.rename
+    )
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(kind, target)`` of the port named on the command line, or ``None`` (``--list`` alone)."""
+    for kind in ("cmd", "torch", "optax"):
+        if getattr(args, kind) is not None:
+            return kind, getattr(args, kind)
+    return None
 
 
 def _optimizer_list(text: str) -> list[str]:
@@ -434,19 +680,51 @@ def _optimizer_list(text: str) -> list[str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every case passes, 1 when one fails, 2 for a usage or input error (one line on stderr)."""
-    runner, target, optimizers = _build_runner(args)
+    """Exit 0 when every applicable case passes, 1 when one fails, 2 for a usage or input error (one line on
+    stderr) or when no case applies to the port."""
+    began = process_seconds() if _run_as_command() else None
+    began = time.perf_counter() - _IMPORTED if began is None else began
+    clock = time.perf_counter()
+    target = _target(args)
     directory = Path(args.dir) if args.dir else default_data_dir()
-    cases = select_cases(directory, optimizers, args.dtype, args.case)
+    if target is None:
+        if not args.list:
+            return fail("conform: name a port: --torch MOD:CLASS, --optax MOD:FACTORY or --cmd COMMAND (or --list)")
+        print(list_cases(select_cases(directory, args.optimizer, args.dtype, args.case, args.feature, args.exclude)))
+        return 0
+    kind, spec = target
+    runner, inferred = port_runner(kind, spec, args.timeout, _options(args))
+    optimizers = args.optimizer or inferred
+    if optimizers is None and kind != "cmd" and not args.case:
+        raise ValueError(
+            f"say which optimizer {spec} implements: --optimizer NAME ({', '.join(OPTIMIZERS)}), or name cases: --case"
+        )
+    cases = select_cases(directory, optimizers, args.dtype, args.case, args.feature, args.exclude)
     if not cases:
         return fail(f"conform: no golden case in {directory} for {', '.join(optimizers or ['any optimizer'])}")
-    result = run_conform(runner, cases, target)
+    if args.list:
+        print(list_cases(cases))
+        return 0
+    startup = began + time.perf_counter() - clock
+    result = run_conform(runner, cases, f"--{kind} {spec}", startup=startup)
     print(result.text(verbose=args.verbose))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     if args.junit:
         Path(args.junit).write_text(junit_xml(result))
+    if not result.failed and len(result.skipped) == len(result.reports):
+        return fail(f"conform: no selected case applies to {spec} ({result.skipped[0].not_applicable})")
     return 1 if result.failed else 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -458,7 +736,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=CMD_PROTOCOL,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    target = parser.add_mutually_exclusive_group(required=True)
+    target = parser.add_mutually_exclusive_group()
     target.add_argument(
         "--torch", metavar="MOD:CLASS", help="a torch.optim.Optimizer class (pkg.mod:Class or file.py:Class)"
     )
@@ -468,10 +746,54 @@ def add_parser(subparsers: Any) -> None:
         "--optimizer",
         type=_optimizer_list,
         default=None,
-        help="the optimizer(s) it implements, comma list (default: from the class or function name; --cmd: all)",
+        help="the optimizer(s) it implements, comma list (default: from the class or function name, or the "
+        "--case names; --cmd: all)",
     )
+    parser.add_argument("--list", action="store_true", help="list the selected cases and their features; run none")
     parser.add_argument("--dtype", choices=["float64", "float32"], default=None, help="only the cases of this dtype")
     parser.add_argument("--case", action="append", default=None, help="only this case (repeatable)")
+    parser.add_argument(
+        "--feature", action="append", default=None, help="only the cases with this feature (repeatable: all of them)"
+    )
+    parser.add_argument(
+        "--exclude", action="append", default=None, help="leave out this case, or every case with this feature"
+    )
+    parser.add_argument("--rtol", type=_positive_float, default=None, help="the parameters' rtol (default: the case's)")
+    parser.add_argument(
+        "--state-rtol", type=_positive_float, default=None, help="the states' rtol (default: the case's)"
+    )
+    parser.add_argument(
+        "--state-map",
+        metavar="NAME=FIELD,...",
+        default=None,
+        help="the port's state names for fixture fields (exp_avg=M,exp_avg_sq=V; torch.optim's and optax's Adam "
+        "states are known)",
+    )
+    parser.add_argument(
+        "--moments",
+        choices=["auto", "raw", "corrected"],
+        default="auto",
+        help="the port's M, V: raw EMAs or bias-corrected like the fixture's (default: detected)",
+    )
+    parser.add_argument(
+        "--accepts",
+        metavar="KEY,...",
+        default=None,
+        help="keywords the port honours through **kwargs (a **kwargs alone does not say it)",
+    )
+    parser.add_argument(
+        "--rename",
+        metavar="KEY=PORT_KEY,...",
+        default=None,
+        help="the port's names of the case's keywords (bias_correction=correct_bias)",
+    )
+    parser.add_argument(
+        "--port-option",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="an extra keyword for the constructor or factory, VALUE as JSON (foreach=false; repeatable)",
+    )
     parser.add_argument("--dir", default=None, help="fixture directory (default: the shipped set)")
     parser.add_argument("--json", metavar="PATH", type=output_file, default=None, help="write the JSON report")
     parser.add_argument("--junit", metavar="PATH", type=output_file, default=None, help="write a JUnit XML report")
