@@ -23,6 +23,7 @@ from .claims import (
     sufficient_condition,
 )
 from .controllers import ConstantStepSize, PIController
+from .discrete import DiscreteLimit, discrete_limit, flow_of_config
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import (
     PROBLEMS,
@@ -52,7 +53,7 @@ from .systems import (
     vector_field,
 )
 from .tableaus import DOPRI5, EULER, RK4, TABLEAUS, ButcherTableau
-from .terms import ODETerm, SystemTerm, bias_corrected_rate, bias_corrected_term
+from .terms import BiasCorrectedTerm, ODETerm, SystemTerm, bias_corrected_rate, bias_corrected_term
 
 __all__ = [
     "CLAIMS",
@@ -68,12 +69,14 @@ __all__ = [
     "AdamODEState",
     "Basis",
     "BasisSchedule",
+    "BiasCorrectedTerm",
     "ButcherTableau",
     "CheckResult",
     "Claim",
     "ClaimEvaluation",
     "ConstantStepSize",
     "Counterexample",
+    "DiscreteLimit",
     "Dopri5",
     "Euler",
     "ExplicitRK",
@@ -98,8 +101,10 @@ __all__ = [
     "counterexample",
     "custom_problem",
     "directional_derivative",
+    "discrete_limit",
     "evaluate_at",
     "factorization_problem",
+    "flow_of_config",
     "hamiltonian",
     "hamiltonian_rate",
     "initial_state",

@@ -38,6 +38,7 @@ from .systems import (
 )
 
 __all__ = [
+    "BiasCorrectedTerm",
     "Diagnostics",
     "Gradients",
     "ODETerm",
@@ -88,17 +89,32 @@ def unpack(y: Array, layout: StateLayout, cls: type, xp: Namespace) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class ODETerm:
-    """A plain vector field ``f(t, y, args) -> dy/dt`` on flat vectors (no basis, no blocks)."""
+    """A plain vector field ``f(t, y, args) -> dy/dt`` on flat vectors, with optional extras.
+
+    Attributes:
+        fn: ``f(t, y, args)``.
+        refresh_fn: ``refresh_fn(t, y, args) -> args`` at a basis refresh (``None``: ``args`` kept).
+        hamiltonian_fn: ``H(y)``, a host float; with ``rate_fn`` it makes the term checkable by
+            :func:`~.checks.check` (your own flow, no family registration).
+        rate_fn: the closed-form ``dH/dt = <grad H(y), f(t, y, args)>`` at ``(t, y, args)``.
+        loss_fn: ``L(y)`` for the report (``None``: reported as ``H``).
+        grad_norm_fn: ``||grad L||`` at ``y`` for the report and gradient-tolerance events (``None``: NaN).
+    """
 
     fn: Callable[[float, Array, Any], Array]
+    refresh_fn: Callable[[float, Array, Any], Any] | None = None
+    hamiltonian_fn: Callable[[Array], float] | None = None
+    rate_fn: Callable[[float, Array, Any], float] | None = None
+    loss_fn: Callable[[Array], float] | None = None
+    grad_norm_fn: Callable[[Array], float] | None = None
 
     def vector_field(self, t: float, y: Array, args: Any) -> Array:
         """``f(t, y, args)``."""
         return self.fn(t, y, args)
 
     def refresh(self, t: float, y: Array, args: Any) -> Any:
-        """A plain term has nothing to refresh: returns ``args``."""
-        return args
+        """``refresh_fn(t, y, args)``, or ``args`` unchanged when the term has nothing to refresh."""
+        return args if self.refresh_fn is None else self.refresh_fn(t, y, args)
 
 
 class Diagnostics(NamedTuple):
@@ -246,24 +262,56 @@ def bias_corrected_rate(rate: float, t: float) -> float:
     return rate / -math.expm1(-rate * max(t, 1e-300))
 
 
-def bias_corrected_term(system: System, problem: Problem) -> ODETerm:
-    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer, as a plain :class:`ODETerm`.
+@dataclass(frozen=True, eq=False)
+class BiasCorrectedTerm(SystemTerm):
+    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer (see :func:`bias_corrected_term`).
+
+    The same state layout, blocks and basis refresh as :class:`SystemTerm` (a refresh recomputes
+    ``P, Q`` from ``grad L(W(t))``, moments untouched); only the rates are time dependent,
+    ``a(t) = a / (1 - e^{-a t})`` and ``b(t) = b / (1 - e^{-b t})``.  ``H`` is not conserved in the
+    autonomous sense here, so the closed-form ``dH/dt`` (and :meth:`diagnostics`) are refused.
+    """
+
+    _systems: dict[float, System] = field(init=False, default_factory=dict, repr=False)
+
+    def system_at(self, t: float) -> System:
+        """The system with the rates in force at ``t``: ``a(t)``, ``b(t)`` (:func:`bias_corrected_rate`)."""
+        found = self._systems.get(t)
+        if found is None:
+            found = self.system.replace(
+                a=bias_corrected_rate(self.system.a, t), b=bias_corrected_rate(self.system.b, t)
+            )
+            if len(self._systems) >= 4096:  # bound the memory of a long run; the cache only saves revalidation
+                self._systems.clear()
+            self._systems[t] = found
+        return found
+
+    def field_given_gradients(
+        self, t: float, y: Array, grads: Gradients, args: Basis, fields: tuple[str, ...] | None = None
+    ) -> Array:
+        """``f(t, y)`` with the rates ``a(t)``, ``b(t)``; the rest as :meth:`SystemTerm.field_given_gradients`."""
+        derivative = vector_field(self.system_at(t), self.unpack(y), grads.G_rot, args, fields=fields, xp=self.xp)
+        return pack(derivative, self.layout, self.xp)
+
+    def hamiltonian_rate(self, t: float, y: Array, args: Basis) -> float:
+        """Refused: the autonomous ``H`` has no sign-definite rate along the bias-corrected flow."""
+        raise TypeError("a bias-corrected term has a time-dependent Hamiltonian; docs/ode.md, section 3, gives it")
+
+    def diagnostics(self, t: float, y: Array, args: Basis) -> Diagnostics:
+        """Refused, as :meth:`hamiltonian_rate`."""
+        return self.hamiltonian_rate(t, y, args)  # type: ignore[return-value]
+
+
+def bias_corrected_term(system: System, problem: Problem) -> BiasCorrectedTerm:
+    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer: a :class:`BiasCorrectedTerm`.
 
     Every EMA rate becomes time dependent, ``a(t) = a / (1 - e^{-a t})`` and
     ``b(t) = b / (1 - e^{-b t})`` (:func:`bias_corrected_rate`); the start is
     ``M(0) = G~0``, ``V(0) = G~0^2`` (``moments="gradient"`` with ``floor=0``).  ``args``
-    is the basis.  The autonomous :class:`SystemTerm` is the limit without bias
-    correction; the two differ by O(1) on ``t <~ 1/b``.  See ``docs/ode.md``.
+    is the basis, and a :class:`~.integrate.BasisSchedule` refreshes it exactly as for a
+    :class:`SystemTerm` (``P, _, Q^T = canonical_svd(grad L(W(t)))``, moments untouched), so a rotated
+    optimizer with bias correction and refreshes converges to this flow at order 1.  The autonomous
+    :class:`SystemTerm` is the limit without bias correction; the two differ by O(1) on ``t <~ 1/b``.
+    See ``docs/ode.md``.
     """
-    terms: dict[tuple[float, float], SystemTerm] = {}
-
-    def fn(t: float, y: Array, args: Any) -> Array:
-        key = (bias_corrected_rate(system.a, t), bias_corrected_rate(system.b, t))
-        term = terms.get(key)
-        if term is None:
-            term = SystemTerm(system.replace(a=key[0], b=key[1]), problem)
-            if len(terms) < 4096:
-                terms[key] = term
-        return term.vector_field(t, y, args)
-
-    return ODETerm(fn)
+    return BiasCorrectedTerm(system, problem)
