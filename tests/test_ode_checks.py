@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -105,3 +106,89 @@ def test_refresh_times_show_in_the_trajectory():
     result = ode.check(ode.make_system("hfacdiag"), ode.least_squares_problem(3, 5), "rk4", 2.0, refresh_period=0.5)
     np.testing.assert_allclose(result.trajectory.refresh_times, [0.5, 1.0, 1.5])
     assert result.verdict == "monotone"
+
+
+# ----------------------------------------------------------------------------- verdicts from the evidence
+
+
+def _register_heavy_ball_variant(family: str, **flow_changes):
+    """The heavy-ball family of tests/test_extending.py under another name, its Flow with ``flow_changes``;
+    returns a callable that unregisters it."""
+    import dataclasses
+
+    import test_extending as hb
+
+    import adadiag_ref as ar
+    from adadiag_ref.config import OptimizerSpec
+    from adadiag_ref.optim.families import FAMILIES, register_family
+
+    config = dataclasses.make_dataclass(
+        f"{family}Config",
+        [("family", str, dataclasses.field(default=family, init=False))],
+        bases=(hb.HeavyBallConfig,),
+        frozen=True,
+    )
+    spec = dataclasses.replace(hb.SPEC, name=family, config_type=config, flow=hb.FLOW._replace(**flow_changes))
+    register_family(spec, {family: OptimizerSpec(config, 0, family.title())})
+
+    def unregister():
+        del FAMILIES[family]
+        del ar.OPTIMIZERS[family]
+
+    return unregister
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "residual"),
+    [
+        # the rate of L + ||M||^2 / (2a) along W' = -M, M' = a (G - M) is -||M||^2: half of it is wrong
+        ("halfrate", {"hamiltonian_rate": lambda c, s, G, xp: -0.5 * xp.sum(s.M * s.M)}, 0.4),
+        # an H whose kinetic term is twice too large: its true rate is <G, -M> + 2 <M, G - M> != -||M||^2
+        ("wrongh", {"hamiltonian": lambda c, s, loss, xp: loss + xp.sum(s.M * s.M) / c.a}, 0.1),
+    ],
+)
+def test_a_closed_form_that_disagrees_with_the_trajectory_is_reported(family, changes, residual):
+    """Issue 48: both families got ``monotone``, their energy residuals computed and never used (measured here
+    0.5 and 0.19; finite-difference gaps 0.33 and 0.14)."""
+    unregister = _register_heavy_ball_variant(family, **changes)
+    try:
+        result = ode.check(ode.make_system(family), PROBLEM, "dopri5", 5.0)
+    finally:
+        unregister()
+    assert result.verdict == "rate_mismatch", result.message
+    assert result.rate_fd_error > 0.1 and result.energy_residual_rel > residual
+    assert "finite difference" in result.message and "energy residual" in result.message
+
+
+def test_a_correct_closed_form_agrees_with_finite_differences():
+    result = ode.check(ode.make_system("adadiag_pp"), PROBLEM, "dopri5", 5.0, refresh_period=1.0)
+    assert result.verdict == "monotone"
+    # central differences with a 1e-5 relative perturbation: truncation ~1e-10, measured 1e-10 - 3e-9
+    assert result.rate_fd_error < 1e-7 and result.energy_residual_rel < 1e-6
+    assert "energy residual" in result.message
+
+
+def test_rate_fd_error_measures_the_gap():
+    term = ode.SystemTerm(ode.make_system("adam"), PROBLEM)
+    y, basis = term.initial_state(), term.initial_basis()
+    gap, used = ode.checks.rate_fd_error(term, 0.0, y, basis)
+    assert gap < 1e-8 and used == 1
+    doubled = SimpleNamespace(
+        vector_field=lambda t, y, args: 2.0 * term.vector_field(t, y, args),
+        hamiltonian=term.hamiltonian,
+        hamiltonian_rate=term.hamiltonian_rate,
+    )
+    gap, _ = ode.checks.rate_fd_error(doubled, 0.0, y, basis)
+    assert gap == pytest.approx(1 / 3, rel=1e-6)  # |r - 2r| / (|r| + |2r|)
+
+
+def test_a_blown_up_state_is_never_ok():
+    """Issue 48: after an RK4 blow-up the report said "invariants ok" and "largest H increase 0" at a NaN state."""
+    system = ode.make_system("momentum_sgd", a=10.0)
+    problem = ode.least_squares_problem(2, 3, cond=1e4)
+    with np.errstate(all="ignore"):
+        result = ode.check(system, problem, "rk4", 200.0, dt=2.0)
+    assert result.status == "nonfinite" and result.verdict == "failed"
+    assert not result.invariants_ok
+    assert math.isnan(result.max_h_increase)
+    assert any("not finite" in note for note in result.notes)

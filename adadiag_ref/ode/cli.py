@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -122,7 +123,10 @@ def format_report(result: CheckResult, system_text: str, problem_text: str, tota
         ),
         f"  largest dH/dt on the trajectory: {result.max_dhdt:.3g} at t = {result.t_max_dhdt:.4g}",
         f"  energy balance: H(0) - H(T) = {result.energy_drop:.6g}, int -dH/dt = {result.energy_integral:.6g}, "
-        f"residual {result.energy_residual:.2g} (relative {result.energy_residual_rel:.2g})",
+        f"residual {result.energy_residual:.2g} (relative {result.energy_residual_rel:.2g}, "
+        f"tolerance {result.energy_tolerance:g})",
+        f"  closed-form dH/dt vs finite differences of H: largest relative gap {result.rate_fd_error:.2g}"
+        + (f" at t = {result.t_rate_fd_error:.4g}" if math.isfinite(result.rate_fd_error) else ""),
         f"  ||grad L||: {result.grad_norm0:.4g} -> {result.grad_norm_end:.4g} "
         f"(largest on the last 10%: {result.grad_norm_tail:.4g})",
         f"  invariants V, r, s >= 0: {'ok' if result.invariants_ok else 'VIOLATED'} "
