@@ -111,25 +111,14 @@ def test_refresh_times_show_in_the_trajectory():
 # ----------------------------------------------------------------------------- verdicts from the evidence
 
 
-def _register_heavy_ball_variant(family: str, **flow_changes):
-    """The heavy-ball family of tests/test_extending.py under another name, its Flow with ``flow_changes``;
-    returns a callable that unregisters it."""
-    import dataclasses
-
-    import test_extending as hb
+def _register_heavy_ball_variant(family, **flow_changes):
+    """Register heavy ball as ``family`` with ``flow_changes``; returns a callable that unregisters it."""
+    from _heavy_ball_variants import heavy_ball_variant
 
     import adadiag_ref as ar
-    from adadiag_ref.config import OptimizerSpec
     from adadiag_ref.optim.families import FAMILIES, register_family
 
-    config = dataclasses.make_dataclass(
-        f"{family}Config",
-        [("family", str, dataclasses.field(default=family, init=False))],
-        bases=(hb.HeavyBallConfig,),
-        frozen=True,
-    )
-    spec = dataclasses.replace(hb.SPEC, name=family, config_type=config, flow=hb.FLOW._replace(**flow_changes))
-    register_family(spec, {family: OptimizerSpec(config, 0, family.title())})
+    register_family(*heavy_ball_variant(family, **flow_changes))
 
     def unregister():
         del FAMILIES[family]
