@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -175,9 +176,29 @@ def test_a_blown_up_state_is_never_ok():
     """Issue 48: after an RK4 blow-up the report said "invariants ok" and "largest H increase 0" at a NaN state."""
     system = ode.make_system("momentum_sgd", a=10.0)
     problem = ode.least_squares_problem(2, 3, cond=1e4)
-    with np.errstate(all="ignore"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # issue 48: NumPy's RuntimeWarnings reached the console; now none escapes
         result = ode.check(system, problem, "rk4", 200.0, dt=2.0)
+    assert any("RuntimeWarning" in text for text in result.runtime_warnings), result.runtime_warnings
     assert result.status == "nonfinite" and result.verdict == "failed"
     assert not result.invariants_ok
     assert math.isnan(result.max_h_increase)
     assert any("not finite" in note for note in result.notes)
+
+
+def test_json_can_include_the_trajectory():
+    result = ode.check(ode.make_system("adadiag"), PROBLEM, "rk4", 1.0, dt=0.05, refresh_period=0.5)
+    assert "trajectory" not in result.to_dict()
+    payload = json.loads(json.dumps(result.to_dict(trajectory=True)))
+    trajectory = payload["trajectory"]
+    assert len(trajectory["t"]) == 21 == len(trajectory["H"]) == len(trajectory["dHdt"])
+    assert trajectory["refresh_times"] == [0.5] and len(trajectory["step_sizes"]) == 20
+    assert trajectory["H"][0] == pytest.approx(result.h0, rel=1e-15)
+
+
+def test_check_reports_the_fit_range_of_its_order():
+    result = ode.check(ode.make_system("adam"), PROBLEM, "rk4", 1.0, order=True, order_dt0=1 / 10)
+    # the finest three of five (measured slopes 2.8, 3.7, 3.86, 3.93 from the coarsest pair on; fit 3.90)
+    assert result.order_fit_range == (0.025, 0.00625) and result.order_refused == ()
+    assert result.observed_order == pytest.approx(3.9, abs=0.1)
+    assert "fit_range" not in result.to_dict() and result.to_dict()["order_fit_range"] == [0.025, 0.00625]

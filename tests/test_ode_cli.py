@@ -126,3 +126,9 @@ def test_a_family_registered_at_run_time_reaches_the_cli(capsys):
     assert rc == 0 and payload["system"] == "pluginball" and payload["verdict"] == "monotone"
     assert cli.main(["--import", "no_such_module_48", "--optimizer", "adam"]) == 2
     assert "no_such_module_48" in capsys.readouterr().err
+
+
+def test_json_trajectory_flag(capsys):
+    assert cli.main(["--optimizer", "adam", "--integrator", "rk4", "--t-end", "1", "--json", "--trajectory"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert len(payload["trajectory"]["t"]) == 201 and payload["trajectory"]["t"][-1] == 1.0

@@ -305,3 +305,75 @@ def test_every_backend_gives_the_numpy_numbers(xp, name):
     assert got.n_steps == ref.n_steps and got.verdict == ref.verdict == "monotone"
     for field in ("h_end", "grad_norm_end", "energy_integral", "max_dhdt"):
         assert getattr(got, field) == pytest.approx(getattr(ref, field), rel=1e-10)
+
+
+# ----------------------------------------------------------------------------- export and diagnostics tell the truth
+
+
+def test_saveat_refuses_times_outside_the_span():
+    """Issue 48: ts=(-1, 0.5) returned y0 labelled t = -1; ts=(0.1, 2.0) on [0, 1] silently dropped 2.0."""
+    term = ode.ODETerm(lambda t, y, args: -y)
+    y0 = np.array([1.0])
+    for ts in [(-1.0, 0.5), (0.1, 2.0), (0.5, 0.1)]:
+        with pytest.raises(ValueError, match=r"outside the span|sorted"):
+            ode.integrate(term, ode.RK4Solver(), 0.0, 1.0, y0, dt0=0.1, saveat=ode.SaveAt(ts=ts))
+    sol = ode.integrate(term, ode.RK4Solver(), 0.0, 1.0, y0, dt0=0.1, saveat=ode.SaveAt(ts=(0.0, 1.0)))
+    assert tuple(sol.ts) == (0.0, 1.0)
+
+
+def test_evaluate_takes_arrays_and_refuses_extrapolation():
+    term = ode.ODETerm(lambda t, y, args: -y)
+    sol = ode.integrate(
+        term, ode.Dopri5(), 0.0, 1.0, np.array([1.0, 2.0]), controller=ode.PIController(rtol=1e-10, atol=1e-12),
+        saveat=ode.SaveAt(dense=True),
+    )  # fmt: skip
+    times = np.array([0.1, 0.5, 1.0])
+    ys = sol.evaluate(times)
+    assert ys.shape == (3, 2)
+    # the dense output of a 1e-10 run: within a few tolerances of exp(-t)
+    np.testing.assert_allclose(ys, np.exp(-times)[:, None] * np.array([1.0, 2.0]), rtol=1e-8)
+    np.testing.assert_array_equal(sol.evaluate([0.5])[0], sol.evaluate(0.5))
+    with pytest.raises(ValueError, match="outside the span"):
+        sol.evaluate(np.array([0.5, 1.5]))
+
+
+def test_pi_controller_takes_vector_tolerances():
+    """Issue 48: an array atol raised "truth value of an array is ambiguous".  A component of size 1e-30 (as the
+    factored moments r, s reach) next to one of size 1: with an atol at its own scale it is resolved to 3e-11
+    relative; one scalar atol leaves it at 8e-9 (measured), the error of a component nobody controls."""
+    term = ode.ODETerm(lambda t, y, args: np.array([-y[0], -3.0 * y[1] * (1.0 + 1e29 * y[1])]))
+    y0 = np.array([1.0, 1e-30])
+    exact = ode.reference_solution(term, 0.0, 1.0, y0, rtol=1e-13, atol=1e-45).y_final[1]
+    controller = ode.PIController(rtol=1e-10, atol=np.array([1e-12, 1e-42]))
+    assert controller.atol == (1e-12, 1e-42) and controller == ode.PIController(rtol=1e-10, atol=(1e-12, 1e-42))
+    errors = []
+    for atol in (controller.atol, 1e-12):
+        sol = ode.integrate(
+            term, ode.Dopri5(), 0.0, 1.0, y0, controller=ode.PIController(rtol=1e-10, atol=atol),
+            saveat=ode.SaveAt(steps=False),
+        )  # fmt: skip
+        errors.append(abs(sol.y_final[1] - exact) / exact)
+    assert errors[0] < 1e-9 < errors[1]
+    with pytest.raises(ValueError, match="one entry per state component"):
+        ode.integrate(term, ode.Dopri5(), 0.0, 1.0, y0, controller=ode.PIController(atol=np.ones(3)))
+    with pytest.raises(ValueError, match=">= 0"):
+        ode.PIController(atol=np.array([1e-9, -1.0]))
+
+
+def test_observed_order_reports_its_fit_and_refuses_blown_up_points():
+    """Issue 48: the order was NaN, silently, when the coarsest step blew up, and fitted pre-asymptotic points.
+
+    ``y' = -50 (y - cos t) - sin t`` (solution ``cos t``) with Euler to T = 200: ``h = 0.1`` and ``0.05`` are
+    unstable (|1 - 50 h| = 4, 1.5 per step: overflow), the finer three converge at order 1."""
+    term = ode.ODETerm(lambda t, y, args: -50.0 * (y - np.cos(t)) - np.sin(t))
+    with np.errstate(all="ignore"):
+        od = ode.observed_order(
+            term, ode.Euler(), 0.0, 200.0, np.array([1.0]), dt0=0.1, n_halvings=4, reference=np.array([np.cos(200.0)])
+        )
+    assert od.refused == (0.1, 0.05) and np.all(np.isnan(od.errors[:2]))
+    assert od.fit_range == (0.025, 0.00625)
+    assert od.slope == pytest.approx(1.0, abs=0.05)
+    smooth = ode.ODETerm(lambda t, y, args: -y)
+    od = ode.observed_order(smooth, ode.RK4Solver(), 0.0, 1.0, np.array([1.0]), dt0=0.5, reference=np.exp([-1.0]))
+    assert od.fit_range == (od.dts[-3], od.dts[-1]) and od.refused == ()
+    assert od.slope == pytest.approx(4.0, abs=0.1) and len(od.local_slopes) == 4

@@ -35,14 +35,15 @@ factored families need ``r, s > 0`` (``V^ = r s^T / 1^T r`` is ``0/0`` at zero);
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from .._xp import Array, namespace
-from .controllers import ConstantStepSize, PIController
+from .controllers import ConstantStepSize, PIController, Tolerance
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import Problem
 from .reference import OrderResult, StepLimitError, observed_order
@@ -160,17 +161,30 @@ class CheckResult:
     observed_order: float | None = None
     order_dts: tuple[float, ...] = ()
     order_errors: tuple[float, ...] = ()
+    order_fit_range: tuple[float, ...] = ()
+    order_refused: tuple[float, ...] = ()
+    runtime_warnings: tuple[str, ...] = ()
     trajectory: Trajectory | None = field(default=None, repr=False, compare=False)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (non-finite floats become ``None``; the trajectory is left out)."""
-        out = {k: v for k, v in asdict(self).items() if k != "trajectory"}
-        for key, value in out.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                out[key] = None
-            elif isinstance(value, tuple):
-                out[key] = [None if isinstance(x, float) and not math.isfinite(x) else x for x in value]
+    def to_dict(self, trajectory: bool = False) -> dict[str, Any]:
+        """JSON-ready dict: non-finite floats become ``None``; the trajectory (every saved state's ``t``, ``H``,
+        ``L``, ``||grad L||``, ``dH/dt``, the step sizes and refresh times) only with ``trajectory=True``."""
+        out = {k: _json_value(v) for k, v in asdict(self).items() if k != "trajectory"}
+        if trajectory and self.trajectory is not None:
+            out["trajectory"] = {
+                name: _json_value(tuple(float(x) for x in getattr(self.trajectory, name)))
+                for name in self.trajectory.__dataclass_fields__
+            }
         return out
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` with non-finite floats (alone or in a tuple) as ``None`` and tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, tuple):
+        return [None if isinstance(x, float) and not math.isfinite(x) else x for x in value]
+    return value
 
 
 def well_posedness(system: System, state: Any) -> tuple[bool, list[str]]:
@@ -248,8 +262,8 @@ def check(
     t_end: float = 10.0,
     *,
     dt: float | None = None,
-    rtol: float = 1e-8,
-    atol: float = 1e-10,
+    rtol: Tolerance = 1e-8,
+    atol: Tolerance = 1e-10,
     refresh_period: float | None = None,
     moments: str = "gradient",
     floor: float = 1e-4,
@@ -265,8 +279,9 @@ def check(
 
     Args:
         integrator: ``euler``, ``semi_implicit_euler``, ``rk4``, ``dopri5`` or a solver.
-        dt: fixed step (default ``t_end / 2000`` for Euler-type, ``t_end / 200`` for RK4);
-            ignored by ``dopri5``, which uses a PI controller with ``rtol``, ``atol``.
+        dt: fixed step (default ``t_end / 2000`` for Euler-type, ``t_end / 200`` for RK4); for ``dopri5``, whose PI
+            controller chooses the steps from ``rtol`` and ``atol``, the first step (default: chosen automatically).
+        rtol, atol: ``dopri5``'s tolerances, numbers or one per component of the flat state (:class:`PIController`).
         refresh_period: refresh the basis every ``T`` time units from ``t = 0``
             (``None``: basis of ``grad L(W0)``, fixed).
         moments, floor: initial moments (:func:`~.systems.initial_state`).
@@ -276,7 +291,48 @@ def check(
         max_steps: bounds every integration, the order measurement's included; a
             run that would exceed it gives ``status="max_steps"`` (with a note).
         progress: progress bar (``None``: on a TTY).
+
+    Warnings raised during the run (NumPy's floating-point ``RuntimeWarning`` of a rejected trial stage, for
+    one) do not reach the console: they are collected, counted, in ``CheckResult.runtime_warnings``.
     """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _check(
+            system, problem, integrator, t_end, dt, rtol, atol, refresh_period, moments, floor, y0, basis, order,
+            order_t_end, order_dt0, progress, max_steps,
+        )  # fmt: skip
+    return replace(result, runtime_warnings=_summarise_warnings(caught)) if caught else result
+
+
+def _summarise_warnings(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
+    """``"<count> x <Category>: <message>"`` per distinct warning, in order of first appearance."""
+    counts: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.category.__name__}: {w.message}"
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(f"{count} x {key}" for key, count in counts.items())
+
+
+def _check(
+    system: System,
+    problem: Problem,
+    integrator: str | Solver,
+    t_end: float,
+    dt: float | None,
+    rtol: Any,
+    atol: Any,
+    refresh_period: float | None,
+    moments: str,
+    floor: float,
+    y0: Array | None,
+    basis: Basis | None,
+    order: bool,
+    order_t_end: float | None,
+    order_dt0: float | None,
+    progress: bool | None,
+    max_steps: int,
+) -> CheckResult:
+    """:func:`check` without the collection of warnings."""
     solver = make_solver(integrator) if isinstance(integrator, str) else integrator
     term = SystemTerm(system, problem)
     if basis is None:
@@ -313,8 +369,6 @@ def check(
                 term, solver, 0.0, t_ord, y0, basis, dt0=dt0, basis_schedule=schedule, max_steps=max_steps
             )
         except StepLimitError as exc:  # --max-steps bounds every integration, the order runs too
-            from dataclasses import replace
-
             note = f"observed order not measured: {exc}"
             return replace(result, status="max_steps", notes=(*result.notes, note))
         result = _with_order(result, od)
@@ -372,13 +426,13 @@ def _ill_posed(
 
 
 def _with_order(result: CheckResult, od: OrderResult) -> CheckResult:
-    from dataclasses import replace
-
     return replace(
         result,
         observed_order=od.slope,
         order_dts=tuple(float(x) for x in od.dts),
         order_errors=tuple(float(x) for x in od.errors),
+        order_fit_range=tuple(od.fit_range),
+        order_refused=od.refused,
     )
 
 

@@ -65,6 +65,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--t-end", type=finite_positive, default=10.0, help="final ODE time T (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument(
+        "--trajectory",
+        action="store_true",
+        help="with --json: include the trajectory (t, H, L, ||grad L||, dH/dt at every saved state, step sizes)",
+    )
+    parser.add_argument(
         "--plot", metavar="PATH", type=plot_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
     )
     group = parser.add_argument_group("integration")
@@ -145,6 +150,12 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
+def _invariants_text(result: CheckResult) -> str:
+    if result.invariants_ok:
+        return "ok"
+    return "VIOLATED" if math.isfinite(result.h_end) else "VIOLATED (a state is not finite)"
+
+
 def format_report(result: CheckResult, system_text: str, problem_text: str, total_time: float) -> str:
     """The human-readable report printed by ``adadiag-ref ode``."""
     lines = [
@@ -166,14 +177,20 @@ def format_report(result: CheckResult, system_text: str, problem_text: str, tota
         + (f" at t = {result.t_rate_fd_error:.4g}" if math.isfinite(result.rate_fd_error) else ""),
         f"  ||grad L||: {result.grad_norm0:.4g} -> {result.grad_norm_end:.4g} "
         f"(largest on the last 10%: {result.grad_norm_tail:.4g})",
-        f"  invariants V, r, s >= 0: {'ok' if result.invariants_ok else 'VIOLATED'} "
-        f"(min {_fmt(result.min_second_moment)})",
+        f"  invariants V, r, s >= 0: {_invariants_text(result)} (min {_fmt(result.min_second_moment)})",
         f"  well posed at t = 0: {'yes' if result.well_posed else 'NO'}",
     ]
     lines += [f"    note: {note}" for note in result.notes]
     if result.observed_order is not None:
         errs = ", ".join(f"{e:.2e}" for e in result.order_errors)
-        lines.append(f"  observed order: {result.observed_order:.3f} (errors {errs} vs DOP853)")
+        fit = result.order_fit_range
+        lines.append(
+            f"  observed order: {result.observed_order:.3f} (errors {errs} vs DOP853; fitted over dt = "
+            f"{fit[0]:.3g} .. {fit[-1]:.3g}"
+            + (f"; refused dt = {', '.join(f'{d:.3g}' for d in result.order_refused)}" if result.order_refused else "")
+            + ")"
+        )
+    lines += [f"  runtime warning (collected): {text}" for text in result.runtime_warnings]
     lines.append(
         f"  steps: {result.n_steps} accepted, {result.n_rejected} rejected, {result.n_evals} evaluations; "
         f"integration {result.wall_time:.3g} s, total {total_time:.3g} s"
@@ -225,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"ode: {exc}")
     total = time.perf_counter() - start
     if args.json:
-        payload = result.to_dict()
+        payload = result.to_dict(trajectory=args.trajectory)
         payload.update(
             {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
         )

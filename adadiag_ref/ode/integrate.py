@@ -44,7 +44,8 @@ class SaveAt:
 
     Attributes:
         steps: keep ``y`` at ``t0`` and after every accepted step (``Solution.ts``, ``.ys``).
-        ts: keep ``y`` at these times instead (from the dense interpolant), sorted in ``[t0, t1]``.
+        ts: keep ``y`` at these times instead (from the dense interpolant): sorted, in ``[t0, t1]``
+            (:func:`integrate` refuses others with ``ValueError`` before it starts).
         dense: keep every step's interpolant, for :meth:`Solution.evaluate`.
         errors: keep every accepted step's embedded error estimate (``Solution.y_errs``).
     """
@@ -125,16 +126,37 @@ class Solution(NamedTuple):
         """Whether the integration reached ``t1``."""
         return self.status == "success"
 
-    def evaluate(self, t: float) -> Array:
-        """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``)."""
+    def evaluate(self, t: float | Sequence[float] | np.ndarray) -> Array:
+        """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``).
+
+        ``t`` a number: the state, shape ``(dim,)``.  ``t`` a 1-D sequence or array of times: the states stacked,
+        shape ``(len(t), dim)``.  Times outside the integrated span ``[t0, t_final]`` raise ``ValueError`` (the
+        interpolant would extrapolate).
+        """
         if self.dense is None:
             raise ValueError("no dense output: integrate with SaveAt(dense=True)")
-        return _evaluate_dense(self.dense, np.array([d.t0 for d in self.dense]), t)
+        times = np.asarray(t, dtype=np.float64)
+        if times.ndim > 1:
+            raise ValueError(f"t must be a number or a 1-D array of times, got shape {times.shape}")
+        _check_span(times, float(self.t_steps[0]), self.t_final, "Solution.evaluate")
+        starts = np.array([d.t0 for d in self.dense])
+        if times.ndim == 0:
+            return _evaluate_dense(self.dense, starts, float(times))
+        xp = namespace(self.y_final)
+        return xp.stack([_evaluate_dense(self.dense, starts, float(x)) for x in times], axis=0)
 
     def basis_at(self, t: float) -> Any:
         """The ``args`` in force at time ``t`` (the later piece at a refresh time)."""
         i = int(np.clip(np.searchsorted(self.piece_starts, t, side="right") - 1, 0, len(self.bases) - 1))
         return self.bases[i]
+
+
+def _check_span(times: np.ndarray, t0: float, t1: float, what: str) -> None:
+    """``ValueError`` unless every time is finite and in ``[t0, t1]`` (up to 1e-12 relative rounding)."""
+    slack = 1e-12 * max(1.0, abs(t0), abs(t1))
+    outside = times[~((times >= t0 - slack) & (times <= t1 + slack))]
+    if outside.size:
+        raise ValueError(f"{what}: time(s) {outside.tolist()[:5]} outside the span [{t0:g}, {t1:g}]")
 
 
 def _evaluate_dense(dense: Sequence[DenseStep], starts: np.ndarray, t: float) -> Array:
@@ -189,6 +211,11 @@ def integrate(
     if not t1 > t0:
         raise ValueError(f"need t1 > t0, got t0={t0!r}, t1={t1!r}")
     xp = namespace(y0)
+    if saveat is not None and saveat.ts is not None:
+        requested = np.asarray(saveat.ts, dtype=np.float64)
+        _check_span(requested, float(t0), float(t1), "SaveAt.ts")
+        if np.any(np.diff(requested) < 0):
+            raise ValueError(f"SaveAt.ts must be sorted, got {list(saveat.ts)[:5]}...")
     controller = ConstantStepSize() if controller is None else controller
     saveat = SaveAt() if saveat is None else saveat
     if not controller.adaptive:
