@@ -202,3 +202,43 @@ def test_check_reports_the_fit_range_of_its_order():
     assert result.order_fit_range == (0.025, 0.00625) and result.order_refused == ()
     assert result.observed_order == pytest.approx(3.9, abs=0.1)
     assert "fit_range" not in result.to_dict() and result.to_dict()["order_fit_range"] == [0.025, 0.00625]
+
+
+# ----------------------------------------------------------------------------- your own flow, no registration
+
+
+def _damped_oscillator(gamma: float, rate_factor: float = 1.0) -> ode.ODETerm:
+    """``q' = p``, ``p' = -q - gamma p``; ``H = (q^2 + p^2) / 2``, ``dH/dt = -gamma p^2`` (times ``rate_factor``)."""
+
+    def oscillator(t, y, args):
+        return np.array([y[1], -y[0] - gamma * y[1]])
+
+    return ode.ODETerm(
+        oscillator,
+        hamiltonian_fn=lambda y: 0.5 * float(y @ y),
+        rate_fn=lambda t, y, args: -rate_factor * gamma * float(y[1] ** 2),
+    )
+
+
+def test_check_takes_an_ode_term_with_h_and_its_rate():
+    result = ode.check(_damped_oscillator(0.3), integrator="dopri5", t_end=10.0, y0=np.array([1.0, 0.0]))
+    assert result.verdict == "monotone", result.message
+    assert result.system == "oscillator" and result.problem == "custom"
+    assert result.h_end < 0.1 * result.h0 and result.min_second_moment is None and result.invariants_ok
+    assert result.energy_residual_rel < 1e-6 and result.rate_fd_error < 1e-7
+    assert result.loss0 == result.h0 and math.isnan(result.grad_norm0)  # no loss_fn, grad_norm_fn given
+
+
+def test_check_of_an_ode_term_with_a_wrong_rate():
+    result = ode.check(_damped_oscillator(0.3, rate_factor=0.5), t_end=10.0, y0=np.array([1.0, 0.0]))
+    assert result.verdict == "rate_mismatch", result.message
+
+
+def test_check_of_an_ode_term_needs_h_rate_and_y0():
+    term = _damped_oscillator(0.3)
+    with pytest.raises(ValueError, match="y0 given: False"):
+        ode.check(term, t_end=1.0)
+    with pytest.raises(ValueError, match="missing: hamiltonian_fn, rate_fn"):
+        ode.check(ode.ODETerm(term.fn), t_end=1.0, y0=np.array([1.0, 0.0]))
+    with pytest.raises(ValueError, match="needs a Problem"):
+        ode.check(ode.make_system("adam"), t_end=1.0)

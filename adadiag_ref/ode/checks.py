@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -49,7 +49,7 @@ from .problems import Problem
 from .reference import OrderResult, StepLimitError, observed_order
 from .solvers import Solver, interpolate, make_solver
 from .systems import AdafactorODEState, AdamODEState, Basis, HfacODEState, System
-from .terms import SystemTerm
+from .terms import ODETerm, SystemTerm
 
 __all__ = [
     "ENERGY_TOLERANCE",
@@ -239,7 +239,7 @@ def _second_moment_min(states: list[Any], xp: Any) -> float | None:
 
 
 def _richardson_h_error(
-    term: SystemTerm, solver: Solver, t: float, y: Array, h: float, args: Basis
+    term: SystemTerm | ODETerm, solver: Solver, t: float, y: Array, h: float, args: Any
 ) -> tuple[float, int]:
     """Local error estimate of ``H`` over one step, by step doubling; and the evaluations used."""
     full = solver.step(term, t, y, h, args, solver.init(term, t, y, args))
@@ -256,8 +256,8 @@ def _default_dt(integrator: str, t_end: float) -> float:
 
 
 def check(
-    system: System,
-    problem: Problem,
+    system: System | ODETerm,
+    problem: Problem | None = None,
     integrator: str | Solver = "dopri5",
     t_end: float = 10.0,
     *,
@@ -276,6 +276,11 @@ def check(
     max_steps: int = 1_000_000,
 ) -> CheckResult:
     """Integrate ``system`` on ``problem`` over ``[0, t_end]`` and measure everything listed above.
+
+    Your own flow needs no family registration: pass an :class:`~.terms.ODETerm` with ``hamiltonian_fn`` (``H(y)``)
+    and ``rate_fn`` (the closed-form ``dH/dt``) as ``system``, no ``problem``, and its start as ``y0`` (``args``
+    as ``basis``; ``loss_fn``, ``grad_norm_fn`` and ``refresh_fn`` are optional).  Everything but the
+    second-moment invariants and the well-posedness notes of the library's families is measured alike.
 
     Args:
         integrator: ``euler``, ``semi_implicit_euler``, ``rk4``, ``dopri5`` or a solver.
@@ -313,9 +318,18 @@ def _summarise_warnings(caught: list[warnings.WarningMessage]) -> tuple[str, ...
     return tuple(f"{count} x {key}" for key, count in counts.items())
 
 
+class _Subject(NamedTuple):
+    """What is checked: the library's ``system`` (``None`` for a user's :class:`~.terms.ODETerm`) and the names."""
+
+    system: System | None
+    system_name: str
+    problem_name: str
+    optimal_value: float | None
+
+
 def _check(
-    system: System,
-    problem: Problem,
+    system: System | ODETerm,
+    problem: Problem | None,
     integrator: str | Solver,
     t_end: float,
     dt: float | None,
@@ -334,14 +348,28 @@ def _check(
 ) -> CheckResult:
     """:func:`check` without the collection of warnings."""
     solver = make_solver(integrator) if isinstance(integrator, str) else integrator
-    term = SystemTerm(system, problem)
-    if basis is None:
-        basis = term.initial_basis()
-    if y0 is None:
-        y0 = term.initial_state(basis, moments=moments, floor=floor)
-    posed, notes = well_posedness(system, term.unpack(y0))
-    if not posed:
-        return _ill_posed(system, problem, solver, term, y0, t_end, notes)
+    term: SystemTerm | ODETerm
+    if isinstance(system, ODETerm):
+        missing = [name for name in ("hamiltonian_fn", "rate_fn") if getattr(system, name) is None]
+        if missing or y0 is None or problem is not None:
+            raise ValueError(
+                "check(ODETerm) needs the term's hamiltonian_fn and rate_fn, y0, and no problem "
+                f"(missing: {', '.join(missing) or 'none'}; y0 given: {y0 is not None})"
+            )
+        term = system
+        subject = _Subject(None, getattr(system.fn, "__name__", "ODETerm"), "custom", None)
+    else:
+        if problem is None:
+            raise ValueError("check(system, problem): a System needs a Problem")
+        term = SystemTerm(system, problem)
+        subject = _Subject(system, system.name, problem.name, problem.optimal_value)
+        if basis is None:
+            basis = term.initial_basis()
+        if y0 is None:
+            y0 = term.initial_state(basis, moments=moments, floor=floor)
+        posed, notes = well_posedness(system, term.unpack(y0))
+        if not posed:
+            return _ill_posed(subject, solver, term, y0, t_end, notes)
     schedule = BasisSchedule.every(refresh_period, 0.0, t_end) if refresh_period else None
     adaptive = solver.error_order is not None
     controller = PIController(rtol=rtol, atol=atol) if adaptive else ConstantStepSize()
@@ -360,7 +388,7 @@ def _check(
         max_steps=max_steps,
         progress=progress,
     )
-    result = _analyse(system, problem, term, solver, sol, t_end, progress=progress)
+    result = _analyse(subject, term, solver, sol, t_end, progress=progress)
     if order:
         t_ord = min(t_end, 1.0) if order_t_end is None else order_t_end
         dt0 = order_dt0 if order_dt0 is not None else t_ord / (10.0 if solver.order >= 4 else 40.0)
@@ -376,15 +404,15 @@ def _check(
 
 
 def _ill_posed(
-    system: System, problem: Problem, solver: Solver, term: SystemTerm, y0: Array, t_end: float, notes: list[str]
+    subject: _Subject, solver: Solver, term: SystemTerm, y0: Array, t_end: float, notes: list[str]
 ) -> CheckResult:
     """The result for an initial state where the system is not defined: nothing is integrated."""
     nan = math.nan
     g0 = term.grad_norm(y0)
     loss0 = term.loss(y0)
     return CheckResult(
-        system=system.name,
-        problem=problem.name,
+        system=subject.system_name,
+        problem=subject.problem_name,
         integrator=solver.name,
         t_end=float(t_end),
         status="ill_posed",
@@ -394,7 +422,7 @@ def _ill_posed(
         h_end=nan,
         loss0=loss0,
         loss_end=loss0,
-        optimal_value=problem.optimal_value,
+        optimal_value=subject.optimal_value,
         max_h_increase=nan,
         max_h_increase_rel=nan,
         t_max_h_increase=nan,
@@ -467,9 +495,8 @@ def rate_fd_error(term: Any, t: float, y: Array, args: Any) -> tuple[float, int]
 
 
 def _analyse(
-    system: System,
-    problem: Problem,
-    term: SystemTerm,
+    subject: _Subject,
+    term: SystemTerm | ODETerm,
     solver: Solver,
     sol: Solution,
     t_end: float,
@@ -481,7 +508,8 @@ def _analyse(
     # (``disable=None`` is tqdm's "only on a terminal", the integrator's ``progress=None``)
     bar = tqdm(total=2 * n - 1, desc="checking H, dH/dt", unit="eval", leave=False, disable=_tqdm_disable(progress))
     ys = [sol.ys[i, :] for i in range(n)]
-    states = [term.unpack(y) for y in ys]
+    # the structured states of the library's families (second-moment invariants, well-posedness notes)
+    states = [term.unpack(y) for y in ys] if isinstance(term, SystemTerm) else []
     # H, L, ||grad L|| and dH/dt at every saved state, with the basis of the step that ended there;
     # where a refresh starts the next step, dH/dt again with the new basis (H itself does not change)
     H, L, gnorm, rate_end = (np.empty(n) for _ in range(4))
@@ -555,10 +583,10 @@ def _analyse(
     # tail of the gradient norm
     t0 = float(sol.ts[0])
     tail = gnorm[sol.ts >= t0 + 0.9 * (sol.t_final - t0)]
-    vmin = _second_moment_min(states, xp)
+    vmin = _second_moment_min(states, xp) if states else None
     all_finite = bool(np.all(finite)) and bool(xp.all(xp.isfinite(sol.ys)))
     invariants_ok = all_finite and (vmin is None or vmin >= 0.0)
-    ok, notes = well_posedness(system, states[0])
+    ok, notes = well_posedness(subject.system, states[0]) if subject.system is not None else (True, [])
     if not all_finite:
         first_bad = int(np.argmin(finite)) if not np.all(finite) else n - 1
         notes.append(f"the state is not finite from t = {float(sol.ts[first_bad]):.6g} on (a blow-up)")
@@ -619,8 +647,8 @@ def _analyse(
         refresh_times=refresh_times,
     )
     return CheckResult(
-        system=system.name,
-        problem=problem.name,
+        system=subject.system_name,
+        problem=subject.problem_name,
         integrator=solver.name,
         t_end=float(t_end),
         status=sol.status,
@@ -630,7 +658,7 @@ def _analyse(
         h_end=float(H[-1]),
         loss0=float(L[0]),
         loss_end=float(L[-1]),
-        optimal_value=problem.optimal_value,
+        optimal_value=subject.optimal_value,
         max_h_increase=inc if all_finite else math.nan,
         max_h_increase_rel=(inc / abs(H[0]) if H[0] else math.inf if inc else 0.0) if all_finite else math.nan,
         t_max_h_increase=float(sol.ts[k_inc + 1]) if dH.size else 0.0,

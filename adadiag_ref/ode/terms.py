@@ -116,6 +116,32 @@ class ODETerm:
         """``refresh_fn(t, y, args)``, or ``args`` unchanged when the term has nothing to refresh."""
         return args if self.refresh_fn is None else self.refresh_fn(t, y, args)
 
+    def _needs(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self, name)
+        if fn is None:
+            raise ValueError(f"this ODETerm has no {name}: pass ODETerm(fn, {name}=...)")
+        return fn  # type: ignore[no-any-return]
+
+    def hamiltonian(self, y: Array) -> float:
+        """``H(y)`` by ``hamiltonian_fn`` (``ValueError`` without one)."""
+        return float(self._needs("hamiltonian_fn")(y))
+
+    def hamiltonian_rate(self, t: float, y: Array, args: Any) -> float:
+        """The closed-form ``dH/dt`` by ``rate_fn`` (``ValueError`` without one)."""
+        return float(self._needs("rate_fn")(t, y, args))
+
+    def loss(self, y: Array) -> float:
+        """``loss_fn(y)``, or ``H(y)`` without one."""
+        return float(self.loss_fn(y)) if self.loss_fn is not None else self.hamiltonian(y)
+
+    def grad_norm(self, y: Array) -> float:
+        """``grad_norm_fn(y)``, or NaN without one."""
+        return float(self.grad_norm_fn(y)) if self.grad_norm_fn is not None else math.nan
+
+    def diagnostics(self, t: float, y: Array, args: Any) -> Diagnostics:
+        """``H``, ``L``, ``||grad L||``, ``dH/dt`` at ``y`` from the callables (:meth:`loss`, :meth:`grad_norm`)."""
+        return Diagnostics(self.hamiltonian(y), self.loss(y), self.grad_norm(y), self.hamiltonian_rate(t, y, args))
+
 
 class Diagnostics(NamedTuple):
     """``H(y)``, ``L(W)``, ``||grad L(W)||`` and closed-form ``dH/dt`` at one state."""
