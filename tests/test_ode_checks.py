@@ -242,3 +242,24 @@ def test_check_of_an_ode_term_needs_h_rate_and_y0():
         ode.check(ode.ODETerm(term.fn), t_end=1.0, y0=np.array([1.0, 0.0]))
     with pytest.raises(ValueError, match="needs a Problem"):
         ode.check(ode.make_system("adam"), t_end=1.0)
+
+
+# ----------------------------------------------------------------------------- events in check
+
+
+def test_check_stops_at_a_gradient_tolerance():
+    result = ode.check(ode.make_system("adadiag"), PROBLEM, "dopri5", 1000.0, grad_tol=1e-3)
+    assert result.status == "event" and result.event == "||grad L|| <= 0.001"
+    assert result.grad_norm_end <= 1e-3 < result.grad_norm0 and result.t_final < 1000.0
+    assert result.trajectory.t[-1] == result.t_final and result.verdict == "monotone"
+    assert result.message.startswith(f"stopped at t = {result.t_final:.6g}")
+    by_loss = ode.check(ode.make_system("adam"), PROBLEM, "rk4", 50.0, dt=0.05, loss_threshold=1e-3)
+    assert by_loss.event == "L <= 0.001" and by_loss.loss_end <= 1e-3
+
+
+def test_check_stops_at_a_user_event():
+    def halfway(t, y, args):
+        return t > 2.49  # the step ends are multiples of 0.025 up to rounding
+
+    result = ode.check(ode.make_system("hfac"), PROBLEM, "rk4", 5.0, events=[halfway])
+    assert result.event == "halfway" and result.t_final == pytest.approx(2.5, abs=1e-9)

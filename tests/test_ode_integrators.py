@@ -377,3 +377,34 @@ def test_observed_order_reports_its_fit_and_refuses_blown_up_points():
     od = ode.observed_order(smooth, ode.RK4Solver(), 0.0, 1.0, np.array([1.0]), dt0=0.5, reference=np.exp([-1.0]))
     assert od.fit_range == (od.dts[-3], od.dts[-1]) and od.refused == ()
     assert od.slope == pytest.approx(4.0, abs=0.1) and len(od.local_slopes) == 4
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def test_integrate_stops_at_the_first_event():
+    term = ode.ODETerm(lambda t, y, args: -y)
+
+    def small(t, y, args):
+        return bool(y[0] < 0.5)
+
+    sol = ode.integrate(term, ode.RK4Solver(), 0.0, 10.0, np.array([1.0]), dt0=0.01, events=[small])
+    assert sol.status == "event" and sol.success and sol.event == "small"
+    # the first step end with exp(-t) < 0.5: t = ceil(100 ln 2) / 100
+    assert sol.t_final == pytest.approx(0.70, abs=1e-12) and sol.ts[-1] == sol.t_final
+    assert sol.ys[-2][0] >= 0.5 > sol.ys[-1][0]
+    never = ode.integrate(term, ode.RK4Solver(), 0.0, 1.0, np.array([1.0]), dt0=0.1, events=[lambda t, y, a: False])
+    assert never.status == "success" and never.event is None
+
+
+def test_gradient_tolerance_and_loss_threshold_events():
+    term, basis, y0, _, _ = _setup("adadiag")
+    for event, holds in [
+        (ode.gradient_tolerance(term, 1e-3), lambda y: term.grad_norm(y) <= 1e-3),
+        (ode.loss_threshold(term, 1e-2), lambda y: term.loss(y) <= 1e-2),
+    ]:
+        sol = ode.integrate(term, ode.Dopri5(), 0.0, 100.0, y0, basis, controller=ode.PIController(), events=[event])
+        assert sol.status == "event" and sol.event == event.name and sol.t_final < 100.0
+        assert holds(sol.ys[-1]) and not holds(sol.ys[-2])
+    with pytest.raises(ValueError, match="finite number > 0"):
+        ode.gradient_tolerance(term, 0.0)

@@ -24,6 +24,7 @@ from .claims import (
 )
 from .controllers import ConstantStepSize, PIController
 from .discrete import DiscreteLimit, discrete_limit, flow_of_config
+from .events import Event, gradient_tolerance, loss_threshold
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import (
     PROBLEMS,
@@ -79,6 +80,7 @@ __all__ = [
     "DiscreteLimit",
     "Dopri5",
     "Euler",
+    "Event",
     "ExplicitRK",
     "HfacODEState",
     "MomentumODEState",
@@ -105,11 +107,13 @@ __all__ = [
     "evaluate_at",
     "factorization_problem",
     "flow_of_config",
+    "gradient_tolerance",
     "hamiltonian",
     "hamiltonian_rate",
     "initial_state",
     "integrate",
     "least_squares_problem",
+    "loss_threshold",
     "make_problem",
     "make_solver",
     "make_system",

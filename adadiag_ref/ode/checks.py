@@ -14,10 +14,10 @@ What is measured (``t`` runs over the accepted steps ``t_0 < t_1 < ... < t_N = T
   rule on every step (midpoints from the dense output), each step with the basis in
   force on it.  Its relative residual enters the verdict: above
   :data:`ENERGY_TOLERANCE` the run is ``unresolved`` (or, with the next check, ``rate_mismatch``).
-* **the closed form against finite differences**: at up to :data:`FD_SAMPLES` saved states,
-  ``(H(y + d f) - H(y - d f)) / (2 d)`` (``f`` the field under the basis in force, ``d`` moving
-  ``y`` by 1e-5 of its size) against the closed-form ``dH/dt``; ``rate_fd_error`` is the
-  largest relative difference, and above :data:`FD_TOLERANCE` the verdict is ``rate_mismatch``.
+* **the closed form against finite differences**: at up to :data:`FD_SAMPLES` saved states, the
+  Richardson-extrapolated central difference of ``H`` along the field ``f`` (under the basis in force;
+  :func:`rate_fd_error`) against the closed-form ``dH/dt``; ``rate_fd_error`` is the largest relative gap
+  beyond the differences' own uncertainty, and above :data:`FD_TOLERANCE` the verdict is ``rate_mismatch``.
 * **gradient**: ``||grad L||`` at the start, at the end and its largest value on the
   tail (the last 10 % of ``[0, T]``).
 * **invariants**: ``min V``, ``min r``, ``min s`` (they must stay >= 0; positive for ``H``).
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .._xp import Array, namespace
+from . import events as _events
 from .controllers import ConstantStepSize, PIController, Tolerance
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import Problem
@@ -68,9 +70,9 @@ FD_SAMPLES = 9
 """States (evenly spaced among the saved ones) where the closed-form dH/dt meets its finite difference."""
 
 FD_TOLERANCE = 1e-3
-"""Largest relative gap between the closed-form dH/dt and its central difference that counts as agreement: the
-difference's truncation error is ~1e-10 relative (step 1e-5 of |y|) and its rounding ~1e-11 relative, while a
-wrong closed form (a factor or a term off) is off by tens of percent."""
+"""Largest relative gap between the closed-form dH/dt and its finite difference that counts as agreement (the
+gap is what remains beyond the difference's own uncertainty, :func:`rate_fd_error`; a correct closed form gives
+0 - 1e-9, a wrong one, a factor or a term off, tens of percent)."""
 
 ENERGY_TOLERANCE = 0.05
 """Largest relative energy residual ``|H(0) - H(T) - int -dH/dt| / |H(0) - H(T)|`` of a resolved run: the
@@ -164,6 +166,8 @@ class CheckResult:
     order_fit_range: tuple[float, ...] = ()
     order_refused: tuple[float, ...] = ()
     runtime_warnings: tuple[str, ...] = ()
+    t_final: float = math.nan
+    event: str | None = None
     trajectory: Trajectory | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self, trajectory: bool = False) -> dict[str, Any]:
@@ -274,6 +278,9 @@ def check(
     order_dt0: float | None = None,
     progress: bool | None = False,
     max_steps: int = 1_000_000,
+    grad_tol: float | None = None,
+    loss_threshold: float | None = None,
+    events: Sequence[Callable[[float, Array, Any], bool]] = (),
 ) -> CheckResult:
     """Integrate ``system`` on ``problem`` over ``[0, t_end]`` and measure everything listed above.
 
@@ -296,6 +303,10 @@ def check(
         max_steps: bounds every integration, the order measurement's included; a
             run that would exceed it gives ``status="max_steps"`` (with a note).
         progress: progress bar (``None``: on a TTY).
+        grad_tol, loss_threshold, events: stop early, after the first accepted step where
+            ``||grad L|| <= grad_tol``, ``L <= loss_threshold`` or a user's ``event(t, y, args)`` holds
+            (:mod:`.events`); the result's ``status`` is then ``"event"``, ``event`` names the condition and
+            ``t_final`` the time, and every figure covers ``[0, t_final]``.
 
     Warnings raised during the run (NumPy's floating-point ``RuntimeWarning`` of a rejected trial stage, for
     one) do not reach the console: they are collected, counted, in ``CheckResult.runtime_warnings``.
@@ -304,7 +315,7 @@ def check(
         warnings.simplefilter("always")
         result = _check(
             system, problem, integrator, t_end, dt, rtol, atol, refresh_period, moments, floor, y0, basis, order,
-            order_t_end, order_dt0, progress, max_steps,
+            order_t_end, order_dt0, progress, max_steps, grad_tol, loss_threshold, events,
         )  # fmt: skip
     return replace(result, runtime_warnings=_summarise_warnings(caught)) if caught else result
 
@@ -345,6 +356,9 @@ def _check(
     order_dt0: float | None,
     progress: bool | None,
     max_steps: int,
+    grad_tol: float | None,
+    loss_threshold: float | None,
+    events: Sequence[Callable[[float, Array, Any], bool]],
 ) -> CheckResult:
     """:func:`check` without the collection of warnings."""
     solver = make_solver(integrator) if isinstance(integrator, str) else integrator
@@ -371,6 +385,11 @@ def _check(
         if not posed:
             return _ill_posed(subject, solver, term, y0, t_end, notes)
     schedule = BasisSchedule.every(refresh_period, 0.0, t_end) if refresh_period else None
+    stops: list[Callable[[float, Array, Any], bool]] = [
+        *([_events.gradient_tolerance(term, grad_tol)] if grad_tol is not None else []),
+        *([_events.loss_threshold(term, loss_threshold)] if loss_threshold is not None else []),
+        *events,
+    ]
     adaptive = solver.error_order is not None
     controller = PIController(rtol=rtol, atol=atol) if adaptive else ConstantStepSize()
     step = dt if dt is not None else (None if adaptive else _default_dt(solver.name, t_end))
@@ -387,6 +406,7 @@ def _check(
         basis_schedule=schedule,
         max_steps=max_steps,
         progress=progress,
+        events=stops,
     )
     result = _analyse(subject, term, solver, sol, t_end, progress=progress)
     if order:
@@ -470,28 +490,38 @@ def _tqdm_disable(progress: bool | None) -> bool | None:
 
 
 def rate_fd_error(term: Any, t: float, y: Array, args: Any) -> tuple[float, int]:
-    r"""Relative gap between the closed-form ``dH/dt`` and ``(H(y + d f) - H(y - d f)) / (2 d)`` at ``y``.
+    r"""Relative gap between the closed-form ``dH/dt`` and the derivative of ``H`` along the field at ``y``.
 
-    ``f = term.vector_field(t, y, args)`` and ``d = 1e-5 ||y||_inf / ||f||_inf`` (the perturbation is 1e-5 of the
-    state).  The gap is ``|rate - fd| / (|rate| + |fd| + r)`` with ``r = 1e3 eps |H| / d`` the difference's
-    rounding error, so 0 means agreement and 1 opposite signs.  Returns the gap and the field evaluations used (1);
-    NaN when ``H``, ``f`` or the rate is not finite at ``y``.
+    ``f = term.vector_field(t, y, args)``; ``D(d) = (H(y + d f) - H(y - d f)) / (2 d)`` at ``d`` and ``d / 2``
+    with ``d = 1e-4 ||y||_inf / ||f||_inf`` (the perturbation is 1e-4 of the state), extrapolated,
+    ``D = (4 D(d/2) - D(d)) / 3`` (Richardson: error ``O(d^4)``).  Its uncertainty ``u`` is ``|D(d) - D(d/2)|``
+    (a bound on the extrapolation's truncation error where ``H`` is strongly curved along ``f``, e.g. in
+    Rosenbrock's valley) plus the rounding ``1e3 eps |H| / d``.  The gap is the part of ``|rate - D|`` beyond
+    ``u``, relative to ``|rate| + |D|``: 0 for agreement within what the differences can tell, 1/3 for a rate
+    off by a factor 2.  Returns the gap and the field evaluations used (1); NaN where ``H``, ``f`` or the rate
+    is not finite.
     """
     xp = namespace(y)
     f = term.vector_field(t, y, args)
     f_size = float(xp.max(xp.abs(f)))
-    y_size = float(xp.max(xp.abs(y)))
     rate = term.hamiltonian_rate(t, y, args)
     if not (math.isfinite(f_size) and math.isfinite(rate)):
         return math.nan, 1
     if f_size == 0.0:
         return (0.0 if rate == 0.0 else 1.0), 1
-    d = 1e-5 * max(y_size, 1e-300) / f_size
-    h_plus, h_minus = term.hamiltonian(y + d * f), term.hamiltonian(y - d * f)
-    fd = (h_plus - h_minus) / (2.0 * d)
-    rounding = 1e3 * _EPS64 * max(abs(h_plus), abs(h_minus)) / d
-    gap = abs(rate - fd) / (abs(rate) + abs(fd) + rounding) if math.isfinite(fd) else math.nan
-    return gap, 1
+    d = 1e-4 * max(float(xp.max(xp.abs(y))), 1e-300) / f_size
+
+    def central(step: float) -> tuple[float, float]:
+        plus, minus = term.hamiltonian(y + step * f), term.hamiltonian(y - step * f)
+        return (plus - minus) / (2.0 * step), 1e3 * _EPS64 * max(abs(plus), abs(minus)) / step
+
+    coarse, _ = central(d)
+    fine, rounding = central(d / 2)
+    fd = (4.0 * fine - coarse) / 3.0
+    if not math.isfinite(fd):
+        return math.nan, 1
+    excess = max(0.0, abs(rate - fd) - abs(coarse - fine) - rounding)
+    return excess / max(abs(rate) + abs(fd), 1e-300), 1
 
 
 def _analyse(
@@ -591,10 +621,10 @@ def _analyse(
         first_bad = int(np.argmin(finite)) if not np.all(finite) else n - 1
         notes.append(f"the state is not finite from t = {float(sol.ts[first_bad]):.6g} on (a blow-up)")
 
-    if sol.status != "success" or not all_finite:
+    if not sol.success or not all_finite:
         verdict = "failed"
         message = f"integration stopped at t = {sol.t_final:.6g}: {sol.status}"
-        if sol.status == "success":
+        if sol.success:
             message = f"the state is not finite on the trajectory (t = {float(sol.ts[int(np.argmin(finite))]):.6g})"
     elif fd_error > FD_TOLERANCE:
         verdict = "rate_mismatch"
@@ -636,6 +666,8 @@ def _analyse(
             f"closed-form dH/dt within {fd_error:.1g} of finite differences"
         )
 
+    if sol.event is not None:
+        message = f"stopped at t = {sol.t_final:.6g} ({sol.event}); {message}"
     refresh_times = np.asarray(sol.piece_starts[1:]) if len(sol.piece_starts) > 1 else np.zeros(0)
     trajectory = Trajectory(
         t=np.asarray(sol.ts),
@@ -685,5 +717,7 @@ def _analyse(
         n_evals=sol.n_evals,
         n_check_evals=check_evals,
         wall_time=sol.wall_time,
+        t_final=float(sol.t_final),
+        event=sol.event,
         trajectory=trajectory,
     )

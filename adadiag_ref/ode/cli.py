@@ -78,6 +78,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
     group.add_argument("--max-steps", type=positive_int, default=1_000_000, help="give up after this many steps")
     group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
+    group.add_argument("--grad-tol", type=finite_positive, help="stop once ||grad L|| <= this (an event)")
+    group.add_argument("--loss-threshold", type=float, help="stop once L <= this (an event)")
     add_progress_flags(group)
     limit = parser.add_argument_group("discrete limit (ode.discrete_limit)")
     limit.add_argument(
@@ -231,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         order=args.order,
         progress=args.progress,
         max_steps=args.max_steps,
+        grad_tol=args.grad_tol,
+        loss_threshold=args.loss_threshold,
     )
     plot_path = None
     if args.plot and result.trajectory is not None:
@@ -253,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(result, system.describe(), problem.description or problem.name, total))
         if plot_path:
             print(f"  plot: {plot_path}")
-    return 0 if result.status == "success" else 1 if result.status != "ill_posed" else 3
+    return 0 if result.status in ("success", "event") else 1 if result.status != "ill_posed" else 3
 
 
 def _core_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .._xp import Array, namespace
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
+from .events import event_name
 from .solvers import DenseStep, ExplicitRK, Solver, interpolate
 
 __all__ = ["BasisSchedule", "SaveAt", "Solution", "integrate"]
@@ -98,8 +99,10 @@ class Solution(NamedTuple):
         t_final: where the integration stopped (``t1`` on success).
         y_final: the state there.
         n_steps: accepted steps; n_rejected: rejected steps; n_evals: vector-field evaluations.
-        status: ``"success"``, ``"max_steps"``, ``"nonfinite"`` or ``"dt_min"``.
+        status: ``"success"`` (reached ``t1``), ``"event"`` (a terminal event held: ``event``), ``"max_steps"``,
+            ``"nonfinite"`` or ``"dt_min"``.
         solver: the solver's name; wall_time: seconds spent.
+        event: the name of the event that ended the run (:func:`~.events.event_name`), else ``None``.
     """
 
     ts: np.ndarray
@@ -120,11 +123,12 @@ class Solution(NamedTuple):
     status: str
     solver: str
     wall_time: float
+    event: str | None = None
 
     @property
     def success(self) -> bool:
-        """Whether the integration reached ``t1``."""
-        return self.status == "success"
+        """Whether the integration ended as asked: at ``t1``, or where a terminal event held."""
+        return self.status in ("success", "event")
 
     def evaluate(self, t: float | Sequence[float] | np.ndarray) -> Array:
         """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``).
@@ -187,6 +191,7 @@ def integrate(
     basis_schedule: BasisSchedule | None = None,
     max_steps: int = 1_000_000,
     progress: bool | None = False,
+    events: Sequence[Callable[[float, Array, Any], bool]] = (),
 ) -> Solution:
     r"""Integrate ``dy/dt = term.vector_field(t, y, args)`` from ``t0`` to ``t1``.
 
@@ -203,6 +208,8 @@ def integrate(
         basis_schedule: refresh times of the basis (default: fixed basis).
         max_steps: give up (``status="max_steps"``) after this many attempted steps.
         progress: progress bar on stderr: ``True`` forces it, ``None`` shows it on a TTY.
+        events: terminal conditions ``event(t, y, args) -> bool`` checked after every accepted step
+            (:mod:`.events`); the first that holds ends the run (``status="event"``, ``Solution.event``).
 
     The fixed-step loop takes ``ceil((b - a) / dt)`` steps of size ``dt`` per piece
     ``[a, b]``, the last one shortened to land on ``b`` exactly.
@@ -240,6 +247,7 @@ def integrate(
     piece_starts: list[float] = []
     n_steps = n_rejected = n_evals = attempts = 0
     status = "success"
+    event: str | None = None
     cstate = ControllerState()
 
     for a, b, refresh in _pieces(float(t0), float(t1), basis_schedule):
@@ -301,6 +309,10 @@ def integrate(
             if not bool(xp.all(xp.isfinite(y))):
                 status = "nonfinite"
                 break
+            fired = next((e for e in events if e(t, y, args)), None)
+            if fired is not None:
+                status, event = "event", event_name(fired)
+                break
         if status != "success":
             break
     bar.close()
@@ -338,4 +350,5 @@ def integrate(
         status=status,
         solver=solver.name,
         wall_time=time.perf_counter() - start_clock,
+        event=event,
     )
