@@ -36,7 +36,19 @@ from .problems import (
     rosenbrock_problem,
 )
 from .reference import OrderResult, observed_order, reference_solution
-from .solvers import SOLVERS, Dopri5, Euler, ExplicitRK, RK4Solver, SemiImplicitEuler, Solver, make_solver, rk_step
+from .solvers import (
+    SOLVERS,
+    Dopri5,
+    Euler,
+    ExplicitRK,
+    RK4Solver,
+    Ros3p,
+    Rosenbrock,
+    SemiImplicitEuler,
+    Solver,
+    make_solver,
+    rk_step,
+)
 from .systems import (
     SYSTEMS,
     AdafactorODEState,
@@ -53,7 +65,7 @@ from .systems import (
     no_system_reason,
     vector_field,
 )
-from .tableaus import DOPRI5, EULER, RK4, TABLEAUS, ButcherTableau
+from .tableaus import DOPRI5, EULER, RK4, ROS3P, TABLEAUS, ButcherTableau, RosenbrockTableau
 from .terms import BiasCorrectedTerm, ODETerm, SystemTerm, bias_corrected_rate, bias_corrected_term
 
 __all__ = [
@@ -63,6 +75,7 @@ __all__ = [
     "EULER",
     "PROBLEMS",
     "RK4",
+    "ROS3P",
     "SOLVERS",
     "SYSTEMS",
     "TABLEAUS",
@@ -89,6 +102,9 @@ __all__ = [
     "PIController",
     "Problem",
     "RK4Solver",
+    "Ros3p",
+    "Rosenbrock",
+    "RosenbrockTableau",
     "SaveAt",
     "SemiImplicitEuler",
     "Solution",

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .._xp import Array, namespace
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
 from .events import event_name
-from .solvers import DenseStep, ExplicitRK, Solver, interpolate
+from .solvers import DenseStep, ExplicitRK, Rosenbrock, Solver, interpolate
 
 __all__ = ["BasisSchedule", "SaveAt", "Solution", "integrate"]
 
@@ -261,7 +261,7 @@ def integrate(
             assert isinstance(controller, PIController)
             f0 = term.vector_field(a, y, args)
             n_evals += 1
-            carry = f0 if isinstance(solver, ExplicitRK) else carry  # f(t0, y0) is the first step's k1
+            carry = f0 if isinstance(solver, ExplicitRK | Rosenbrock) else carry  # f(t0, y0) starts the first step
             h, used = initial_step(term, a, y, args, f0, solver.order, controller.rtol, controller.atol)
             n_evals += used
         while t < b:

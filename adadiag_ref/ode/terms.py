@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from .._xp import Array, Namespace, namespace, sqrt
 from .problems import Problem
@@ -74,16 +74,23 @@ class StateLayout(NamedTuple):
         return self.offsets[i], self.offsets[i] + math.prod(self.shapes[i])
 
 
+def _reshape(x: Array, shape: tuple[int, ...], xp: Namespace) -> Array:
+    """``xp.reshape(x, shape)``, by the array's own method where it has one (NumPy's module function costs ~3 us
+    a call in wrappers, on the path of every evaluation of the field; the same view either way)."""
+    method = getattr(x, "reshape", None)
+    return method(shape) if method is not None else xp.reshape(x, shape)
+
+
 def pack(state: ODEState, layout: StateLayout, xp: Namespace) -> Array:
     """``y = concat(vec(field) for field in layout)`` (row-major ``vec``)."""
-    return xp.concat([xp.reshape(getattr(state, name), (-1,)) for name in layout.names])
+    return xp.concat([_reshape(getattr(state, name), (-1,), xp) for name in layout.names])
 
 
 def unpack(y: Array, layout: StateLayout, cls: type, xp: Namespace) -> Any:
     """Inverse of :func:`pack`: a ``cls`` NamedTuple (absent fields ``None``)."""
     values: dict[str, Any] = dict.fromkeys(cls._fields)  # type: ignore[attr-defined]
     for name, shape, start in zip(layout.names, layout.shapes, layout.offsets, strict=True):
-        values[name] = xp.reshape(y[start : start + math.prod(shape)], shape)
+        values[name] = _reshape(y[start : start + math.prod(shape)], shape, xp)
     return cls(**values)
 
 
@@ -99,6 +106,7 @@ class ODETerm:
         rate_fn: the closed-form ``dH/dt = <grad H(y), f(t, y, args)>`` at ``(t, y, args)``.
         loss_fn: ``L(y)`` for the report (``None``: reported as ``H``).
         grad_norm_fn: ``||grad L||`` at ``y`` for the report and gradient-tolerance events (``None``: NaN).
+        autonomous: ``f`` does not depend on ``t`` (spares :class:`~.solvers.Rosenbrock` its ``df/dt``).
     """
 
     fn: Callable[[float, Array, Any], Array]
@@ -107,6 +115,7 @@ class ODETerm:
     rate_fn: Callable[[float, Array, Any], float] | None = None
     loss_fn: Callable[[Array], float] | None = None
     grad_norm_fn: Callable[[Array], float] | None = None
+    autonomous: bool = False
 
     def vector_field(self, t: float, y: Array, args: Any) -> Array:
         """``f(t, y, args)``."""
@@ -169,6 +178,8 @@ class SystemTerm:
     system: System
     problem: Problem
     layout: StateLayout = field(init=False)
+    autonomous: ClassVar[bool] = True
+    """``f`` does not depend on ``t`` (the rates are constants)."""
     xp: Namespace = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -206,13 +217,18 @@ class SystemTerm:
 
         Semi-implicit Euler re-uses one gradient per step and advances one block of fields at a time.
         """
-        state = self.unpack(y)
-        derivative = vector_field(self.system, state, grads.G_rot, args, fields=fields, xp=self.xp)
-        return pack(derivative, self.layout, self.xp)
+        return self._field(t, self.unpack(y), grads.G_rot, args, fields)
 
     def vector_field(self, t: float, y: Array, args: Basis) -> Array:
-        """``f(t, y, args) = dy/dt`` (one gradient evaluation)."""
-        return self.field_given_gradients(t, y, self.gradients(t, y, args), args)
+        """``f(t, y, args) = dy/dt`` (one gradient evaluation; ``y`` unpacked once)."""
+        state = self.unpack(y)
+        return self._field(t, state, rotate(self.problem.grad(state.W), *args, self.xp), args)
+
+    def _field(
+        self, t: float, state: ODEState, G_rot: Array, args: Basis, fields: tuple[str, ...] | None = None
+    ) -> Array:
+        """The packed field of the structured ``state`` given ``G~`` (the system's constant rates)."""
+        return pack(vector_field(self.system, state, G_rot, args, fields=fields, xp=self.xp), self.layout, self.xp)
 
     def refresh(self, t: float, y: Array, args: Basis) -> Basis:
         """Basis refresh at ``t``: ``P, _, Q^T = canonical_svd(grad L(W(t)))``; moments untouched."""
@@ -299,6 +315,7 @@ class BiasCorrectedTerm(SystemTerm):
     """
 
     _systems: dict[float, System] = field(init=False, default_factory=dict, repr=False)
+    autonomous: ClassVar[bool] = False
 
     def system_at(self, t: float) -> System:
         """The system with the rates in force at ``t``: ``a(t)``, ``b(t)`` (:func:`bias_corrected_rate`)."""
@@ -312,11 +329,11 @@ class BiasCorrectedTerm(SystemTerm):
             self._systems[t] = found
         return found
 
-    def field_given_gradients(
-        self, t: float, y: Array, grads: Gradients, args: Basis, fields: tuple[str, ...] | None = None
+    def _field(
+        self, t: float, state: ODEState, G_rot: Array, args: Basis, fields: tuple[str, ...] | None = None
     ) -> Array:
-        """``f(t, y)`` with the rates ``a(t)``, ``b(t)``; the rest as :meth:`SystemTerm.field_given_gradients`."""
-        derivative = vector_field(self.system_at(t), self.unpack(y), grads.G_rot, args, fields=fields, xp=self.xp)
+        """The packed field with the rates ``a(t)``, ``b(t)`` in force at ``t``."""
+        derivative = vector_field(self.system_at(t), state, G_rot, args, fields=fields, xp=self.xp)
         return pack(derivative, self.layout, self.xp)
 
     def hamiltonian_rate(self, t: float, y: Array, args: Basis) -> float:
