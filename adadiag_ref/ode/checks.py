@@ -663,7 +663,7 @@ def _analyse(
         verdict = "monotone"
         message = (
             f"H is non-increasing (largest step increase {inc:.3g}, rounding level {rounding:.3g}); {balance}, "
-            f"closed-form dH/dt within {fd_error:.1g} of finite differences"
+            f"closed-form dH/dt agrees with finite differences of H (gap {fd_error:.1g})"
         )
 
     if sol.event is not None:
