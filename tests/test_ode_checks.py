@@ -263,3 +263,15 @@ def test_check_stops_at_a_user_event():
 
     result = ode.check(ode.make_system("hfac"), PROBLEM, "rk4", 5.0, events=[halfway])
     assert result.event == "halfway" and result.t_final == pytest.approx(2.5, abs=1e-9)
+
+
+def test_an_energy_balance_that_does_not_close_is_unresolved():
+    """Euler at h = 0.1 on Adam: H decreases on every step and the closed form is right, but the trajectory is
+    10 % off the ODE's energy balance (measured 0.10; 0.04 at h = 0.05, which stays monotone): before issue 48
+    this was ``monotone``."""
+    coarse = ode.check(ode.make_system("adam"), PROBLEM, "euler", 5.0, dt=0.1)
+    assert coarse.verdict == "unresolved", coarse.message
+    assert coarse.max_h_increase == 0.0 and coarse.rate_fd_error < ode.checks.FD_TOLERANCE
+    assert coarse.energy_residual_rel > coarse.energy_tolerance
+    finer = ode.check(ode.make_system("adam"), PROBLEM, "euler", 5.0, dt=0.05)
+    assert finer.verdict == "monotone" and finer.energy_residual_rel < finer.energy_tolerance
