@@ -12,6 +12,7 @@ import os
 
 import _adapter_import  # noqa: F401
 import torch
+
 from adadiag_ref.adapters.pytorch import AdaDiag
 
 WORLD = 2

@@ -112,22 +112,6 @@ def test_refresh_times_show_in_the_trajectory():
 # ----------------------------------------------------------------------------- verdicts from the evidence
 
 
-def _register_heavy_ball_variant(family, **flow_changes):
-    """Register heavy ball as ``family`` with ``flow_changes``; returns a callable that unregisters it."""
-    from _heavy_ball_variants import heavy_ball_variant
-
-    import adadiag_ref as ar
-    from adadiag_ref.optim.families import FAMILIES, register_family
-
-    register_family(*heavy_ball_variant(family, **flow_changes))
-
-    def unregister():
-        del FAMILIES[family]
-        del ar.OPTIMIZERS[family]
-
-    return unregister
-
-
 @pytest.mark.parametrize(
     ("family", "changes", "residual"),
     [
@@ -140,11 +124,10 @@ def _register_heavy_ball_variant(family, **flow_changes):
 def test_a_closed_form_that_disagrees_with_the_trajectory_is_reported(family, changes, residual):
     """Issue 48: both families got ``monotone``, their energy residuals computed and never used (measured here
     0.5 and 0.19; finite-difference gaps 0.33 and 0.14)."""
-    unregister = _register_heavy_ball_variant(family, **changes)
-    try:
+    from _heavy_ball_variants import registered_variant
+
+    with registered_variant(family, **changes):
         result = ode.check(ode.make_system(family), PROBLEM, "dopri5", 5.0)
-    finally:
-        unregister()
     assert result.verdict == "rate_mismatch", result.message
     assert result.rate_fd_error > 0.1 and result.energy_residual_rel > residual
     assert "finite difference" in result.message and "energy residual" in result.message

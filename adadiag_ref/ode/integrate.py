@@ -46,7 +46,9 @@ class SaveAt:
     Attributes:
         steps: keep ``y`` at ``t0`` and after every accepted step (``Solution.ts``, ``.ys``).
         ts: keep ``y`` at these times instead (from the dense interpolant): sorted, in ``[t0, t1]``
-            (:func:`integrate` refuses others with ``ValueError`` before it starts).
+            (:func:`integrate` refuses others with ``ValueError`` before it starts).  A run that ends early
+            (an event, or ``status`` other than ``"success"``) has no state after ``t_final``: those times are
+            absent from ``Solution.ts``.
         dense: keep every step's interpolant, for :meth:`Solution.evaluate`.
         errors: keep every accepted step's embedded error estimate (``Solution.y_errs``).
     """
