@@ -73,9 +73,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="PATH", type=plot_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
     )
     group = parser.add_argument_group("integration")
-    group.add_argument("--dt", type=finite_positive, help="fixed step (Euler types, rk4); default T/2000 or T/200")
-    group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5 relative tolerance (1e-8)")
-    group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
+    group.add_argument(
+        "--dt",
+        type=finite_positive,
+        help="fixed step (Euler types, rk4; default T/2000 or T/200); first step of dopri5, ros3p (default: automatic)",
+    )
+    group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5/ros3p relative tolerance (1e-8)")
+    group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5/ros3p absolute tolerance (1e-10)")
     group.add_argument("--max-steps", type=positive_int, default=1_000_000, help="give up after this many steps")
     group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
     group.add_argument("--grad-tol", type=finite_positive, help="stop once ||grad L|| <= this (an event)")
