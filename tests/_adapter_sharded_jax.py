@@ -16,11 +16,11 @@ import jax
 jax.config.update("jax_enable_x64", True)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from adadiag_ref.adapters.optax import ALIASES  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
-from adadiag_ref.adapters.optax import ALIASES  # noqa: E402
 
 STEPS, FREQ = 7, 3
 

@@ -12,7 +12,6 @@ import os
 
 import _adapter_import  # noqa: F401
 import torch
-
 from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 STEPS, FREQ, WORLD = 9, 3, 2  # refreshes at t = 1, 4, 7

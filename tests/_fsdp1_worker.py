@@ -12,7 +12,6 @@ import os
 
 import _adapter_import  # noqa: F401
 import torch
-
 from adadiag_ref.adapters.pytorch import AdaDiag
 
 WORLD = 2

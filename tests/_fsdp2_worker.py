@@ -17,9 +17,9 @@ from typing import Any
 
 import _adapter_import  # noqa: F401
 import torch
+from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 import adadiag_ref as ar
-from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 STEPS, FREQ = 5, 2  # refreshes at t = 1, 3, 5
 
@@ -111,9 +111,8 @@ SAVE_AT = 2  # checkpoint after t = 2: the resumed run crosses the refreshes at 
 def local_state(opt: torch.optim.Optimizer) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
     """Every state tensor of ``opt`` as this rank holds it (a DTensor's local shard, with its offset in the whole
     tensor; zeros for a plain tensor), keyed by ``"<parameter index>.<field>"`` in group order."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     from adadiag_ref.adapters import _sharded
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = {}
     for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):

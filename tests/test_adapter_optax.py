@@ -18,9 +18,9 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jax_extend = pytest.importorskip("jax.extend")
 import jax.numpy as jnp  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
-from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 NAMES = list(ar.OPTIMIZERS)
 SHAPES = {"w": (5, 7), "b": (7,), "k": (6, 2, 2)}

@@ -15,9 +15,9 @@ import threading
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
 import torch
+from adadiag_ref.adapters import pytorch as at
 
 import adadiag_ref as ar
-from adadiag_ref.adapters import pytorch as at
 
 NAMES = list(ar.OPTIMIZERS)
 CLASSES = at.OPTIMIZER_CLASSES

@@ -17,9 +17,8 @@ from collections import Counter
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from adadiag_ref.adapters import pytorch as at
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ADAM_NAMES = ["adamw", "adadiag", "adadiag_pp"]
 SHAPES = [(5, 7), (7, 5), (7,), (1,), (6, 2, 2), (40, 30), (3, 1), ()]  # wide, tall, vector, 1-element, conv, 0-d

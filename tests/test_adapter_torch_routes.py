@@ -16,10 +16,9 @@ import time
 import _adapter_import  # noqa: F401
 import pytest
 import torch
+from adadiag_ref.adapters import pytorch as at
 from hypothesis import given
 from hypothesis import strategies as st
-
-from adadiag_ref.adapters import pytorch as at
 
 SHAPES = [(5, 7), (7, 5), (7,), (6, 2, 2), (3, 1), ()]
 NAMES = ["adamw", "adadiag", "adadiag_pp"]

@@ -285,7 +285,6 @@ def test_optax_alias_with_batch_dims_under_jit(name):
     jax = pytest.importorskip("jax")
     pytest.importorskip("optax")
     import jax.numpy as jnp
-
     from adadiag_ref.adapters import optax as ao
 
     def run(tx, w, gs):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
 import torch
+from adadiag_ref.adapters import pytorch as at
 
 import adadiag_ref as ar
-from adadiag_ref.adapters import pytorch as at
 
 SHAPES = [(6, 9), (9, 6), (6, 9), (6, 9), (4,)]  # four of work shape 6 x 9 (one transposed), a vector
 

@@ -127,6 +127,7 @@ def test_backends_within_the_conditioning_tolerance_on_near_ties(name: str) -> N
     assert report.widened_from == 1 and float(np.nanmax(report.tolerance_ratio)) < 0.1, str(report)
     pytest.importorskip("optax")
     from adadiag_ref.adapters import optax as ao
+
     from adadiag_ref.golden.conform import optax_runner
 
     conformed = optax_runner(ao.ALIASES[name])(case)

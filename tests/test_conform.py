@@ -70,6 +70,7 @@ def _optax_cases(name: str, every: bool) -> list:  # type: ignore[type-arg]
 def test_shipped_optax_aliases_pass_with_their_states(name: str, every: bool) -> None:
     pytest.importorskip("optax")
     from adadiag_ref.adapters import optax as ao
+
     from adadiag_ref.golden.conform import optax_runner
 
     cases = _optax_cases(name, every)

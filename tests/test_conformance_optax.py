@@ -22,7 +22,6 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
-
 from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 CONTROL = "optax.adamw"

@@ -16,7 +16,6 @@ import io
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
 import torch
-
 from adadiag_ref.adapters import pytorch as at
 
 CONTROL = "torch.optim.AdamW"

@@ -181,7 +181,6 @@ def test_optax_adapter_runs_the_family_under_jit() -> None:
     jax = pytest.importorskip("jax")
     pytest.importorskip("optax")
     import jax.numpy as jnp
-
     from adadiag_ref.adapters import optax as ar_optax
 
     w0, grads = _stream(4)
@@ -202,7 +201,6 @@ def test_optax_adapter_takes_injected_hyperparameters_for_the_family() -> None:
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     import jax.numpy as jnp
-
     from adadiag_ref.adapters import optax as ar_optax
 
     w0, grads = _stream(5)

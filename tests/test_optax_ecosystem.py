@@ -16,9 +16,9 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
-from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 NAMES = list(ar.OPTIMIZERS)
 SHAPES = {"wide": (3, 5), "tall": (6, 2), "bias": (5,)}  # one-sided and two-sided bases, a tall leaf, a vector

@@ -183,7 +183,6 @@ def test_the_jitted_optax_alias_agrees_with_numpy_to_the_golden_tolerance_on_ref
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     import jax.numpy as jnp
-
     from adadiag_ref.adapters import optax as ao
 
     updates = {}  # one jitted update per frame: compiled once per shape

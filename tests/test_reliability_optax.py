@@ -16,10 +16,10 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
 from adadiag_ref import linalg  # noqa: E402
-from adadiag_ref.adapters import optax as ao  # noqa: E402
 from adadiag_ref.optim.core import NonFiniteGradientWarning  # noqa: E402
 
 SHAPE = (5, 7)

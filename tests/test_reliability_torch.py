@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from adadiag_ref.adapters import pytorch as at  # noqa: E402
+
 import adadiag_ref as ar  # noqa: E402
 from adadiag_ref import linalg  # noqa: E402
-from adadiag_ref.adapters import pytorch as at  # noqa: E402
 
 
 def _break_the_ladder(monkeypatch) -> None:
