@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -105,3 +107,154 @@ def test_refresh_times_show_in_the_trajectory():
     result = ode.check(ode.make_system("hfacdiag"), ode.least_squares_problem(3, 5), "rk4", 2.0, refresh_period=0.5)
     np.testing.assert_allclose(result.trajectory.refresh_times, [0.5, 1.0, 1.5])
     assert result.verdict == "monotone"
+
+
+# ----------------------------------------------------------------------------- verdicts from the evidence
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "residual"),
+    [
+        # the rate of L + ||M||^2 / (2a) along W' = -M, M' = a (G - M) is -||M||^2: half of it is wrong
+        ("halfrate", {"hamiltonian_rate": lambda c, s, G, xp: -0.5 * xp.sum(s.M * s.M)}, 0.4),
+        # an H whose kinetic term is twice too large: its true rate is <G, -M> + 2 <M, G - M> != -||M||^2
+        ("wrongh", {"hamiltonian": lambda c, s, loss, xp: loss + xp.sum(s.M * s.M) / c.a}, 0.1),
+    ],
+)
+def test_a_closed_form_that_disagrees_with_the_trajectory_is_reported(family, changes, residual):
+    """Issue 48: both families got ``monotone``, their energy residuals computed and never used (measured here
+    0.5 and 0.19; finite-difference gaps 0.33 and 0.14)."""
+    from _heavy_ball_variants import registered_variant
+
+    with registered_variant(family, **changes):
+        result = ode.check(ode.make_system(family), PROBLEM, "dopri5", 5.0)
+    assert result.verdict == "rate_mismatch", result.message
+    assert result.rate_fd_error > 0.1 and result.energy_residual_rel > residual
+    assert "finite difference" in result.message and "energy residual" in result.message
+
+
+def test_a_correct_closed_form_agrees_with_finite_differences():
+    result = ode.check(ode.make_system("adadiag_pp"), PROBLEM, "dopri5", 5.0, refresh_period=1.0)
+    assert result.verdict == "monotone"
+    # central differences with a 1e-5 relative perturbation: truncation ~1e-10, measured 1e-10 - 3e-9
+    assert result.rate_fd_error < 1e-7 and result.energy_residual_rel < 1e-6
+    assert "energy residual" in result.message
+
+
+def test_rate_fd_error_measures_the_gap():
+    term = ode.SystemTerm(ode.make_system("adam"), PROBLEM)
+    y, basis = term.initial_state(), term.initial_basis()
+    gap, used = ode.checks.rate_fd_error(term, 0.0, y, basis)
+    assert gap < 1e-8 and used == 1
+    doubled = SimpleNamespace(
+        vector_field=lambda t, y, args: 2.0 * term.vector_field(t, y, args),
+        hamiltonian=term.hamiltonian,
+        hamiltonian_rate=term.hamiltonian_rate,
+    )
+    gap, _ = ode.checks.rate_fd_error(doubled, 0.0, y, basis)
+    assert gap == pytest.approx(1 / 3, rel=1e-6)  # |r - 2r| / (|r| + |2r|)
+
+
+def test_a_blown_up_state_is_never_ok():
+    """Issue 48: after an RK4 blow-up the report said "invariants ok" and "largest H increase 0" at a NaN state."""
+    system = ode.make_system("momentum_sgd", a=10.0)
+    problem = ode.least_squares_problem(2, 3, cond=1e4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # issue 48: NumPy's RuntimeWarnings reached the console; now none escapes
+        result = ode.check(system, problem, "rk4", 200.0, dt=2.0)
+    assert any("RuntimeWarning" in text for text in result.runtime_warnings), result.runtime_warnings
+    assert result.status == "nonfinite" and result.verdict == "failed"
+    assert not result.invariants_ok
+    assert math.isnan(result.max_h_increase)
+    assert any("not finite" in note for note in result.notes)
+
+
+def test_json_can_include_the_trajectory():
+    result = ode.check(ode.make_system("adadiag"), PROBLEM, "rk4", 1.0, dt=0.05, refresh_period=0.5)
+    assert "trajectory" not in result.to_dict()
+    payload = json.loads(json.dumps(result.to_dict(trajectory=True)))
+    trajectory = payload["trajectory"]
+    assert len(trajectory["t"]) == 21 == len(trajectory["H"]) == len(trajectory["dHdt"])
+    assert trajectory["refresh_times"] == [0.5] and len(trajectory["step_sizes"]) == 20
+    assert trajectory["H"][0] == pytest.approx(result.h0, rel=1e-15)
+
+
+def test_check_reports_the_fit_range_of_its_order():
+    result = ode.check(ode.make_system("adam"), PROBLEM, "rk4", 1.0, order=True, order_dt0=1 / 10)
+    # the finest three of five (measured slopes 2.8, 3.7, 3.86, 3.93 from the coarsest pair on; fit 3.90)
+    assert result.order_fit_range == (0.025, 0.00625) and result.order_refused == ()
+    assert result.observed_order == pytest.approx(3.9, abs=0.1)
+    assert "fit_range" not in result.to_dict() and result.to_dict()["order_fit_range"] == [0.025, 0.00625]
+
+
+# ----------------------------------------------------------------------------- your own flow, no registration
+
+
+def _damped_oscillator(gamma: float, rate_factor: float = 1.0) -> ode.ODETerm:
+    """``q' = p``, ``p' = -q - gamma p``; ``H = (q^2 + p^2) / 2``, ``dH/dt = -gamma p^2`` (times ``rate_factor``)."""
+
+    def oscillator(t, y, args):
+        return np.array([y[1], -y[0] - gamma * y[1]])
+
+    return ode.ODETerm(
+        oscillator,
+        hamiltonian_fn=lambda y: 0.5 * float(y @ y),
+        rate_fn=lambda t, y, args: -rate_factor * gamma * float(y[1] ** 2),
+    )
+
+
+def test_check_takes_an_ode_term_with_h_and_its_rate():
+    result = ode.check(_damped_oscillator(0.3), integrator="dopri5", t_end=10.0, y0=np.array([1.0, 0.0]))
+    assert result.verdict == "monotone", result.message
+    assert result.system == "oscillator" and result.problem == "custom"
+    assert result.h_end < 0.1 * result.h0 and result.min_second_moment is None and result.invariants_ok
+    assert result.energy_residual_rel < 1e-6 and result.rate_fd_error < 1e-7
+    assert result.loss0 == result.h0 and math.isnan(result.grad_norm0)  # no loss_fn, grad_norm_fn given
+
+
+def test_check_of_an_ode_term_with_a_wrong_rate():
+    result = ode.check(_damped_oscillator(0.3, rate_factor=0.5), t_end=10.0, y0=np.array([1.0, 0.0]))
+    assert result.verdict == "rate_mismatch", result.message
+
+
+def test_check_of_an_ode_term_needs_h_rate_and_y0():
+    term = _damped_oscillator(0.3)
+    with pytest.raises(ValueError, match="y0 given: False"):
+        ode.check(term, t_end=1.0)
+    with pytest.raises(ValueError, match="missing: hamiltonian_fn, rate_fn"):
+        ode.check(ode.ODETerm(term.fn), t_end=1.0, y0=np.array([1.0, 0.0]))
+    with pytest.raises(ValueError, match="needs a Problem"):
+        ode.check(ode.make_system("adam"), t_end=1.0)
+
+
+# ----------------------------------------------------------------------------- events in check
+
+
+def test_check_stops_at_a_gradient_tolerance():
+    result = ode.check(ode.make_system("adadiag"), PROBLEM, "dopri5", 1000.0, grad_tol=1e-3)
+    assert result.status == "event" and result.event == "||grad L|| <= 0.001"
+    assert result.grad_norm_end <= 1e-3 < result.grad_norm0 and result.t_final < 1000.0
+    assert result.trajectory.t[-1] == result.t_final and result.verdict == "monotone"
+    assert result.message.startswith(f"stopped at t = {result.t_final:.6g}")
+    by_loss = ode.check(ode.make_system("adam"), PROBLEM, "rk4", 50.0, dt=0.05, loss_threshold=1e-3)
+    assert by_loss.event == "L <= 0.001" and by_loss.loss_end <= 1e-3
+
+
+def test_check_stops_at_a_user_event():
+    def halfway(t, y, args):
+        return t > 2.49  # the step ends are multiples of 0.025 up to rounding
+
+    result = ode.check(ode.make_system("hfac"), PROBLEM, "rk4", 5.0, events=[halfway])
+    assert result.event == "halfway" and result.t_final == pytest.approx(2.5, abs=1e-9)
+
+
+def test_an_energy_balance_that_does_not_close_is_unresolved():
+    """Euler at h = 0.1 on Adam: H decreases on every step and the closed form is right, but the trajectory is
+    10 % off the ODE's energy balance (measured 0.10; 0.04 at h = 0.05, which stays monotone): before issue 48
+    this was ``monotone``."""
+    coarse = ode.check(ode.make_system("adam"), PROBLEM, "euler", 5.0, dt=0.1)
+    assert coarse.verdict == "unresolved", coarse.message
+    assert coarse.max_h_increase == 0.0 and coarse.rate_fd_error < ode.checks.FD_TOLERANCE
+    assert coarse.energy_residual_rel > coarse.energy_tolerance
+    finer = ode.check(ode.make_system("adam"), PROBLEM, "euler", 5.0, dt=0.05)
+    assert finer.verdict == "monotone" and finer.energy_residual_rel < finer.energy_tolerance

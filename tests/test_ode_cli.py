@@ -74,9 +74,8 @@ def test_order_flag(capsys):
 
 
 def test_errors(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["--optimizer", "lion"])
-    assert exc.value.code == 2
+    assert cli.main(["--optimizer", "lion"]) == 2  # checked by make_system: registered families count
+    assert "unknown system 'lion'" in capsys.readouterr().err
     assert cli.main(["--optimizer", "adam", "--clip-threshold", "1", "--t-end", "1"]) == 2
     assert "clip_threshold" in capsys.readouterr().err
     assert cli.main(["--optimizer", "hfac", "--moments", "zero", "--t-end", "1"]) == 3
@@ -91,3 +90,45 @@ def test_add_parser_registers_the_subcommand(capsys):
     assert args.func is cli.run
     assert args.func(args) == 0
     assert "momentum_sgd" in capsys.readouterr().out
+
+
+def test_discrete_limit_flag(capsys, tmp_path):
+    args = ["--optimizer", "adadiag", "--problem", "factorization", "--discrete-limit", "--t-end", "1"]
+    args += ["--refresh-every", "0.25", "--hs", "0.01,0.005,0.0025"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "fitted order: 1.0" in out and "refresh every 0.25" in out
+    path = tmp_path / "limit.png"
+    assert cli.main([*args, "--json", "--no-bias-correction", "--plot", str(path)]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert abs(payload["order"] - 1.0) < 0.05 and payload["hs"] == [0.01, 0.005, 0.0025]
+    assert payload["bias_correction"] is False and path.stat().st_size > 0
+    assert cli.main([*args[:-2], "--hs", "0.3,0.1"]) == 2
+    assert "must divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*args[:-2], "--hs", "0.01"])
+
+
+def test_a_family_registered_at_run_time_reaches_the_cli(capsys):
+    """``--import MODULE`` registers a family (tests/_ode_plugin_family.py) before the optimizer is looked up."""
+    import sys
+
+    import adadiag_ref as ar
+    from adadiag_ref.optim.families import FAMILIES
+
+    try:
+        rc = cli.main(["--import", "_ode_plugin_family", "--optimizer", "pluginball", "--t-end", "2", "--json"])
+        payload = json.loads(capsys.readouterr().out)
+    finally:
+        FAMILIES.pop("pluginball", None)
+        ar.OPTIMIZERS.pop("pluginball", None)
+        sys.modules.pop("_ode_plugin_family", None)
+    assert rc == 0 and payload["system"] == "pluginball" and payload["verdict"] == "monotone"
+    assert cli.main(["--import", "no_such_module_48", "--optimizer", "adam"]) == 2
+    assert "no_such_module_48" in capsys.readouterr().err
+
+
+def test_json_trajectory_flag(capsys):
+    assert cli.main(["--optimizer", "adam", "--integrator", "rk4", "--t-end", "1", "--json", "--trajectory"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert len(payload["trajectory"]["t"]) == 201 and payload["trajectory"]["t"][-1] == 1.0

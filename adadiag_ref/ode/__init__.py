@@ -23,6 +23,8 @@ from .claims import (
     sufficient_condition,
 )
 from .controllers import ConstantStepSize, PIController
+from .discrete import DiscreteLimit, discrete_limit, flow_of_config
+from .events import Event, gradient_tolerance, loss_threshold
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import (
     PROBLEMS,
@@ -34,7 +36,19 @@ from .problems import (
     rosenbrock_problem,
 )
 from .reference import OrderResult, observed_order, reference_solution
-from .solvers import SOLVERS, Dopri5, Euler, ExplicitRK, RK4Solver, SemiImplicitEuler, Solver, make_solver, rk_step
+from .solvers import (
+    SOLVERS,
+    Dopri5,
+    Euler,
+    ExplicitRK,
+    RK4Solver,
+    Ros3p,
+    Rosenbrock,
+    SemiImplicitEuler,
+    Solver,
+    make_solver,
+    rk_step,
+)
 from .systems import (
     SYSTEMS,
     AdafactorODEState,
@@ -51,8 +65,8 @@ from .systems import (
     no_system_reason,
     vector_field,
 )
-from .tableaus import DOPRI5, EULER, RK4, TABLEAUS, ButcherTableau
-from .terms import ODETerm, SystemTerm, bias_corrected_rate, bias_corrected_term
+from .tableaus import DOPRI5, EULER, RK4, ROS3P, TABLEAUS, ButcherTableau, RosenbrockTableau
+from .terms import BiasCorrectedTerm, ODETerm, SystemTerm, bias_corrected_rate, bias_corrected_term
 
 __all__ = [
     "CLAIMS",
@@ -61,6 +75,7 @@ __all__ = [
     "EULER",
     "PROBLEMS",
     "RK4",
+    "ROS3P",
     "SOLVERS",
     "SYSTEMS",
     "TABLEAUS",
@@ -68,14 +83,17 @@ __all__ = [
     "AdamODEState",
     "Basis",
     "BasisSchedule",
+    "BiasCorrectedTerm",
     "ButcherTableau",
     "CheckResult",
     "Claim",
     "ClaimEvaluation",
     "ConstantStepSize",
     "Counterexample",
+    "DiscreteLimit",
     "Dopri5",
     "Euler",
+    "Event",
     "ExplicitRK",
     "HfacODEState",
     "MomentumODEState",
@@ -84,6 +102,9 @@ __all__ = [
     "PIController",
     "Problem",
     "RK4Solver",
+    "Ros3p",
+    "Rosenbrock",
+    "RosenbrockTableau",
     "SaveAt",
     "SemiImplicitEuler",
     "Solution",
@@ -98,13 +119,17 @@ __all__ = [
     "counterexample",
     "custom_problem",
     "directional_derivative",
+    "discrete_limit",
     "evaluate_at",
     "factorization_problem",
+    "flow_of_config",
+    "gradient_tolerance",
     "hamiltonian",
     "hamiltonian_rate",
     "initial_state",
     "integrate",
     "least_squares_problem",
+    "loss_threshold",
     "make_problem",
     "make_solver",
     "make_system",

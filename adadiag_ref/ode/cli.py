@@ -3,6 +3,10 @@
 ::
 
     adadiag-ref ode --optimizer NAME --problem NAME --integrator NAME --t-end X [--json] [--plot out.png]
+    adadiag-ref ode --optimizer NAME --discrete-limit [--hs 0.02,0.01,0.005] [--no-bias-correction] [--plot out.png]
+
+``--discrete-limit`` runs :func:`~.discrete.discrete_limit` instead of :func:`~.checks.check`.  ``--import MODULE``
+imports a module first (one that registers a family: its optimizers are then accepted by ``--optimizer``).
 
 The main ``adadiag-ref`` command registers this subcommand with :func:`add_parser`;
 ``python -m adadiag_ref.ode.cli ...`` runs it on its own (:func:`main`).
@@ -11,8 +15,10 @@ The main ``adadiag-ref`` command registers this subcommand with :func:`add_parse
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -29,31 +35,66 @@ from .._cli import (
     positive_int,
 )
 from .checks import CheckResult, check
+from .discrete import DiscreteLimit
 from .problems import PROBLEMS, make_problem
 from .solvers import SOLVERS
 from .systems import ALIASES, SYSTEMS, make_system
 
-__all__ = ["add_parser", "build_parser", "format_report", "main", "run"]
+__all__ = ["add_parser", "build_parser", "format_discrete_limit", "format_report", "main", "run", "run_discrete_limit"]
 
 _INTEGRATOR_CHOICES = [*SOLVERS, "sie", "dp5"]
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--optimizer", required=True, choices=[*SYSTEMS, *ALIASES], help="which optimizer's ODE")
+    # no argparse choices: a family registered at run time (--import) is known only when run() starts
+    parser.add_argument(
+        "--optimizer",
+        required=True,
+        help=f"which optimizer's ODE: {', '.join([*SYSTEMS, *ALIASES])} or a registered one",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        metavar="MODULE",
+        action="append",
+        default=[],
+        help="import this module first (repeatable), e.g. one that registers a family with a Flow",
+    )
     parser.add_argument("--problem", default="least_squares", choices=list(PROBLEMS), help="test problem")
     parser.add_argument("--integrator", default="dopri5", choices=_INTEGRATOR_CHOICES, help="time integrator")
     parser.add_argument("--t-end", type=finite_positive, default=10.0, help="final ODE time T (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument(
+        "--trajectory",
+        action="store_true",
+        help="with --json: include the trajectory (t, H, L, ||grad L||, dH/dt at every saved state, step sizes)",
+    )
+    parser.add_argument(
         "--plot", metavar="PATH", type=plot_file, help="draw H(t) and ||grad L||(t) to this image (needs matplotlib)"
     )
     group = parser.add_argument_group("integration")
-    group.add_argument("--dt", type=finite_positive, help="fixed step (Euler types, rk4); default T/2000 or T/200")
-    group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5 relative tolerance (1e-8)")
-    group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5 absolute tolerance (1e-10)")
+    group.add_argument(
+        "--dt",
+        type=finite_positive,
+        help="fixed step (Euler types, rk4; default T/2000 or T/200); first step of dopri5, ros3p (default: automatic)",
+    )
+    group.add_argument("--rtol", type=finite_positive, default=1e-8, help="dopri5/ros3p relative tolerance (1e-8)")
+    group.add_argument("--atol", type=finite_positive, default=1e-10, help="dopri5/ros3p absolute tolerance (1e-10)")
     group.add_argument("--max-steps", type=positive_int, default=1_000_000, help="give up after this many steps")
     group.add_argument("--order", action="store_true", help="also measure the observed order against DOP853")
+    group.add_argument("--grad-tol", type=finite_positive, help="stop once ||grad L|| <= this (an event)")
+    group.add_argument("--loss-threshold", type=float, help="stop once L <= this (an event)")
     add_progress_flags(group)
+    limit = parser.add_argument_group("discrete limit (ode.discrete_limit)")
+    limit.add_argument(
+        "--discrete-limit",
+        action="store_true",
+        help="run the core optimizer at each --hs (lr = h, betas = 1 - a h, 1 - b h) against the flow; fit the order",
+    )
+    limit.add_argument("--hs", type=_step_sizes, default=(0.02, 0.01, 0.005, 0.0025), help="step sizes h, commas")
+    limit.add_argument(
+        "--no-bias-correction", action="store_true", help="the optimizer without bias correction (autonomous flow)"
+    )
     sysg = parser.add_argument_group("system")
     sysg.add_argument("--a", type=finite_nonnegative, default=1.0, help="first-moment rate a (1 - beta1 = a * lr)")
     sysg.add_argument("--b", type=finite_nonnegative, default=1.0, help="second-moment rate b (1 - beta2 = b * lr)")
@@ -67,6 +108,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     sysg.add_argument("--moments", choices=["gradient", "zero"], default="gradient", help="initial moments")
     sysg.add_argument("--floor", type=finite_nonnegative, default=1e-4, help="relative floor of initial second moments")
     sysg.add_argument("--seed", type=int_at_least(0), default=0, help="problem data seed (an integer >= 0)")
+
+
+def _step_sizes(text: str) -> tuple[float, ...]:
+    """argparse ``type=`` of ``--hs``: at least two comma-separated finite numbers > 0."""
+    values = tuple(finite_positive(part) for part in text.split(",") if part.strip())
+    if len(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected at least two step sizes separated by commas, got {text!r}")
+    return values
 
 
 def build_parser(prog: str = "adadiag-ref ode") -> argparse.ArgumentParser:
@@ -107,6 +156,12 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
 
+def _invariants_text(result: CheckResult) -> str:
+    if result.invariants_ok:
+        return "ok"
+    return "VIOLATED" if math.isfinite(result.h_end) else "VIOLATED (a state is not finite)"
+
+
 def format_report(result: CheckResult, system_text: str, problem_text: str, total_time: float) -> str:
     """The human-readable report printed by ``adadiag-ref ode``."""
     lines = [
@@ -122,17 +177,26 @@ def format_report(result: CheckResult, system_text: str, problem_text: str, tota
         ),
         f"  largest dH/dt on the trajectory: {result.max_dhdt:.3g} at t = {result.t_max_dhdt:.4g}",
         f"  energy balance: H(0) - H(T) = {result.energy_drop:.6g}, int -dH/dt = {result.energy_integral:.6g}, "
-        f"residual {result.energy_residual:.2g} (relative {result.energy_residual_rel:.2g})",
+        f"residual {result.energy_residual:.2g} (relative {result.energy_residual_rel:.2g}, "
+        f"tolerance {result.energy_tolerance:g})",
+        f"  closed-form dH/dt vs finite differences of H: largest relative gap {result.rate_fd_error:.2g}"
+        + (f" at t = {result.t_rate_fd_error:.4g}" if math.isfinite(result.rate_fd_error) else ""),
         f"  ||grad L||: {result.grad_norm0:.4g} -> {result.grad_norm_end:.4g} "
         f"(largest on the last 10%: {result.grad_norm_tail:.4g})",
-        f"  invariants V, r, s >= 0: {'ok' if result.invariants_ok else 'VIOLATED'} "
-        f"(min {_fmt(result.min_second_moment)})",
+        f"  invariants V, r, s >= 0: {_invariants_text(result)} (min {_fmt(result.min_second_moment)})",
         f"  well posed at t = 0: {'yes' if result.well_posed else 'NO'}",
     ]
     lines += [f"    note: {note}" for note in result.notes]
     if result.observed_order is not None:
         errs = ", ".join(f"{e:.2e}" for e in result.order_errors)
-        lines.append(f"  observed order: {result.observed_order:.3f} (errors {errs} vs DOP853)")
+        fit = result.order_fit_range
+        lines.append(
+            f"  observed order: {result.observed_order:.3f} (errors {errs} vs DOP853; fitted over dt = "
+            f"{fit[0]:.3g} .. {fit[-1]:.3g}"
+            + (f"; refused dt = {', '.join(f'{d:.3g}' for d in result.order_refused)}" if result.order_refused else "")
+            + ")"
+        )
+    lines += [f"  runtime warning (collected): {text}" for text in result.runtime_warnings]
     lines.append(
         f"  steps: {result.n_steps} accepted, {result.n_rejected} rejected, {result.n_evals} evaluations; "
         f"integration {result.wall_time:.3g} s, total {total_time:.3g} s"
@@ -147,6 +211,13 @@ def run(args: argparse.Namespace) -> int:
     stopped early, 2 for invalid options, 3 when the initial state is ill posed.
     """
     start = time.perf_counter()
+    try:
+        for module in args.imports:
+            importlib.import_module(module)
+    except ImportError as exc:
+        return fail(f"ode: --import: {exc}")
+    if args.discrete_limit:
+        return run_discrete_limit(args)
     try:
         system = make_system(args.optimizer, **_system_options(args))
         problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))
@@ -166,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         order=args.order,
         progress=args.progress,
         max_steps=args.max_steps,
+        grad_tol=args.grad_tol,
+        loss_threshold=args.loss_threshold,
     )
     plot_path = None
     if args.plot and result.trajectory is not None:
@@ -177,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"ode: {exc}")
     total = time.perf_counter() - start
     if args.json:
-        payload = result.to_dict()
+        payload = result.to_dict(trajectory=args.trajectory)
         payload.update(
             {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
         )
@@ -188,7 +261,72 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(result, system.describe(), problem.description or problem.name, total))
         if plot_path:
             print(f"  plot: {plot_path}")
-    return 0 if result.status == "success" else 1 if result.status != "ill_posed" else 3
+    return 0 if result.status in ("success", "event") else 1 if result.status != "ill_posed" else 3
+
+
+def _core_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The config options of ``--discrete-limit``'s optimizer from the system flags that the core shares."""
+    options: dict[str, Any] = {"weight_decay": args.weight_decay}
+    if args.eps is not None:
+        options["eps"] = args.eps
+    if args.clip_threshold is not None:
+        options["clip_threshold"] = args.clip_threshold
+    if args.momentum_form == "none":
+        options["momentum"] = False
+    return options
+
+
+def format_discrete_limit(result: DiscreteLimit, problem_text: str) -> str:
+    """The human-readable report of ``adadiag-ref ode --discrete-limit``."""
+    refresh = "never" if result.refresh_period is None else f"every {result.refresh_period:g}"
+    lines = [
+        f"adadiag-ref ode --discrete-limit: {result.optimizer} -> {result.system.describe()} on {problem_text}",
+        f"  T = {result.t_end:g}, basis refresh {refresh}, bias correction {'on' if result.bias_correction else 'off'};"
+        f" flow by DOPRI5 at rtol 1e-12 ({result.flow_steps} steps)",
+        "  h           max |W_h(T) - W(T)|   local order",
+    ]
+    for k, (h, error) in enumerate(zip(result.hs, result.errors, strict=True)):
+        local = f"{result.local_orders[k - 1]:.3f}" if k else ""
+        lines.append(f"  {h:<10.4g}  {error:<20.4g}  {local}")
+    lines.append(f"  fitted order: {result.order:.3f} (least squares over h = {result.hs[-1]:g} .. {result.hs[0]:g})")
+    return "\n".join(lines)
+
+
+def run_discrete_limit(args: argparse.Namespace) -> int:
+    """``adadiag-ref ode --discrete-limit``: :func:`~.discrete.discrete_limit` with the parsed options."""
+    from .discrete import discrete_limit
+
+    try:
+        problem = make_problem(args.problem, **_problem_options(args.problem, args.seed))
+        result = discrete_limit(
+            args.optimizer,
+            problem,
+            t_end=args.t_end,
+            hs=args.hs,
+            a=args.a,
+            b=args.b,
+            refresh_period=args.refresh_every,
+            bias_correction=not args.no_bias_correction,
+            floor=args.floor,
+            **_core_options(args),
+        )
+    except (ValueError, FloatingPointError, RuntimeError) as exc:
+        return fail(f"ode: {exc}")
+    plot_path = None
+    if args.plot:
+        from .plotting import plot_discrete_limit
+
+        plot_path = plot_discrete_limit(result, args.plot)
+    if args.json:
+        payload = result.to_dict()
+        if plot_path:
+            payload["plot"] = plot_path
+        print(json.dumps(payload, indent=2, sort_keys=True))
+    else:
+        print(format_discrete_limit(result, problem.description or problem.name))
+        if plot_path:
+            print(f"  plot: {plot_path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

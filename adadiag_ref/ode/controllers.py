@@ -19,14 +19,50 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._xp import Array, namespace, sqrt
 
-__all__ = ["ConstantStepSize", "ControllerState", "Decision", "PIController", "initial_step", "weighted_rms"]
+__all__ = [
+    "ConstantStepSize",
+    "ControllerState",
+    "Decision",
+    "PIController",
+    "Tolerance",
+    "initial_step",
+    "tolerance_array",
+    "weighted_rms",
+]
 
 
-def weighted_rms(y0: Array, y1: Array, y_err: Array, rtol: float, atol: float) -> float:
-    """``sqrt(mean((y_err / (atol + rtol max(|y0|, |y1|)))^2))``."""
+Tolerance = float | tuple[float, ...]
+"""A scalar tolerance, or one per component of the flat state (as :func:`scipy.integrate.solve_ivp`'s ``atol``)."""
+
+
+def tolerance_array(tol: Any, like: Array) -> Any:
+    """``tol`` as :func:`weighted_rms` uses it: a float stays a float; a sequence becomes an array in the
+    namespace and dtype of ``like``, one entry per component (``ValueError`` for another length)."""
+    if isinstance(tol, int | float):
+        return float(tol)
+    values = np.asarray(tol, dtype=np.float64)
+    if values.shape != (like.shape[-1],):
+        raise ValueError(
+            f"a vector tolerance needs one entry per state component ({like.shape[-1]}), got {values.shape}"
+        )
+    xp = namespace(like)
+    return xp.asarray(values, dtype=like.dtype)
+
+
+def _as_tolerance(tol: Any) -> Tolerance:
+    """A float, or a tuple of floats for an array or sequence (hashable, comparable: the controller is frozen)."""
+    values = np.asarray(tol, dtype=np.float64)
+    return float(values) if values.ndim == 0 else tuple(float(x) for x in values.reshape(-1))
+
+
+def weighted_rms(y0: Array, y1: Array, y_err: Array, rtol: Any, atol: Any) -> float:
+    """``sqrt(mean((y_err / (atol + rtol max(|y0|, |y1|)))^2))``; ``rtol``, ``atol`` scalars or per component."""
     xp = namespace(y_err)
+    rtol, atol = tolerance_array(rtol, y_err), tolerance_array(atol, y_err)
     scale = atol + rtol * xp.maximum(xp.abs(y0), xp.abs(y1))
     ratio = y_err / scale
     return float(sqrt(xp.mean(ratio * ratio), xp))
@@ -65,12 +101,16 @@ class ConstantStepSize:
 class PIController:
     """Adaptive steps for embedded pairs (``Dopri5``); tolerances ``rtol``, ``atol``.
 
+    Each tolerance is a number or one number per component of the flat state (an array or a sequence, stored
+    as a tuple): the factored moments ``r``, ``s`` can fall to 1e-30 while ``W`` is about 1, so an ``atol``
+    suited to one is wrong for the other.
+
     Defaults ``k_P = 0.4``, ``k_I = 0.3`` (divided by ``q = 5`` for DOPRI5: the
     0.14 / 0.08 exponents of Hairer and Wanner's PI variant), ``safety = 0.9``.
     """
 
-    rtol: float = 1e-6
-    atol: float = 1e-9
+    rtol: Tolerance = 1e-6
+    atol: Tolerance = 1e-9
     pcoeff: float = 0.4
     icoeff: float = 0.3
     safety: float = 0.9
@@ -81,8 +121,15 @@ class PIController:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.rtol >= 0 and self.atol >= 0 and self.rtol + self.atol > 0):
-            raise ValueError("rtol and atol must be >= 0 and not both 0")
+        object.__setattr__(self, "rtol", _as_tolerance(self.rtol))
+        object.__setattr__(self, "atol", _as_tolerance(self.atol))
+        rtol, atol = np.asarray(self.rtol), np.asarray(self.atol)
+        if rtol.size > 1 and atol.size > 1 and rtol.shape != atol.shape:
+            raise ValueError(f"rtol and atol have different lengths ({rtol.size} and {atol.size})")
+        if not (np.all(np.isfinite(rtol)) and np.all(np.isfinite(atol))):
+            raise ValueError("rtol and atol must be finite")
+        if not (np.all(rtol >= 0) and np.all(atol >= 0) and np.all(rtol + atol > 0)):
+            raise ValueError("rtol and atol must be >= 0 and not both 0 (in any component)")
         if not 0 < self.factor_min < 1 < self.factor_max:
             raise ValueError("need 0 < factor_min < 1 < factor_max")
 
@@ -106,7 +153,7 @@ class PIController:
 
 
 def initial_step(
-    term: Any, t0: float, y0: Array, args: Any, f0: Array, order: int, rtol: float, atol: float
+    term: Any, t0: float, y0: Array, args: Any, f0: Array, order: int, rtol: Any, atol: Any
 ) -> tuple[float, int]:
     r"""Starting step (Hairer, Norsett & Wanner I, II.4) and the evaluations it used.
 
@@ -115,7 +162,7 @@ def initial_step(
     the result is ``min(100 h0, h1)``.  Norms are weighted RMS with ``atol + rtol |y0|``.
     """
     xp = namespace(y0)
-    scale = atol + rtol * xp.abs(y0)
+    scale = tolerance_array(atol, y0) + tolerance_array(rtol, y0) * xp.abs(y0)
 
     def norm(x: Array) -> float:
         r = x / scale

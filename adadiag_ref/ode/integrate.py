@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from .._xp import Array, namespace
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
-from .solvers import DenseStep, ExplicitRK, Solver, interpolate
+from .events import event_name
+from .solvers import DenseStep, ExplicitRK, Rosenbrock, Solver, interpolate
 
 __all__ = ["BasisSchedule", "SaveAt", "Solution", "integrate"]
 
@@ -44,7 +45,10 @@ class SaveAt:
 
     Attributes:
         steps: keep ``y`` at ``t0`` and after every accepted step (``Solution.ts``, ``.ys``).
-        ts: keep ``y`` at these times instead (from the dense interpolant), sorted in ``[t0, t1]``.
+        ts: keep ``y`` at these times instead (from the dense interpolant): sorted, in ``[t0, t1]``
+            (:func:`integrate` refuses others with ``ValueError`` before it starts).  A run that ends early
+            (an event, or ``status`` other than ``"success"``) has no state after ``t_final``: those times are
+            absent from ``Solution.ts``.
         dense: keep every step's interpolant, for :meth:`Solution.evaluate`.
         errors: keep every accepted step's embedded error estimate (``Solution.y_errs``).
     """
@@ -97,8 +101,10 @@ class Solution(NamedTuple):
         t_final: where the integration stopped (``t1`` on success).
         y_final: the state there.
         n_steps: accepted steps; n_rejected: rejected steps; n_evals: vector-field evaluations.
-        status: ``"success"``, ``"max_steps"``, ``"nonfinite"`` or ``"dt_min"``.
+        status: ``"success"`` (reached ``t1``), ``"event"`` (a terminal event held: ``event``), ``"max_steps"``,
+            ``"nonfinite"`` or ``"dt_min"``.
         solver: the solver's name; wall_time: seconds spent.
+        event: the name of the event that ended the run (:func:`~.events.event_name`), else ``None``.
     """
 
     ts: np.ndarray
@@ -119,22 +125,44 @@ class Solution(NamedTuple):
     status: str
     solver: str
     wall_time: float
+    event: str | None = None
 
     @property
     def success(self) -> bool:
-        """Whether the integration reached ``t1``."""
-        return self.status == "success"
+        """Whether the integration ended as asked: at ``t1``, or where a terminal event held."""
+        return self.status in ("success", "event")
 
-    def evaluate(self, t: float) -> Array:
-        """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``)."""
+    def evaluate(self, t: float | Sequence[float] | np.ndarray) -> Array:
+        """``y(t)`` from the dense output (needs ``SaveAt(dense=True)``).
+
+        ``t`` a number: the state, shape ``(dim,)``.  ``t`` a 1-D sequence or array of times: the states stacked,
+        shape ``(len(t), dim)``.  Times outside the integrated span ``[t0, t_final]`` raise ``ValueError`` (the
+        interpolant would extrapolate).
+        """
         if self.dense is None:
             raise ValueError("no dense output: integrate with SaveAt(dense=True)")
-        return _evaluate_dense(self.dense, np.array([d.t0 for d in self.dense]), t)
+        times = np.asarray(t, dtype=np.float64)
+        if times.ndim > 1:
+            raise ValueError(f"t must be a number or a 1-D array of times, got shape {times.shape}")
+        _check_span(times, float(self.t_steps[0]), self.t_final, "Solution.evaluate")
+        starts = np.array([d.t0 for d in self.dense])
+        if times.ndim == 0:
+            return _evaluate_dense(self.dense, starts, float(times))
+        xp = namespace(self.y_final)
+        return xp.stack([_evaluate_dense(self.dense, starts, float(x)) for x in times], axis=0)
 
     def basis_at(self, t: float) -> Any:
         """The ``args`` in force at time ``t`` (the later piece at a refresh time)."""
         i = int(np.clip(np.searchsorted(self.piece_starts, t, side="right") - 1, 0, len(self.bases) - 1))
         return self.bases[i]
+
+
+def _check_span(times: np.ndarray, t0: float, t1: float, what: str) -> None:
+    """``ValueError`` unless every time is finite and in ``[t0, t1]`` (up to 1e-12 relative rounding)."""
+    slack = 1e-12 * max(1.0, abs(t0), abs(t1))
+    outside = times[~((times >= t0 - slack) & (times <= t1 + slack))]
+    if outside.size:
+        raise ValueError(f"{what}: time(s) {outside.tolist()[:5]} outside the span [{t0:g}, {t1:g}]")
 
 
 def _evaluate_dense(dense: Sequence[DenseStep], starts: np.ndarray, t: float) -> Array:
@@ -165,6 +193,7 @@ def integrate(
     basis_schedule: BasisSchedule | None = None,
     max_steps: int = 1_000_000,
     progress: bool | None = False,
+    events: Sequence[Callable[[float, Array, Any], bool]] = (),
 ) -> Solution:
     r"""Integrate ``dy/dt = term.vector_field(t, y, args)`` from ``t0`` to ``t1``.
 
@@ -181,6 +210,8 @@ def integrate(
         basis_schedule: refresh times of the basis (default: fixed basis).
         max_steps: give up (``status="max_steps"``) after this many attempted steps.
         progress: progress bar on stderr: ``True`` forces it, ``None`` shows it on a TTY.
+        events: terminal conditions ``event(t, y, args) -> bool`` checked after every accepted step
+            (:mod:`.events`); the first that holds ends the run (``status="event"``, ``Solution.event``).
 
     The fixed-step loop takes ``ceil((b - a) / dt)`` steps of size ``dt`` per piece
     ``[a, b]``, the last one shortened to land on ``b`` exactly.
@@ -189,6 +220,11 @@ def integrate(
     if not t1 > t0:
         raise ValueError(f"need t1 > t0, got t0={t0!r}, t1={t1!r}")
     xp = namespace(y0)
+    if saveat is not None and saveat.ts is not None:
+        requested = np.asarray(saveat.ts, dtype=np.float64)
+        _check_span(requested, float(t0), float(t1), "SaveAt.ts")
+        if np.any(np.diff(requested) < 0):
+            raise ValueError(f"SaveAt.ts must be sorted, got {list(saveat.ts)[:5]}...")
     controller = ConstantStepSize() if controller is None else controller
     saveat = SaveAt() if saveat is None else saveat
     if not controller.adaptive:
@@ -213,6 +249,7 @@ def integrate(
     piece_starts: list[float] = []
     n_steps = n_rejected = n_evals = attempts = 0
     status = "success"
+    event: str | None = None
     cstate = ControllerState()
 
     for a, b, refresh in _pieces(float(t0), float(t1), basis_schedule):
@@ -226,7 +263,7 @@ def integrate(
             assert isinstance(controller, PIController)
             f0 = term.vector_field(a, y, args)
             n_evals += 1
-            carry = f0 if isinstance(solver, ExplicitRK) else carry  # f(t0, y0) is the first step's k1
+            carry = f0 if isinstance(solver, ExplicitRK | Rosenbrock) else carry  # f(t0, y0) starts the first step
             h, used = initial_step(term, a, y, args, f0, solver.order, controller.rtol, controller.atol)
             n_evals += used
         while t < b:
@@ -274,6 +311,10 @@ def integrate(
             if not bool(xp.all(xp.isfinite(y))):
                 status = "nonfinite"
                 break
+            fired = next((e for e in events if e(t, y, args)), None)
+            if fired is not None:
+                status, event = "event", event_name(fired)
+                break
         if status != "success":
             break
     bar.close()
@@ -311,4 +352,5 @@ def integrate(
         status=status,
         solver=solver.name,
         wall_time=time.perf_counter() - start_clock,
+        event=event,
     )

@@ -1,4 +1,5 @@
-"""Figure of one :func:`~.checks.check` run: ``H(t)``, ``L(t)``, ``||grad L||(t)`` and the step size.
+"""Figures: one :func:`~.checks.check` run (``H(t)``, ``L(t)``, ``||grad L||(t)``, the step size) and one
+:func:`~.discrete.discrete_limit` (the error against ``h``, log-log, with a slope-1 guide).
 
 matplotlib is optional (the ``plot`` extra); it is imported here, lazily, with
 the non-interactive Agg backend, and a clear error is raised when it is missing.
@@ -11,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from .checks import CheckResult
+from .discrete import DiscreteLimit
 
-__all__ = ["plot_check"]
+__all__ = ["plot_check", "plot_discrete_limit"]
 
 
 def _pyplot() -> Any:
@@ -84,6 +86,28 @@ def plot_check(result: CheckResult, path: str) -> str:
         f"max H increase {result.max_h_increase:.2e} (error est. {result.local_error_estimate:.2e}), "
         f"||grad L|| {result.grad_norm0:.2e} -> {result.grad_norm_end:.2e}",
         fontsize=10,
+    )
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_discrete_limit(result: DiscreteLimit, path: str) -> str:
+    """Draw ``max |W_h(T) - W(T)|`` against ``h`` (log-log) with a line of slope 1 through the finest point, to
+    ``path`` (PNG, PDF, SVG by extension); returns ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.5), constrained_layout=True)
+    ax.loglog(result.hs, _positive(result.errors), "o-", color="C0", lw=1.6, label=f"fitted order {result.order:.3f}")
+    guide = result.errors[-1] * result.hs / result.hs[-1]
+    ax.loglog(result.hs, guide, color="0.5", lw=1.0, ls="--", label="order 1")
+    ax.set_xlabel("h (= lr; beta = 1 - a h)")
+    ax.set_ylabel("max |W_h(T) - W(T)|")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(loc="lower right", fontsize=9)
+    refresh = "no refresh" if result.refresh_period is None else f"refresh every {result.refresh_period:g}"
+    bias = "bias-corrected" if result.bias_correction else "no bias correction"
+    ax.set_title(
+        f"{result.optimizer} -> {result.system.describe()}\nT = {result.t_end:g}, {refresh}, {bias}", fontsize=9
     )
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -255,7 +255,14 @@ def make_system(name: str, **options: Any) -> System:
 
 
 def _flow(system: System) -> Flow:
-    return _flows()[system.family]
+    """The family's :class:`Flow`, looked up in the registry at each call (on the path of every evaluation of
+    the field: no table is built here, unlike :func:`_flows`)."""
+    if system.family == "momentum":
+        return MOMENTUM_FLOW
+    spec = FAMILIES.get(system.family)
+    if spec is None or spec.flow is None:
+        raise KeyError(system.family)
+    return spec.flow
 
 
 def state_type(system: System) -> type:

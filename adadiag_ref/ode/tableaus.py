@@ -15,9 +15,10 @@ check the order conditions from the rows themselves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["DOPRI5", "DOPRI5_DENSE", "EULER", "RK4", "TABLEAUS", "ButcherTableau"]
+__all__ = ["DOPRI5", "DOPRI5_DENSE", "EULER", "RK4", "ROS3P", "TABLEAUS", "ButcherTableau", "RosenbrockTableau"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,57 @@ DOPRI5 = ButcherTableau(
 """Dormand-Prince 5(4) (Dormand & Prince 1980): propagates the 5th-order solution."""
 
 TABLEAUS: dict[str, ButcherTableau] = {t.name: t for t in (EULER, RK4, DOPRI5)}
+
+
+@dataclass(frozen=True)
+class RosenbrockTableau:
+    r"""Coefficients of a Rosenbrock method in Hairer and Wanner's form (Solving ODEs II, IV.7, (7.25)).
+
+    With ``J = df/dy(t, y)`` and ``f_t = df/dt(t, y)`` the stages solve linear systems (no Newton iteration)::
+
+        (I / (h gamma) - J) u_i = f(t + alpha_i h, y + sum_{j<i} A_ij u_j) + sum_{j<i} (C_ij / h) u_j + gamma_i h f_t
+        y_1 = y + sum_i m_i u_i,        y^_1 = y + sum_i m_hat_i u_i  (the embedded solution)
+
+    Attributes:
+        name: short name; order: classical order of ``y_1``; error_order: that of ``y^_1``.
+        gamma: the diagonal ``gamma`` (one LU per step); gamma_sum: ``gamma_i`` of the ``f_t`` term.
+        alpha: nodes ``alpha_i``; A, C: strictly lower-triangular rows (row i has i entries, 0-based).
+        m, m_hat: weights of the solution and of its embedded companion.
+    """
+
+    name: str
+    order: int
+    error_order: int
+    gamma: float
+    gamma_sum: tuple[float, ...]
+    alpha: tuple[float, ...]
+    A: tuple[tuple[float, ...], ...]
+    C: tuple[tuple[float, ...], ...]
+    m: tuple[float, ...]
+    m_hat: tuple[float, ...]
+
+    @property
+    def stages(self) -> int:
+        """Number of stages ``s``."""
+        return len(self.m)
+
+
+_ROOT3 = math.sqrt(3.0)
+_G = 0.5 + _ROOT3 / 6.0
+
+ROS3P = RosenbrockTableau(
+    name="ros3p",
+    order=3,
+    error_order=2,
+    gamma=_G,
+    gamma_sum=(_G, _G - 1.0, -(0.5 + _ROOT3 / 3.0)),
+    alpha=(0.0, 1.0, 1.0),
+    A=((), (1.0 / _G,), (1.0 / _G, 0.0)),
+    C=((), (-1.0 / _G**2,), (-2.0 * _ROOT3, -_ROOT3)),
+    m=(2.0, 1.0 / _ROOT3, 1.0 - 1.0 / _ROOT3),
+    m_hat=(5.0 - 5.0 / _ROOT3, 1.0, 1.0 - 1.0 / _ROOT3),
+)
+"""ROS3P (Lang and Verwer, BIT 41, 2001): third order, A-stable, three stages, an embedded second-order
+solution; ``gamma = 1/2 + sqrt(3)/6``.  A Rosenbrock method, so it wants the exact Jacobian (the solver forms
+it by finite differences to ~1e-8, which keeps order 3 at the step sizes of a 1e-8 tolerance; tested against
+:func:`scipy.integrate.solve_ivp`)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from .._xp import Array, Namespace, namespace, sqrt
 from .problems import Problem
@@ -38,6 +38,7 @@ from .systems import (
 )
 
 __all__ = [
+    "BiasCorrectedTerm",
     "Diagnostics",
     "Gradients",
     "ODETerm",
@@ -73,32 +74,82 @@ class StateLayout(NamedTuple):
         return self.offsets[i], self.offsets[i] + math.prod(self.shapes[i])
 
 
+def _reshape(x: Array, shape: tuple[int, ...], xp: Namespace) -> Array:
+    """``xp.reshape(x, shape)``, by the array's own method where it has one (NumPy's module function costs ~3 us
+    a call in wrappers, on the path of every evaluation of the field; the same view either way)."""
+    method = getattr(x, "reshape", None)
+    return method(shape) if method is not None else xp.reshape(x, shape)
+
+
 def pack(state: ODEState, layout: StateLayout, xp: Namespace) -> Array:
     """``y = concat(vec(field) for field in layout)`` (row-major ``vec``)."""
-    return xp.concat([xp.reshape(getattr(state, name), (-1,)) for name in layout.names])
+    return xp.concat([_reshape(getattr(state, name), (-1,), xp) for name in layout.names])
 
 
 def unpack(y: Array, layout: StateLayout, cls: type, xp: Namespace) -> Any:
     """Inverse of :func:`pack`: a ``cls`` NamedTuple (absent fields ``None``)."""
     values: dict[str, Any] = dict.fromkeys(cls._fields)  # type: ignore[attr-defined]
     for name, shape, start in zip(layout.names, layout.shapes, layout.offsets, strict=True):
-        values[name] = xp.reshape(y[start : start + math.prod(shape)], shape)
+        values[name] = _reshape(y[start : start + math.prod(shape)], shape, xp)
     return cls(**values)
 
 
 @dataclass(frozen=True, eq=False)
 class ODETerm:
-    """A plain vector field ``f(t, y, args) -> dy/dt`` on flat vectors (no basis, no blocks)."""
+    """A plain vector field ``f(t, y, args) -> dy/dt`` on flat vectors, with optional extras.
+
+    Attributes:
+        fn: ``f(t, y, args)``.
+        refresh_fn: ``refresh_fn(t, y, args) -> args`` at a basis refresh (``None``: ``args`` kept).
+        hamiltonian_fn: ``H(y)``, a host float; with ``rate_fn`` it makes the term checkable by
+            :func:`~.checks.check` (your own flow, no family registration).
+        rate_fn: the closed-form ``dH/dt = <grad H(y), f(t, y, args)>`` at ``(t, y, args)``.
+        loss_fn: ``L(y)`` for the report (``None``: reported as ``H``).
+        grad_norm_fn: ``||grad L||`` at ``y`` for the report and gradient-tolerance events (``None``: NaN).
+        autonomous: ``f`` does not depend on ``t`` (spares :class:`~.solvers.Rosenbrock` its ``df/dt``).
+    """
 
     fn: Callable[[float, Array, Any], Array]
+    refresh_fn: Callable[[float, Array, Any], Any] | None = None
+    hamiltonian_fn: Callable[[Array], float] | None = None
+    rate_fn: Callable[[float, Array, Any], float] | None = None
+    loss_fn: Callable[[Array], float] | None = None
+    grad_norm_fn: Callable[[Array], float] | None = None
+    autonomous: bool = False
 
     def vector_field(self, t: float, y: Array, args: Any) -> Array:
         """``f(t, y, args)``."""
         return self.fn(t, y, args)
 
     def refresh(self, t: float, y: Array, args: Any) -> Any:
-        """A plain term has nothing to refresh: returns ``args``."""
-        return args
+        """``refresh_fn(t, y, args)``, or ``args`` unchanged when the term has nothing to refresh."""
+        return args if self.refresh_fn is None else self.refresh_fn(t, y, args)
+
+    def _needs(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self, name)
+        if fn is None:
+            raise ValueError(f"this ODETerm has no {name}: pass ODETerm(fn, {name}=...)")
+        return fn  # type: ignore[no-any-return]
+
+    def hamiltonian(self, y: Array) -> float:
+        """``H(y)`` by ``hamiltonian_fn`` (``ValueError`` without one)."""
+        return float(self._needs("hamiltonian_fn")(y))
+
+    def hamiltonian_rate(self, t: float, y: Array, args: Any) -> float:
+        """The closed-form ``dH/dt`` by ``rate_fn`` (``ValueError`` without one)."""
+        return float(self._needs("rate_fn")(t, y, args))
+
+    def loss(self, y: Array) -> float:
+        """``loss_fn(y)``, or ``H(y)`` without one."""
+        return float(self.loss_fn(y)) if self.loss_fn is not None else self.hamiltonian(y)
+
+    def grad_norm(self, y: Array) -> float:
+        """``grad_norm_fn(y)``, or NaN without one."""
+        return float(self.grad_norm_fn(y)) if self.grad_norm_fn is not None else math.nan
+
+    def diagnostics(self, t: float, y: Array, args: Any) -> Diagnostics:
+        """``H``, ``L``, ``||grad L||``, ``dH/dt`` at ``y`` from the callables (:meth:`loss`, :meth:`grad_norm`)."""
+        return Diagnostics(self.hamiltonian(y), self.loss(y), self.grad_norm(y), self.hamiltonian_rate(t, y, args))
 
 
 class Diagnostics(NamedTuple):
@@ -127,6 +178,8 @@ class SystemTerm:
     system: System
     problem: Problem
     layout: StateLayout = field(init=False)
+    autonomous: ClassVar[bool] = True
+    """``f`` does not depend on ``t`` (the rates are constants)."""
     xp: Namespace = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,13 +217,18 @@ class SystemTerm:
 
         Semi-implicit Euler re-uses one gradient per step and advances one block of fields at a time.
         """
-        state = self.unpack(y)
-        derivative = vector_field(self.system, state, grads.G_rot, args, fields=fields, xp=self.xp)
-        return pack(derivative, self.layout, self.xp)
+        return self._field(t, self.unpack(y), grads.G_rot, args, fields)
 
     def vector_field(self, t: float, y: Array, args: Basis) -> Array:
-        """``f(t, y, args) = dy/dt`` (one gradient evaluation)."""
-        return self.field_given_gradients(t, y, self.gradients(t, y, args), args)
+        """``f(t, y, args) = dy/dt`` (one gradient evaluation; ``y`` unpacked once)."""
+        state = self.unpack(y)
+        return self._field(t, state, rotate(self.problem.grad(state.W), *args, self.xp), args)
+
+    def _field(
+        self, t: float, state: ODEState, G_rot: Array, args: Basis, fields: tuple[str, ...] | None = None
+    ) -> Array:
+        """The packed field of the structured ``state`` given ``G~`` (the system's constant rates)."""
+        return pack(vector_field(self.system, state, G_rot, args, fields=fields, xp=self.xp), self.layout, self.xp)
 
     def refresh(self, t: float, y: Array, args: Basis) -> Basis:
         """Basis refresh at ``t``: ``P, _, Q^T = canonical_svd(grad L(W(t)))``; moments untouched."""
@@ -246,24 +304,57 @@ def bias_corrected_rate(rate: float, t: float) -> float:
     return rate / -math.expm1(-rate * max(t, 1e-300))
 
 
-def bias_corrected_term(system: System, problem: Problem) -> ODETerm:
-    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer, as a plain :class:`ODETerm`.
+@dataclass(frozen=True, eq=False)
+class BiasCorrectedTerm(SystemTerm):
+    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer (see :func:`bias_corrected_term`).
+
+    The same state layout, blocks and basis refresh as :class:`SystemTerm` (a refresh recomputes
+    ``P, Q`` from ``grad L(W(t))``, moments untouched); only the rates are time dependent,
+    ``a(t) = a / (1 - e^{-a t})`` and ``b(t) = b / (1 - e^{-b t})``.  ``H`` is not conserved in the
+    autonomous sense here, so the closed-form ``dH/dt`` (and :meth:`diagnostics`) are refused.
+    """
+
+    _systems: dict[float, System] = field(init=False, default_factory=dict, repr=False)
+    autonomous: ClassVar[bool] = False
+
+    def system_at(self, t: float) -> System:
+        """The system with the rates in force at ``t``: ``a(t)``, ``b(t)`` (:func:`bias_corrected_rate`)."""
+        found = self._systems.get(t)
+        if found is None:
+            found = self.system.replace(
+                a=bias_corrected_rate(self.system.a, t), b=bias_corrected_rate(self.system.b, t)
+            )
+            if len(self._systems) >= 4096:  # bound the memory of a long run; the cache only saves revalidation
+                self._systems.clear()
+            self._systems[t] = found
+        return found
+
+    def _field(
+        self, t: float, state: ODEState, G_rot: Array, args: Basis, fields: tuple[str, ...] | None = None
+    ) -> Array:
+        """The packed field with the rates ``a(t)``, ``b(t)`` in force at ``t``."""
+        derivative = vector_field(self.system_at(t), state, G_rot, args, fields=fields, xp=self.xp)
+        return pack(derivative, self.layout, self.xp)
+
+    def hamiltonian_rate(self, t: float, y: Array, args: Basis) -> float:
+        """Refused: the autonomous ``H`` has no sign-definite rate along the bias-corrected flow."""
+        raise TypeError("a bias-corrected term has a time-dependent Hamiltonian; docs/ode.md, section 3, gives it")
+
+    def diagnostics(self, t: float, y: Array, args: Basis) -> Diagnostics:
+        """Refused, as :meth:`hamiltonian_rate`."""
+        return self.hamiltonian_rate(t, y, args)  # type: ignore[return-value]
+
+
+def bias_corrected_term(system: System, problem: Problem) -> BiasCorrectedTerm:
+    r"""The non-autonomous limit of a *bias-corrected* discrete optimizer: a :class:`BiasCorrectedTerm`.
 
     Every EMA rate becomes time dependent, ``a(t) = a / (1 - e^{-a t})`` and
     ``b(t) = b / (1 - e^{-b t})`` (:func:`bias_corrected_rate`); the start is
     ``M(0) = G~0``, ``V(0) = G~0^2`` (``moments="gradient"`` with ``floor=0``).  ``args``
-    is the basis.  The autonomous :class:`SystemTerm` is the limit without bias
-    correction; the two differ by O(1) on ``t <~ 1/b``.  See ``docs/ode.md``.
+    is the basis, and a :class:`~.integrate.BasisSchedule` refreshes it exactly as for a
+    :class:`SystemTerm` (``P, _, Q^T = canonical_svd(grad L(W(t)))``, moments untouched), so a rotated
+    optimizer with bias correction and refreshes converges to this flow at order 1.  The autonomous
+    :class:`SystemTerm` is the limit without bias correction; the two differ by O(1) on ``t <~ 1/b``.
+    See ``docs/ode.md``.
     """
-    terms: dict[tuple[float, float], SystemTerm] = {}
-
-    def fn(t: float, y: Array, args: Any) -> Array:
-        key = (bias_corrected_rate(system.a, t), bias_corrected_rate(system.b, t))
-        term = terms.get(key)
-        if term is None:
-            term = SystemTerm(system.replace(a=key[0], b=key[1]), problem)
-            if len(terms) < 4096:
-                terms[key] = term
-        return term.vector_field(t, y, args)
-
-    return ODETerm(fn)
+    return BiasCorrectedTerm(system, problem)
