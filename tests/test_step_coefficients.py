@@ -51,13 +51,20 @@ def test_host_beta_hat_is_the_float32_nearest_the_exact_value(beta):
     """A loop reference in rational arithmetic: the float64 value rounded once is the float32 nearest the exact
     ``beta (1 - beta^(t-1)) / (1 - beta^t)`` (a float64 error under an ulp moves the float32 rounding with
     probability about 2^-29 per value, so none of these samples may differ)."""
-    for t in (*range(1, 60), 100, 257, 1000, 4097, 10_000):
+    for t in SAMPLE_STEPS:
         got, _ = _core_betas(beta, t - 1, np.float32)
         exact = _exact_beta_hat(beta, t)
-        rounded = np.float32(float(exact))  # the float32 nearest is this one or a neighbour: compare them exactly
-        candidates = (rounded, np.nextafter(rounded, np.float32(-1)), np.nextafter(rounded, np.float32(2)))
-        nearest = float(min(candidates, key=lambda c: abs(Fraction(float(c)) - exact)))
-        assert got == nearest, (beta, t)
+        assert got == _nearest_float32(exact), (beta, t)
+
+
+SAMPLE_STEPS = (*range(1, 60), 100, 257, 1000, 4097, 10_000)
+
+
+def _nearest_float32(exact: Fraction) -> float:
+    """The float32 nearest ``exact``: the rounded float64 or one of its neighbours, compared exactly."""
+    rounded = np.float32(float(exact))
+    candidates = (rounded, np.nextafter(rounded, np.float32(-1)), np.nextafter(rounded, np.float32(2)))
+    return float(min(candidates, key=lambda c: abs(Fraction(float(c)) - exact)))
 
 
 def test_float64_host_coefficients_match_rational_arithmetic_to_half_an_ulp_and_a_bit():
@@ -136,3 +143,20 @@ def test_unrotated_trajectories_have_the_same_bits_at_every_forced_cpu_level():
     first_name, first = next(iter(hashes.items()))
     for name, got in hashes.items():
         assert got == first, (first_name, name, {k: (first[k], got.get(k)) for k in first if first[k] != got.get(k)})
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_a_device_counter_computes_in_float64_and_rounds_once(beta):
+    """A device counter (``array_api_strict`` stands in for one: its arrays are not read on the host) takes the same
+    expressions in float64 on the backend and rounds once: the float32 nearest the exact value, as the host's
+    (before, they were computed in float32 on the device: NumPy's float32 ``expm1`` is off by an ulp at times)."""
+    xs = pytest.importorskip("array_api_strict")
+    cfg = ar.make_config("adamw", betas=(beta, beta))
+    for t in SAMPLE_STEPS:
+        on_device = beta_hats(cfg, xs.asarray(t, dtype=xs.float32), xs)[0]
+        assert on_device.dtype == xs.float32
+        assert float(on_device) == _nearest_float32(_exact_beta_hat(beta, t)), (beta, t)
+    for t in (1, 2, 10, 2000):
+        t_device, t_host = xs.asarray(t, dtype=xs.float32), host_step(t - 1, np.float32, np)
+        assert float(adafactor_beta2(t_device, 0.8, xs)) == float(adafactor_beta2(t_host, 0.8, np))
+        assert float(relative_step(1e-2, t_device, xs)) == float(relative_step(1e-2, t_host, np))
