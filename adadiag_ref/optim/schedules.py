@@ -69,7 +69,10 @@ def _host_value(t: Any) -> float | None:
         import torch
 
         if not torch.compiler.is_compiling():
-            return float(t.detach().numpy())  # read from host memory: no aten dispatch, no synchronisation
+            try:
+                return float(t.detach().numpy())  # read from host memory: no aten dispatch, no synchronisation
+            except RuntimeError:  # a tensor with no host memory of its own (a functorch wrapper): the device path
+                return None
     return None
 
 
