@@ -13,14 +13,19 @@ otherwise.  Two routes (:func:`plan_for`):
   ``U~`` and ``P U~ Q^T`` of the block need nothing from the other ranks: the step is the core's
   :func:`~adadiag_ref.update_in_place` on the local shard with the block's layout, the moments ``M, V`` stay
   sharded like the parameter (DTensors of the whole state shape, ``Shard`` on the block's work-frame dim) and
-  a non-refresh step sends nothing but the one finiteness all-reduce of the step.  A refresh step gathers the
-  whole gradient (its owner decomposes it; on every rank it gives the refresh step's numerical rank, as in the
-  whole step).
+  a non-refresh step sends nothing but the ranks' agreement (:func:`exchange`, 8 bytes per parameter).  A
+  refresh step gathers the whole gradient (its owner decomposes it; on every rank it gives the refresh step's
+  numerical rank, as in the whole step).
 * **gathered** (everything else: a sharded rotated side, the Adafactor and Hfac families, whose factored
   second moments and update clipping reduce over the whole matrix, any other placement or mesh): the whole
   ``G`` (and ``W`` when the update reads it: decay or a non-Adam family) is all-gathered, every rank keeps the
   whole state (replicated plain tensors) and applies the core's ``update_in_place`` to the whole matrix, then
   keeps its own rows.
+
+Agreement (:func:`exchange`, :func:`disagreement`): before anything else is exchanged, the ranks agree in one
+all-reduce on which parameters have a gradient, that each is valid and finite (a rank tests its shard) and on the
+step counters; a disagreement raises the same error on every rank (the adapter's ``CoreOptimizer._agreed``), so
+no rank can wait in a collective the others skip.
 
 Refreshes (:func:`refresh`): the matrices due in one step are dealt round-robin over the ranks of their mesh;
 the owner of a matrix runs the core's ``refresh_basis`` on the gathered gradient and broadcasts the bases
@@ -58,9 +63,16 @@ except ImportError:  # pragma: no cover - a torch built without torch.distribute
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "HAS_GRAD",
+    "INVALID",
+    "NONFINITE",
+    "NO_GRAD",
     "Plan",
     "all_finite",
     "conform",
+    "disagreement",
+    "exchange",
+    "group_ranks",
     "init",
     "is_sharded",
     "local",
@@ -225,14 +237,82 @@ def all_finite(grad: Any) -> bool:
     return bool(flag)
 
 
-def agree(sums: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The finiteness sums of a step's gradients (local sums for DTensors) summed over the ranks of the (first)
-    sharded gradient's mesh, so those ranks reach the same verdict (NaN and Inf survive the sum)."""
-    sharded = next((g for g in grads if is_sharded(g)), None)
-    if sharded is not None:
-        sums = sums.clone()
-        all_reduce(sums, group=_group_of(sharded))
-    return sums
+# ---------------------------------------------------------------------------------------------- agreement
+
+# What a rank says of one parameter at the start of a step (:func:`exchange`): the bits of its code, and its counter.
+NO_GRAD, HAS_GRAD, NONFINITE, INVALID = 0, 1, 2, 4
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (``None``: the default group), in group-rank order."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def exchange(
+    codes: Sequence[int], counts: Sequence[int], *, group: Any = None, device: Any = "cpu"
+) -> torch.Tensor | None:
+    """``None`` when every rank of ``group`` holds the same ``codes`` (per parameter, in the optimizer's order:
+    :data:`NO_GRAD`, or :data:`HAS_GRAD` with :data:`NONFINITE` / :data:`INVALID` bits) and ``counts`` (the step
+    counters) and no gradient is non-finite or invalid; otherwise every rank's codes and counts as a table of
+    shape ``(ranks, parameters, 2)``, the same on every rank, for :func:`disagreement`.
+
+    One all-reduce (``MAX``) of ``8 * parameters`` bytes decides it, whatever the number of ranks: per parameter
+    ``key = (count mod 2^27) * 8 + code`` and ``-key``, whose maxima are the largest and minus the smallest key.
+    Every rank reads the same maxima, so on a disagreement every rank (and only then) issues the second
+    all-reduce, of the table (each rank fills its own row, a sum).  These are the first collectives of a step, so
+    ranks that disagree learn it together, before any of them enters another one.  ``device``: where the backend
+    reduces (CPU for gloo, the current CUDA device for NCCL)."""
+    codes_t = torch.tensor(list(codes), dtype=torch.int32)
+    counts_t = torch.tensor(list(counts), dtype=torch.int32)
+    key = (counts_t % (1 << 27)) * 8 + codes_t
+    extremes = torch.stack([key, -key], dim=1).to(device)
+    all_reduce(extremes, dist.ReduceOp.MAX, group=group)
+    largest, smallest = extremes[:, 0].cpu(), -extremes[:, 1].cpu()
+    if bool((largest == smallest).all()) and not bool((largest & (NONFINITE | INVALID)).any()):
+        return None
+    ranks = group_ranks(group)
+    table = torch.zeros((len(ranks), len(codes_t), 2), dtype=torch.int32)
+    table[ranks.index(dist.get_rank())] = torch.stack([codes_t, counts_t], dim=1)
+    table = table.to(device)
+    all_reduce(table, group=group)
+    return table.cpu()
+
+
+def _ranks(indices: Any, ranks: Sequence[int]) -> str:
+    found = [ranks[int(i)] for i in indices]
+    return ("rank " if len(found) == 1 else "ranks ") + ", ".join(str(r) for r in found)
+
+
+def disagreement(table: torch.Tensor, wheres: Sequence[str], ranks: Sequence[int]) -> str | None:
+    """The error every rank raises for the table of :func:`exchange` (``None``: the ranks agree and every gradient
+    is finite), a pure function of the table, so every rank words it alike.
+
+    Per parameter (the first at fault, in the optimizer's order): a gradient that does not match its parameter
+    (shape, dtype, layout) on some rank, NaN or Inf in some rank's gradient (an FSDP2 rank's shard), a gradient
+    present on some ranks and ``None`` on others, or step counters that differ; ``wheres`` names the parameters,
+    ``ranks`` the global ranks of the table's rows."""
+    codes, counts = table[..., 0], table[..., 1]
+    for j, where in enumerate(wheres):
+        column = codes[:, j]
+        step = int(counts[:, j].max()) + 1
+        if bool((column & INVALID).any()):
+            bad = torch.nonzero(column & INVALID).flatten()
+            return f"gradient of {where} does not match its parameter (shape, dtype or layout) on {_ranks(bad, ranks)}"
+        if bool((column & NONFINITE).any()):
+            bad = torch.nonzero(column & NONFINITE).flatten()
+            good = torch.nonzero(column == HAS_GRAD).flatten()
+            clean = f", finite on {_ranks(good, ranks)}" if len(good) else ""
+            return f"gradient of {where} contains NaN or Inf at step {step} on {_ranks(bad, ranks)}{clean}"
+        if bool((column != column[0]).any()):
+            none, some = torch.nonzero(column == NO_GRAD).flatten(), torch.nonzero(column != NO_GRAD).flatten()
+            return (
+                f"gradient of {where} is None on {_ranks(none, ranks)} and present on {_ranks(some, ranks)} at step "
+                f"{step}: every rank must step the same parameters"
+            )
+        if bool((column != NO_GRAD).any()) and bool((counts[:, j] != counts[0, j]).any()):
+            steps = ", ".join(f"{int(c)} on rank {r}" for c, r in zip(counts[:, j].tolist(), ranks, strict=True))
+            return f"the ranks' optimizers have taken different numbers of steps for {where} ({steps})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- refresh
@@ -260,7 +340,7 @@ def owned_refresh(
     the bases; the others receive them into fresh buffers (their previous bases stay intact until every refresh
     succeeded).  ``refreshed`` is the owner's flag (False when a failed refresh kept the previous basis), given
     to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = group_ranks(group)
     me = dist.get_rank()
     out = []
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
