@@ -5,7 +5,7 @@ Under FSDP2 every parameter is a DTensor whose rows (dim 0) are split over the r
 (``Shard(0)``, torch.chunk's sizes, so a rank may hold none).  In the parameter's work frame
 (:func:`~adadiag_ref.optim.layout.layout_for`: a tall matrix works transposed, ``m <= n``) the split dim is
 the work frame's **columns** for a tall matrix (a tall conv kernel too) and a 1-D parameter, its **rows**
-otherwise.  Two routes (:func:`plan_for`):
+otherwise.  Three routes (:func:`plan_for`):
 
 * **block** (the shard is a block of whole work-frame columns or rows, the block's side is not rotated and the
   family's direction is entrywise, the Adam family: AdamW everywhere; AdaDiag on tall, 1-D and tall-conv
@@ -21,6 +21,10 @@ otherwise.  Two routes (:func:`plan_for`):
   ``G`` (and ``W`` when the update reads it: decay or a non-Adam family) is all-gathered, every rank keeps the
   whole state (replicated plain tensors) and applies the core's ``update_in_place`` to the whole matrix, then
   keeps its own rows.
+* **stack** (a ``batch_dims`` stack split on dim 0, its first batch dim: every shard holds whole matrices): each
+  rank steps its matrices as a stack of its own (``update_in_place`` on the local shard) and refreshes them itself
+  on its local gradient, the per-matrix state fields DTensors split like the parameter; nothing is sent but the
+  agreement, refresh steps included.
 
 Agreement (:func:`exchange`, :func:`disagreement`): before anything else is exchanged, the ranks agree in one
 all-reduce on which parameters have a gradient, that each is valid and finite (a rank tests its shard) and on the
@@ -157,11 +161,14 @@ def all_reduce(x: torch.Tensor, op: Any = None, group: Any = None) -> None:
 
 class Plan(NamedTuple):
     """How a DTensor parameter steps: ``layout`` its whole work frame; ``block`` the local shard's layout on the
-    block route (``None``: gathered); ``side`` the work-frame dim its shards split (0 rows, 1 columns)."""
+    block route (``None``: gathered or stack); ``side`` the work-frame dim its shards split (0 rows, 1 columns);
+    ``stack``: the stack route (a ``batch_dims`` stack split on its first batch dim: each rank holds whole
+    matrices and steps them as a stack of its own)."""
 
     layout: Layout
     block: Layout | None
     side: int
+    stack: bool = False
 
 
 def _split_dim0(p: Any) -> bool:
@@ -173,10 +180,11 @@ def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     """The route of DTensor ``p`` under ``cfg`` (module docstring): block when the shard holds whole work-frame
     columns (rows) and the columns (rows) are not rotated, for the entrywise Adam family."""
     layout = layout_for(tuple(p.shape), cfg)
+    if layout.batch:  # dim 0 indexes matrices: split on it, each shard is a stack of whole matrices
+        return Plan(layout, None, 0, stack=_split_dim0(p))
     side = 1 if layout.transposed or p.ndim == 1 else 0
     rotated = layout.rotate_right if side else layout.rotate_left
-    # a stack (batch_dims > 0) takes the gathered route: its dim 0 indexes matrices, not work-frame columns
-    if layout.batch or not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
+    if not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
         return Plan(layout, None, side)
     shape = tuple(local(p).shape)
     rows, cols = (layout.rows, shape[0]) if side else (shape[0], layout.cols)
@@ -196,12 +204,39 @@ def _sharded_like(block: torch.Tensor, whole_shape: tuple[int, ...], p: Any, sid
     return DTensor.from_local(block, p.device_mesh, [Shard(side)], run_check=False, shape=shape, stride=stride)
 
 
+def _stacked_fields(state: State, batch: tuple[int, ...]) -> list[str]:
+    """The fields of a stack's state that hold one entry per matrix (leading dims ``batch``): bases, moments,
+    factored moments; not the counter or ``param_shape``."""
+    return [
+        f
+        for f in state._fields
+        if f not in ("count", "param_shape")
+        and isinstance(getattr(state, f), torch.Tensor)
+        and tuple(getattr(state, f).shape[: len(batch)]) == batch
+    ]
+
+
+def _local_stack(state: State, layout: Layout) -> State:
+    """The core state of this rank's matrices of a stack (the stack route): every per-matrix field's local shard."""
+    fields = _stacked_fields(state, layout.batch)
+    return state._replace(param_shape=None, **{f: local(getattr(state, f)) for f in fields})
+
+
 def init(p: Any, cfg: BaseConfig) -> State:
     """``ar.init`` for DTensor ``p``: the whole state (bases, counter and ``param_shape`` as plain tensors); on the
-    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros)."""
+    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros); on the
+    stack route every per-matrix field (bases, moments) is a DTensor of the whole stack's shape holding this
+    rank's matrices."""
     device = local(p).device
-    state = ar.init(torch.empty((), dtype=p.dtype, device=device).expand(p.shape), cfg)
     plan = plan_for(p, cfg)
+    if plan.stack:  # this rank's matrices only: ar.init of the local shard, each field placed as p is
+        mine = ar.init(local(p).detach(), cfg)
+        shapes = ar.init(torch.empty((), dtype=p.dtype, device="meta").expand(p.shape), cfg)  # the whole stack's
+        fields = _stacked_fields(shapes, plan.layout.batch)
+        sharded = {f: _sharded_like(getattr(mine, f), tuple(getattr(shapes, f).shape), p, 0) for f in fields}
+        recorded = torch.zeros((0, *p.shape), dtype=p.dtype, device=device)  # param_shape: the whole stack's
+        return mine._replace(param_shape=recorded, **sharded)
+    state = ar.init(torch.empty((), dtype=p.dtype, device=device).expand(p.shape), cfg)
     if plan.block is None:
         return state
     whole = (plan.layout.rows, plan.layout.cols)
@@ -368,7 +403,10 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
     by_group: dict[Any, list[int]] = {}
     out: list[Any] = [({}, False)] * len(items)  # no rotated side (AdamW, Adafactor): the refresh keeps no basis
     for j, item in enumerate(items):
-        if layout_for(tuple(item.p.shape), item.cfg).rotate_left:
+        plan = plan_for(item.p, item.cfg)
+        if plan.stack:  # the owner of each matrix is the rank that holds it: refreshed here, nothing sent
+            out[j] = _refresh_stack(item, states[j], plan)
+        elif plan.layout.rotate_left:
             whole[id(item.p)] = gather(item.grad)
             by_group.setdefault(_group_of(item.p), []).append(j)
     for group, members in by_group.items():
@@ -383,6 +421,18 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
         for j, result in zip(members, results, strict=True):
             out[j] = result
     return out
+
+
+def _refresh_stack(item: Any, state: State, plan: Plan) -> tuple[dict[str, torch.Tensor], bool]:
+    """``refresh_basis`` of this rank's matrices of a stack (the stack route), on its local gradient: the bases
+    as DTensors placed like the state's, and whether they changed (``False`` with no matrix here)."""
+    if local(item.p).shape[0] == 0 or not plan.layout.rotate_left:
+        return {}, False
+    mine = _local_stack(state, plan.layout)
+    new = ar.refresh_basis(mine, local(item.grad), item.cfg, name=item.name)
+    bases = {f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None}
+    wrapped = {f: _sharded_like(b, tuple(getattr(state, f).shape), item.p, 0) for f, b in bases.items()}
+    return wrapped, new.P is not mine.P
 
 
 # ---------------------------------------------------------------------------------------------- update
@@ -409,6 +459,10 @@ def update(
     ``whole_grad``: the gradient gathered by :func:`refresh` on a refresh step (else gathered here when the
     route needs it)."""
     plan = plan_for(p, cfg)
+    if plan.stack:  # this rank's whole matrices, stepped as a stack of their own: nothing sent
+        if local(p).shape[0]:
+            ar.update_in_place(_local_stack(state, plan.layout), local(grad), cfg, local(p), lr=lr, refreshed=refreshed)
+        return
     if plan.block is not None:
         if 0 in plan.block.shape:
             return  # an empty shard (more ranks than rows): nothing to compute

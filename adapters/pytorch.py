@@ -228,8 +228,10 @@ class CoreOptimizer(torch.optim.Optimizer):
     AdamW; AdaDiag on tall, 1-D and tall conv parameters), the step runs on the local shard with the moments
     sharded like the parameter and nothing sent but the ranks' agreement (``process_group``); otherwise the whole
     gradient (and ``W`` where the update reads it) is all-gathered, the state is whole on every rank and each
-    rank keeps its rows of the update.  Each refresh decomposes every matrix once across the ranks (an owner per
-    matrix, round-robin; the bases are broadcast).  The shards equal the single-process run, and DCP
+    rank keeps its rows of the update; a ``batch_dims`` stack (experts) split on dim 0 is stepped and refreshed
+    by the rank that holds each matrix, its state sharded like it, nothing sent.  Each refresh decomposes every
+    matrix once across the ranks (an owner per matrix, round-robin; the bases are broadcast).  The shards equal
+    the single-process run (docs/adapters.md, "Exactness"), and DCP
     (``get_/set_optimizer_state_dict``) saves and restores the sharded state (docs/adapters.md, "Sharded
     training").
 

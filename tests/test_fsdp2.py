@@ -95,9 +95,11 @@ def test_fsdp2_shards_equal_single_process_run_and_dcp_resume_is_bit_identical(t
     # agreement (8 bytes per parameter: CoreOptimizer._agreed) on the block route; the gathered route all-gathers
     # G and W (weight decay on)
     for row in ranks[0]["traffic"]:
-        expected = 8 if row["route"] == "block" else 2 * row["grad"] + 8
+        expected = 8 if row["route"] in ("block", "stack") else 2 * row["grad"] + 8
         assert row["step"] == expected, row
         assert row["refresh"] >= row["step"], row
     routes = {(row["case"], row["optimizer"]): row["route"] for row in ranks[0]["traffic"]}
     assert routes[("tall", "AdaDiag (one-sided)")] == routes[("1-D", "AdaDiag (one-sided)")] == "block"
     assert routes[("wide", "AdaDiag (one-sided)")] == routes[("tall", "AdaDiag++ (two-sided)")] == "gathered"
+    stacks = {route for (case, _), route in routes.items() if case.startswith("experts")}
+    assert stacks == {"stack"}  # whole experts per rank: stepped and refreshed where they are, nothing gathered
