@@ -24,7 +24,7 @@ otherwise.  Three routes (:func:`plan_for`):
 * **stack** (a ``batch_dims`` stack split on dim 0, its first batch dim: every shard holds whole matrices): each
   rank steps its matrices as a stack of its own (``update_in_place`` on the local shard) and refreshes them itself
   on its local gradient, the per-matrix state fields DTensors split like the parameter; nothing is sent but the
-  agreement, refresh steps included.
+  agreement (and at a refresh step a 4-byte flag: did the refresh raise on some rank).
 
 Agreement (:func:`exchange`, :func:`disagreement`): before anything else is exchanged, the ranks agree in one
 all-reduce on which parameters have a gradient, that each is valid and finite (a rank tests its shard) and on the
@@ -360,6 +360,9 @@ def _group_of(p: Any) -> Any:
     return mesh.get_group() if mesh.ndim == 1 else None
 
 
+FAILED = 2  # a refresh flag (0 kept, 1 refreshed): the refresh raised on the rank that ran it
+
+
 def owned_refresh(
     states: Sequence[State],
     grads: Sequence[torch.Tensor],
@@ -374,25 +377,46 @@ def owned_refresh(
     Every rank of ``group`` holds the same whole ``grads``.  The owner runs ``ar.refresh_basis`` and broadcasts
     the bases; the others receive them into fresh buffers (their previous bases stay intact until every refresh
     succeeded).  ``refreshed`` is the owner's flag (False when a failed refresh kept the previous basis), given
-    to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix."""
+    to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix.
+
+    A refresh that raises on its owner (``on_failure="raise"``, a bug) does not leave the others waiting in its
+    broadcasts: the owner sends the previous bases, flags the failure, and after the flags' all-reduce every rank
+    raises the same ``RuntimeError`` (:func:`raise_if_failed`; the owner's exception chained), nothing changed."""
     ranks = group_ranks(group)
     me = dist.get_rank()
     out = []
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
+    failure: Exception | None = None
     for j, (state, grad, cfg, name) in enumerate(zip(states, grads, cfgs, names, strict=True)):
         owner = ranks[j % len(ranks)]
+        new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
         if owner == me:
-            new = ar.refresh_basis(state, grad, cfg, name=name)
-            flags[j] = int(new.P is not state.P)
-        else:
-            new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
+            try:
+                new = ar.refresh_basis(state, grad, cfg, name=name)
+                flags[j] = int(new.P is not state.P)
+            except Exception as exc:  # the others wait in this matrix's broadcasts: they get the previous bases
+                failure, flags[j] = failure or exc, FAILED
         for basis in (new.P, new.Q):
             if basis is not None:
                 _broadcast(basis, owner, group)
         out.append({f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None})
     if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
         all_reduce(flags, group=group)
+    owners = [ranks[j % len(ranks)] for j in range(len(states))]
+    raise_if_failed([(names[j], owners[j]) for j, flag in enumerate(flags.tolist()) if flag == FAILED], failure)
     return list(zip(out, (bool(f) for f in flags.tolist()), strict=True))
+
+
+def raise_if_failed(failed: Sequence[tuple[str, int]], failure: Exception | None) -> None:
+    """The same ``RuntimeError`` on every rank when a refresh raised: ``failed`` holds ``(name, rank)`` of each
+    refresh that raised on the rank that ran it (read from a reduced flag, so alike on every rank); that rank
+    chains its own exception (``failure``)."""
+    if failed:
+        name, rank = failed[0]
+        raise RuntimeError(
+            f"the basis refresh of {name} raised on rank {rank}, which ran it (that rank chains its error to this "
+            "one); every rank raises this error, and no parameter and no optimizer state was changed"
+        ) from failure
 
 
 def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torch.Tensor]) -> list[Any]:
@@ -401,11 +425,12 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
     update), then :func:`owned_refresh` per process group, round-robin over its ranks.  A parameter without a
     rotated side has nothing to refresh (``({}, False)``, what ``refresh_basis`` gives it) and sends nothing."""
     by_group: dict[Any, list[int]] = {}
+    stacks: dict[Any, list[int]] = {}
     out: list[Any] = [({}, False)] * len(items)  # no rotated side (AdamW, Adafactor): the refresh keeps no basis
     for j, item in enumerate(items):
         plan = plan_for(item.p, item.cfg)
-        if plan.stack:  # the owner of each matrix is the rank that holds it: refreshed here, nothing sent
-            out[j] = _refresh_stack(item, states[j], plan)
+        if plan.stack:  # the owner of each matrix is the rank that holds it: refreshed here
+            stacks.setdefault(_group_of(item.p), []).append(j)
         elif plan.layout.rotate_left:
             whole[id(item.p)] = gather(item.grad)
             by_group.setdefault(_group_of(item.p), []).append(j)
@@ -420,6 +445,16 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
         )
         for j, result in zip(members, results, strict=True):
             out[j] = result
+    for group, members in stacks.items():  # one flag per stack: did its refresh raise here (4 bytes each)
+        flags = torch.zeros(len(members), dtype=torch.int32, device=local(items[members[0]].p).device)
+        failure: Exception | None = None
+        for k, j in enumerate(members):
+            try:
+                out[j] = _refresh_stack(items[j], states[j], plan_for(items[j].p, items[j].cfg))
+            except Exception as exc:  # the other ranks learn it below (1 + this rank), before any of them writes
+                failure, flags[k] = failure or exc, 1 + dist.get_rank()
+        all_reduce(flags, dist.ReduceOp.MAX, group=group)
+        raise_if_failed([(items[j].name, f - 1) for j, f in zip(members, flags.tolist(), strict=True) if f], failure)
     return out
 
 

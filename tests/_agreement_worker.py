@@ -3,10 +3,11 @@
 Per case ``(wrapper, fault)``: a float64 model of three bias-free ``nn.Linear`` layers (square, tall, wide: under
 FSDP2 the tall one takes the block route, the others the gathered one) wrapped by DDP (``split_refresh`` off or
 on) or FSDP2, trained by AdaDiag with a refresh at every step (``update_freq=1``: a refresh step is where the
-collectives are).  Step 1 is clean; at step 2 rank 0's gradient of the first layer is removed (``"missing"``) or
-one entry of it is NaN (``"nan"``), and the documented catch-and-skip runs (``except ValueError``); step 3 is clean
-again.  Each rank reports the message it raised, whether its parameters and state were unchanged by the failed
-step, and its parameters after step 3 (whole tensors; FSDP2's gathered once at the end).
+collectives are).  Step 1 is clean; at step 2 rank 0's gradient of the first layer is removed (``"missing"``), one
+entry of it is NaN (``"nan"``), or rank 0's ``refresh_basis`` raises (``"refresh"``), and the documented
+catch-and-skip runs (``except (ValueError, RuntimeError)``); step 3 is clean again.  Each rank reports the message
+it raised, whether its parameters and state were unchanged by the failed step, and its parameters after step 3
+(whole tensors; FSDP2's gathered once at the end).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from adadiag_ref.adapters import _sharded
 from adadiag_ref.adapters.pytorch import AdaDiag
 
+import adadiag_ref as ar
+
 WRAPPERS = ("ddp", "ddp_split", "fsdp2")
 FAULTS = ("missing", "nan")
+REFRESH_FAULT = "refresh"  # the owner's decomposition raises (split_refresh and FSDP2: the ranks that broadcast)
 
 
 def make_model() -> torch.nn.Module:
@@ -47,6 +51,10 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64)
 
 
+def _raises(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("injected: the decomposition failed on this rank")
+
+
 def snapshot(inner: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This rank's parameters and state tensors (local shards), copied."""
     out = [_sharded.local(p).detach().clone() for p in inner.parameters()]
@@ -63,16 +71,20 @@ def run_case(rank: int, wrapper: str, fault: str) -> dict[str, Any]:
         opt.zero_grad()
         model(batch(step, rank)).square().sum().backward()
         if step == 2:
-            if rank == 0:
-                if fault == "missing":
-                    inner[0].weight.grad = None
-                else:
-                    _sharded.local(inner[0].weight.grad)[0, 0] = float("nan")
+            if rank == 0 and fault == "missing":
+                inner[0].weight.grad = None
+            elif rank == 0 and fault == "nan":
+                _sharded.local(inner[0].weight.grad)[0, 0] = float("nan")
             before = snapshot(inner, opt)
+            original = ar.refresh_basis
+            if rank == 0 and fault == REFRESH_FAULT:
+                ar.refresh_basis = _raises  # type: ignore[assignment]
             try:
                 opt.step()
-            except ValueError as exc:  # the documented catch-and-skip
+            except (ValueError, RuntimeError) as exc:  # the documented catch-and-skip
                 message = str(exc)
+            finally:
+                ar.refresh_basis = original  # type: ignore[assignment]
             after = snapshot(inner, opt)
             unchanged = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
             continue

@@ -4,7 +4,8 @@
 stack, 8 experts (4 + 4) and 5 (3 + 2), 4 steps across 2 refreshes.  Each rank's experts must equal the
 single-process run's: the same core functions on the same matrices (a stack's matrices are independent), checked
 at the golden float64 tolerance (rtol 1e-12; the batched GEMM and SVD of a shorter stack may round differently).
-Every step, refresh steps too, sends the ranks' agreement only (8 bytes for the one parameter), and each rank
+Every step sends the ranks' agreement only (8 bytes for the one parameter), a refresh step adds the 4-byte flag
+that says whether a rank's refresh raised (so every rank raises then), and each rank
 holds the state of its experts only; its ``state_dict()``, loaded into a fresh optimizer, resumes bit for bit.  Killed
 after ``DEADLINE`` s.
 """
@@ -37,7 +38,9 @@ def test_expert_stacks_are_stepped_by_their_owner_without_traffic(tmp_path):
             mine = run["shard"].shape[0]
             expected = run["whole"][run["offset"] : run["offset"] + mine]
             torch.testing.assert_close(run["shard"], expected, rtol=1e-12, atol=1e-14, msg=f"{name} {experts} {rank}")
-            assert run["sent"] == [8] * stack.STEPS, (name, experts, rank, run["sent"])  # the agreement only
+            # the agreement (8 bytes), and at a refresh step (k % FREQ == 0) the stack's refresh-failure flag (4)
+            expected = [8 + 4 * (k % stack.FREQ == 0) for k in range(stack.STEPS)]
+            assert run["sent"] == expected, (name, experts, rank, run["sent"])
             assert torch.equal(run["resumed"], run["shard"]), (name, experts, rank)  # state_dict() resumes bit for bit
             for key, shape in run["state"].items():  # the counter and param_shape aside: this rank's experts only
                 if key != "param_shape":

@@ -1,7 +1,8 @@
 """Ranks that disagree on a step end it together: the same ``ValueError`` on every rank, nothing changed.
 
 2 processes (gloo, CPU), per wrapper (DDP without and with ``split_refresh``, FSDP2) a missing gradient and a NaN on
-rank 0 only, at a refresh step (tests/_agreement_worker.py).  The harness kills the ranks after ``DEADLINE`` s, so
+rank 0 only, at a refresh step, and where ranks broadcast bases (``split_refresh``, FSDP2) a refresh that raises on
+its owner (tests/_agreement_worker.py).  The harness kills the ranks after ``DEADLINE`` s, so
 a rank left waiting in a collective fails the test instead of hanging CI.  After the skipped step the ranks train
 on: DDP's ranks hold the same bits (they feed identical gradients to identical code).  The error's wording is a pure
 function of the ranks' table (``_sharded.disagreement``), tested here without processes.
@@ -54,16 +55,20 @@ def _spawn_with_deadline(fn, args: tuple, deadline: float) -> None:
 def test_a_fault_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, wrapper):
     import _agreement_worker
 
-    cases = [(wrapper, fault) for fault in _agreement_worker.FAULTS]
+    faults = [*_agreement_worker.FAULTS, *([_agreement_worker.REFRESH_FAULT] if wrapper != "ddp" else [])]
+    cases = [(wrapper, fault) for fault in faults]
     _spawn_with_deadline(_agreement_worker.worker, (WORLD, _free_port(), str(tmp_path), cases), DEADLINE)
     ranks = [torch.load(tmp_path / f"agree{r}.pt") for r in range(WORLD)]
     for wrapper_, fault in cases:
         key = f"{wrapper_}/{fault}"
         messages = [result[key]["message"] for result in ranks]
         assert messages[0] and messages == [messages[0]] * WORLD, (key, messages)  # one error, the same everywhere
-        assert "parameter 0 of param_groups[0]" in messages[0], messages[0]  # the parameter ...
-        assert "rank 0" in messages[0] and "rank 1" in messages[0], messages[0]  # ... and the ranks
-        assert ("NaN or Inf" if fault == "nan" else "is None") in messages[0], messages[0]
+        if fault == _agreement_worker.REFRESH_FAULT:  # the owner's refresh raised: its name and rank
+            assert "basis refresh of param_groups[0].params[0] raised on rank 0" in messages[0], messages[0]
+        else:
+            assert "parameter 0 of param_groups[0]" in messages[0], messages[0]  # the parameter ...
+            assert "rank 0" in messages[0] and "rank 1" in messages[0], messages[0]  # ... and the ranks
+            assert ("NaN or Inf" if fault == "nan" else "is None") in messages[0], messages[0]
         assert "no parameter and no optimizer state was changed" in messages[0], messages[0]
         assert all(result[key]["unchanged"] for result in ranks), key
         if wrapper_ != "fsdp2":  # DDP: identical gradients into identical code, so identical bits after the skip
