@@ -5,7 +5,7 @@ Under FSDP2 every parameter is a DTensor whose rows (dim 0) are split over the r
 (``Shard(0)``, torch.chunk's sizes, so a rank may hold none).  In the parameter's work frame
 (:func:`~adadiag_ref.optim.layout.layout_for`: a tall matrix works transposed, ``m <= n``) the split dim is
 the work frame's **columns** for a tall matrix (a tall conv kernel too) and a 1-D parameter, its **rows**
-otherwise.  Two routes (:func:`plan_for`):
+otherwise.  Three routes (:func:`plan_for`):
 
 * **block** (the shard is a block of whole work-frame columns or rows, the block's side is not rotated and the
   family's direction is entrywise, the Adam family: AdamW everywhere; AdaDiag on tall, 1-D and tall-conv
@@ -13,14 +13,23 @@ otherwise.  Two routes (:func:`plan_for`):
   ``U~`` and ``P U~ Q^T`` of the block need nothing from the other ranks: the step is the core's
   :func:`~adadiag_ref.update_in_place` on the local shard with the block's layout, the moments ``M, V`` stay
   sharded like the parameter (DTensors of the whole state shape, ``Shard`` on the block's work-frame dim) and
-  a non-refresh step sends nothing but the one finiteness all-reduce of the step.  A refresh step gathers the
-  whole gradient (its owner decomposes it; on every rank it gives the refresh step's numerical rank, as in the
-  whole step).
+  a non-refresh step sends nothing but the ranks' agreement (:func:`exchange`, 8 bytes per parameter).  A
+  refresh step gathers the whole gradient (its owner decomposes it; on every rank it gives the refresh step's
+  numerical rank, as in the whole step).
 * **gathered** (everything else: a sharded rotated side, the Adafactor and Hfac families, whose factored
   second moments and update clipping reduce over the whole matrix, any other placement or mesh): the whole
   ``G`` (and ``W`` when the update reads it: decay or a non-Adam family) is all-gathered, every rank keeps the
   whole state (replicated plain tensors) and applies the core's ``update_in_place`` to the whole matrix, then
   keeps its own rows.
+* **stack** (a ``batch_dims`` stack split on dim 0, its first batch dim: every shard holds whole matrices): each
+  rank steps its matrices as a stack of its own (``update_in_place`` on the local shard) and refreshes them itself
+  on its local gradient, the per-matrix state fields DTensors split like the parameter; nothing is sent but the
+  agreement (and at a refresh step a 4-byte flag: did the refresh raise on some rank).
+
+Agreement (:func:`exchange`, :func:`disagreement`): before anything else is exchanged, the ranks agree in one
+all-reduce on which parameters have a gradient, that each is valid and finite (a rank tests its shard) and on the
+step counters; a disagreement raises the same error on every rank (the adapter's ``CoreOptimizer._agreed``), so
+no rank can wait in a collective the others skip.
 
 Refreshes (:func:`refresh`): the matrices due in one step are dealt round-robin over the ranks of their mesh;
 the owner of a matrix runs the core's ``refresh_basis`` on the gathered gradient and broadcasts the bases
@@ -58,9 +67,16 @@ except ImportError:  # pragma: no cover - a torch built without torch.distribute
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "HAS_GRAD",
+    "INVALID",
+    "NONFINITE",
+    "NO_GRAD",
     "Plan",
     "all_finite",
     "conform",
+    "disagreement",
+    "exchange",
+    "group_ranks",
     "init",
     "is_sharded",
     "local",
@@ -145,11 +161,14 @@ def all_reduce(x: torch.Tensor, op: Any = None, group: Any = None) -> None:
 
 class Plan(NamedTuple):
     """How a DTensor parameter steps: ``layout`` its whole work frame; ``block`` the local shard's layout on the
-    block route (``None``: gathered); ``side`` the work-frame dim its shards split (0 rows, 1 columns)."""
+    block route (``None``: gathered or stack); ``side`` the work-frame dim its shards split (0 rows, 1 columns);
+    ``stack``: the stack route (a ``batch_dims`` stack split on its first batch dim: each rank holds whole
+    matrices and steps them as a stack of its own)."""
 
     layout: Layout
     block: Layout | None
     side: int
+    stack: bool = False
 
 
 def _split_dim0(p: Any) -> bool:
@@ -161,10 +180,11 @@ def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     """The route of DTensor ``p`` under ``cfg`` (module docstring): block when the shard holds whole work-frame
     columns (rows) and the columns (rows) are not rotated, for the entrywise Adam family."""
     layout = layout_for(tuple(p.shape), cfg)
+    if layout.batch:  # dim 0 indexes matrices: split on it, each shard is a stack of whole matrices
+        return Plan(layout, None, 0, stack=_split_dim0(p))
     side = 1 if layout.transposed or p.ndim == 1 else 0
     rotated = layout.rotate_right if side else layout.rotate_left
-    # a stack (batch_dims > 0) takes the gathered route: its dim 0 indexes matrices, not work-frame columns
-    if layout.batch or not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
+    if not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
         return Plan(layout, None, side)
     shape = tuple(local(p).shape)
     rows, cols = (layout.rows, shape[0]) if side else (shape[0], layout.cols)
@@ -184,12 +204,39 @@ def _sharded_like(block: torch.Tensor, whole_shape: tuple[int, ...], p: Any, sid
     return DTensor.from_local(block, p.device_mesh, [Shard(side)], run_check=False, shape=shape, stride=stride)
 
 
+def _stacked_fields(state: State, batch: tuple[int, ...]) -> list[str]:
+    """The fields of a stack's state that hold one entry per matrix (leading dims ``batch``): bases, moments,
+    factored moments; not the counter or ``param_shape``."""
+    return [
+        f
+        for f in state._fields
+        if f not in ("count", "param_shape")
+        and isinstance(getattr(state, f), torch.Tensor)
+        and tuple(getattr(state, f).shape[: len(batch)]) == batch
+    ]
+
+
+def _local_stack(state: State, layout: Layout) -> State:
+    """The core state of this rank's matrices of a stack (the stack route): every per-matrix field's local shard."""
+    fields = _stacked_fields(state, layout.batch)
+    return state._replace(param_shape=None, **{f: local(getattr(state, f)) for f in fields})
+
+
 def init(p: Any, cfg: BaseConfig) -> State:
     """``ar.init`` for DTensor ``p``: the whole state (bases, counter and ``param_shape`` as plain tensors); on the
-    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros)."""
+    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros); on the
+    stack route every per-matrix field (bases, moments) is a DTensor of the whole stack's shape holding this
+    rank's matrices."""
     device = local(p).device
-    state = ar.init(torch.empty((), dtype=p.dtype, device=device).expand(p.shape), cfg)
     plan = plan_for(p, cfg)
+    if plan.stack:  # this rank's matrices only: ar.init of the local shard, each field placed as p is
+        mine = ar.init(local(p).detach(), cfg)
+        shapes = ar.init(torch.empty((), dtype=p.dtype, device="meta").expand(p.shape), cfg)  # the whole stack's
+        fields = _stacked_fields(shapes, plan.layout.batch)
+        sharded = {f: _sharded_like(getattr(mine, f), tuple(getattr(shapes, f).shape), p, 0) for f in fields}
+        recorded = torch.zeros((0, *p.shape), dtype=p.dtype, device=device)  # param_shape: the whole stack's
+        return mine._replace(param_shape=recorded, **sharded)
+    state = ar.init(torch.empty((), dtype=p.dtype, device=device).expand(p.shape), cfg)
     if plan.block is None:
         return state
     whole = (plan.layout.rows, plan.layout.cols)
@@ -225,14 +272,82 @@ def all_finite(grad: Any) -> bool:
     return bool(flag)
 
 
-def agree(sums: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The finiteness sums of a step's gradients (local sums for DTensors) summed over the ranks of the (first)
-    sharded gradient's mesh, so those ranks reach the same verdict (NaN and Inf survive the sum)."""
-    sharded = next((g for g in grads if is_sharded(g)), None)
-    if sharded is not None:
-        sums = sums.clone()
-        all_reduce(sums, group=_group_of(sharded))
-    return sums
+# ---------------------------------------------------------------------------------------------- agreement
+
+# What a rank says of one parameter at the start of a step (:func:`exchange`): the bits of its code, and its counter.
+NO_GRAD, HAS_GRAD, NONFINITE, INVALID = 0, 1, 2, 4
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (``None``: the default group), in group-rank order."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def exchange(
+    codes: Sequence[int], counts: Sequence[int], *, group: Any = None, device: Any = "cpu"
+) -> torch.Tensor | None:
+    """``None`` when every rank of ``group`` holds the same ``codes`` (per parameter, in the optimizer's order:
+    :data:`NO_GRAD`, or :data:`HAS_GRAD` with :data:`NONFINITE` / :data:`INVALID` bits) and ``counts`` (the step
+    counters) and no gradient is non-finite or invalid; otherwise every rank's codes and counts as a table of
+    shape ``(ranks, parameters, 2)``, the same on every rank, for :func:`disagreement`.
+
+    One all-reduce (``MAX``) of ``8 * parameters`` bytes decides it, whatever the number of ranks: per parameter
+    ``key = (count mod 2^27) * 8 + code`` and ``-key``, whose maxima are the largest and minus the smallest key.
+    Every rank reads the same maxima, so on a disagreement every rank (and only then) issues the second
+    all-reduce, of the table (each rank fills its own row, a sum).  These are the first collectives of a step, so
+    ranks that disagree learn it together, before any of them enters another one.  ``device``: where the backend
+    reduces (CPU for gloo, the current CUDA device for NCCL)."""
+    codes_t = torch.tensor(list(codes), dtype=torch.int32)
+    counts_t = torch.tensor(list(counts), dtype=torch.int32)
+    key = (counts_t % (1 << 27)) * 8 + codes_t
+    extremes = torch.stack([key, -key], dim=1).to(device)
+    all_reduce(extremes, dist.ReduceOp.MAX, group=group)
+    largest, smallest = extremes[:, 0].cpu(), -extremes[:, 1].cpu()
+    if bool((largest == smallest).all()) and not bool((largest & (NONFINITE | INVALID)).any()):
+        return None
+    ranks = group_ranks(group)
+    table = torch.zeros((len(ranks), len(codes_t), 2), dtype=torch.int32)
+    table[ranks.index(dist.get_rank())] = torch.stack([codes_t, counts_t], dim=1)
+    table = table.to(device)
+    all_reduce(table, group=group)
+    return table.cpu()
+
+
+def _ranks(indices: Any, ranks: Sequence[int]) -> str:
+    found = [ranks[int(i)] for i in indices]
+    return ("rank " if len(found) == 1 else "ranks ") + ", ".join(str(r) for r in found)
+
+
+def disagreement(table: torch.Tensor, wheres: Sequence[str], ranks: Sequence[int]) -> str | None:
+    """The error every rank raises for the table of :func:`exchange` (``None``: the ranks agree and every gradient
+    is finite), a pure function of the table, so every rank words it alike.
+
+    Per parameter (the first at fault, in the optimizer's order): a gradient that does not match its parameter
+    (shape, dtype, layout) on some rank, NaN or Inf in some rank's gradient (an FSDP2 rank's shard), a gradient
+    present on some ranks and ``None`` on others, or step counters that differ; ``wheres`` names the parameters,
+    ``ranks`` the global ranks of the table's rows."""
+    codes, counts = table[..., 0], table[..., 1]
+    for j, where in enumerate(wheres):
+        column = codes[:, j]
+        step = int(counts[:, j].max()) + 1
+        if bool((column & INVALID).any()):
+            bad = torch.nonzero(column & INVALID).flatten()
+            return f"gradient of {where} does not match its parameter (shape, dtype or layout) on {_ranks(bad, ranks)}"
+        if bool((column & NONFINITE).any()):
+            bad = torch.nonzero(column & NONFINITE).flatten()
+            good = torch.nonzero(column == HAS_GRAD).flatten()
+            clean = f", finite on {_ranks(good, ranks)}" if len(good) else ""
+            return f"gradient of {where} contains NaN or Inf at step {step} on {_ranks(bad, ranks)}{clean}"
+        if bool((column != column[0]).any()):
+            none, some = torch.nonzero(column == NO_GRAD).flatten(), torch.nonzero(column != NO_GRAD).flatten()
+            return (
+                f"gradient of {where} is None on {_ranks(none, ranks)} and present on {_ranks(some, ranks)} at step "
+                f"{step}: every rank must step the same parameters"
+            )
+        if bool((column != NO_GRAD).any()) and bool((counts[:, j] != counts[0, j]).any()):
+            steps = ", ".join(f"{int(c)} on rank {r}" for c, r in zip(counts[:, j].tolist(), ranks, strict=True))
+            return f"the ranks' optimizers have taken different numbers of steps for {where} ({steps})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- refresh
@@ -243,6 +358,9 @@ def _group_of(p: Any) -> Any:
     default group otherwise (``None``)."""
     mesh = p.device_mesh
     return mesh.get_group() if mesh.ndim == 1 else None
+
+
+FAILED = 2  # a refresh flag (0 kept, 1 refreshed): the refresh raised on the rank that ran it
 
 
 def owned_refresh(
@@ -259,25 +377,46 @@ def owned_refresh(
     Every rank of ``group`` holds the same whole ``grads``.  The owner runs ``ar.refresh_basis`` and broadcasts
     the bases; the others receive them into fresh buffers (their previous bases stay intact until every refresh
     succeeded).  ``refreshed`` is the owner's flag (False when a failed refresh kept the previous basis), given
-    to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    to every rank by one all-reduce.  Bit-identical to every rank refreshing every matrix.
+
+    A refresh that raises on its owner (``on_failure="raise"``, a bug) does not leave the others waiting in its
+    broadcasts: the owner sends the previous bases, flags the failure, and after the flags' all-reduce every rank
+    raises the same ``RuntimeError`` (:func:`raise_if_failed`; the owner's exception chained), nothing changed."""
+    ranks = group_ranks(group)
     me = dist.get_rank()
     out = []
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
+    failure: Exception | None = None
     for j, (state, grad, cfg, name) in enumerate(zip(states, grads, cfgs, names, strict=True)):
         owner = ranks[j % len(ranks)]
+        new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
         if owner == me:
-            new = ar.refresh_basis(state, grad, cfg, name=name)
-            flags[j] = int(new.P is not state.P)
-        else:
-            new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
+            try:
+                new = ar.refresh_basis(state, grad, cfg, name=name)
+                flags[j] = int(new.P is not state.P)
+            except Exception as exc:  # the others wait in this matrix's broadcasts: they get the previous bases
+                failure, flags[j] = failure or exc, FAILED
         for basis in (new.P, new.Q):
             if basis is not None:
                 _broadcast(basis, owner, group)
         out.append({f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None})
     if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
         all_reduce(flags, group=group)
+    owners = [ranks[j % len(ranks)] for j in range(len(states))]
+    raise_if_failed([(names[j], owners[j]) for j, flag in enumerate(flags.tolist()) if flag == FAILED], failure)
     return list(zip(out, (bool(f) for f in flags.tolist()), strict=True))
+
+
+def raise_if_failed(failed: Sequence[tuple[str, int]], failure: Exception | None) -> None:
+    """The same ``RuntimeError`` on every rank when a refresh raised: ``failed`` holds ``(name, rank)`` of each
+    refresh that raised on the rank that ran it (read from a reduced flag, so alike on every rank); that rank
+    chains its own exception (``failure``)."""
+    if failed:
+        name, rank = failed[0]
+        raise RuntimeError(
+            f"the basis refresh of {name} raised on rank {rank}, which ran it (that rank chains its error to this "
+            "one); every rank raises this error, and no parameter and no optimizer state was changed"
+        ) from failure
 
 
 def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torch.Tensor]) -> list[Any]:
@@ -286,9 +425,13 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
     update), then :func:`owned_refresh` per process group, round-robin over its ranks.  A parameter without a
     rotated side has nothing to refresh (``({}, False)``, what ``refresh_basis`` gives it) and sends nothing."""
     by_group: dict[Any, list[int]] = {}
+    stacks: dict[Any, list[int]] = {}
     out: list[Any] = [({}, False)] * len(items)  # no rotated side (AdamW, Adafactor): the refresh keeps no basis
     for j, item in enumerate(items):
-        if layout_for(tuple(item.p.shape), item.cfg).rotate_left:
+        plan = plan_for(item.p, item.cfg)
+        if plan.stack:  # the owner of each matrix is the rank that holds it: refreshed here
+            stacks.setdefault(_group_of(item.p), []).append(j)
+        elif plan.layout.rotate_left:
             whole[id(item.p)] = gather(item.grad)
             by_group.setdefault(_group_of(item.p), []).append(j)
     for group, members in by_group.items():
@@ -302,7 +445,29 @@ def refresh(items: Sequence[Any], states: Sequence[State], whole: dict[int, torc
         )
         for j, result in zip(members, results, strict=True):
             out[j] = result
+    for group, members in stacks.items():  # one flag per stack: did its refresh raise here (4 bytes each)
+        flags = torch.zeros(len(members), dtype=torch.int32, device=local(items[members[0]].p).device)
+        failure: Exception | None = None
+        for k, j in enumerate(members):
+            try:
+                out[j] = _refresh_stack(items[j], states[j], plan_for(items[j].p, items[j].cfg))
+            except Exception as exc:  # the other ranks learn it below (1 + this rank), before any of them writes
+                failure, flags[k] = failure or exc, 1 + dist.get_rank()
+        all_reduce(flags, dist.ReduceOp.MAX, group=group)
+        raise_if_failed([(items[j].name, f - 1) for j, f in zip(members, flags.tolist(), strict=True) if f], failure)
     return out
+
+
+def _refresh_stack(item: Any, state: State, plan: Plan) -> tuple[dict[str, torch.Tensor], bool]:
+    """``refresh_basis`` of this rank's matrices of a stack (the stack route), on its local gradient: the bases
+    as DTensors placed like the state's, and whether they changed (``False`` with no matrix here)."""
+    if local(item.p).shape[0] == 0 or not plan.layout.rotate_left:
+        return {}, False
+    mine = _local_stack(state, plan.layout)
+    new = ar.refresh_basis(mine, local(item.grad), item.cfg, name=item.name)
+    bases = {f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None}
+    wrapped = {f: _sharded_like(b, tuple(getattr(state, f).shape), item.p, 0) for f, b in bases.items()}
+    return wrapped, new.P is not mine.P
 
 
 # ---------------------------------------------------------------------------------------------- update
@@ -329,6 +494,10 @@ def update(
     ``whole_grad``: the gradient gathered by :func:`refresh` on a refresh step (else gathered here when the
     route needs it)."""
     plan = plan_for(p, cfg)
+    if plan.stack:  # this rank's whole matrices, stepped as a stack of their own: nothing sent
+        if local(p).shape[0]:
+            ar.update_in_place(_local_stack(state, plan.layout), local(grad), cfg, local(p), lr=lr, refreshed=refreshed)
+        return
     if plan.block is not None:
         if 0 in plan.block.shape:
             return  # an empty shard (more ranks than rows): nothing to compute

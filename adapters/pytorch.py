@@ -43,6 +43,7 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -178,6 +179,14 @@ class CoreOptimizer(torch.optim.Optimizer):
             result is bit-identical to every rank decomposing every matrix.  Ignored
             when no process group is initialised.  FSDP2 (DTensor) parameters are always
             refreshed this way, over their mesh's ranks.
+        process_group: the ranks that step the same parameters (``None``: the default group), as DDP's and
+            ``ZeroRedundancyOptimizer``'s ``process_group``.  Under ``torch.distributed`` with more than one rank in
+            it, every ``step()`` first makes the ranks agree, in one all-reduce of 8 bytes per parameter, on which
+            parameters have a gradient, that every gradient is finite (an FSDP2 rank: its shard) and valid, and on
+            the step counters; a disagreement raises the same ``ValueError`` on every rank, naming the parameter
+            and the ranks, with nothing changed, before any other collective (so catching it keeps the ranks
+            identical; docs/adapters.md, "Ranks that disagree").  Ranks that step different models (pipeline
+            stages) pass the group of their data-parallel replicas.
         foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for every
             entrywise family (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`: the Adam family, and a
             registered family that declares it): the moments, the direction and the tail of all parameters of a
@@ -217,10 +226,12 @@ class CoreOptimizer(torch.optim.Optimizer):
     :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged: where the rows a rank holds form a block of
     whole, unrotated work-frame columns (or rows) and the family's direction is entrywise (the Adam family:
     AdamW; AdaDiag on tall, 1-D and tall conv parameters), the step runs on the local shard with the moments
-    sharded like the parameter and nothing sent but the step's finiteness all-reduce; otherwise the whole
+    sharded like the parameter and nothing sent but the ranks' agreement (``process_group``); otherwise the whole
     gradient (and ``W`` where the update reads it) is all-gathered, the state is whole on every rank and each
-    rank keeps its rows of the update.  Each refresh decomposes every matrix once across the ranks (an owner per
-    matrix, round-robin; the bases are broadcast).  The shards equal the single-process run, and DCP
+    rank keeps its rows of the update; a ``batch_dims`` stack (experts) split on dim 0 is stepped and refreshed
+    by the rank that holds each matrix, its state sharded like it, nothing sent.  Each refresh decomposes every
+    matrix once across the ranks (an owner per matrix, round-robin; the bases are broadcast).  The shards equal
+    the single-process run (docs/adapters.md, "Exactness"), and DCP
     (``get_/set_optimizer_state_dict``) saves and restores the sharded state (docs/adapters.md, "Sharded
     training").
 
@@ -233,7 +244,9 @@ class CoreOptimizer(torch.optim.Optimizer):
     ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything
     a graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh
     the Adam family's update runs in one graph (the multi-tensor route), bit-identical to the eager step and with no
-    recompile after warm-up.  ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
+    recompile after warm-up.  With every parameter on the CPU (``foreach`` unset) the whole eager step runs outside
+    the graph instead (its group kernels are faster than the graph), with a one-time ``UserWarning``.
+    ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
 
     Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
     ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
@@ -254,12 +267,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         split_refresh: bool = False,
+        process_group: Any = None,
         foreach: bool | None = None,
         name: str | None = None,
         **family_options: Any,
     ) -> None:
         name = name or self.core_name
         self.split_refresh = bool(split_refresh)
+        self.process_group = process_group
+        self._warned_eager_under_compile = False  # torch.compile(opt.step) on the CPU: said once (_update_in_graph)
         if name not in ar.OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
@@ -296,6 +312,8 @@ class CoreOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.split_refresh = bool(state.get("split_refresh", False))
+        self.process_group = None  # a process group does not pickle: the unpickled optimizer agrees over the default
+        self._warned_eager_under_compile = False
         self._configs = {}
         self._frames = {}
         self._host_plan = None
@@ -362,11 +380,67 @@ class CoreOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
             _foreach_traced(_step_on_host_outside_graph(self, True))
-        elif not self._host_route_step():
-            self._step_on_host(deferred=False)
+            return loss
+        agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
+        if not self._host_route_step():
+            self._step_on_host(deferred=False, agreed=agreed)
         return loss
 
-    def _step_on_host(self, deferred: bool) -> list[_ForeachPlan]:
+    def _update_in_graph(self) -> bool:
+        """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route):
+        when a parameter with a gradient is off the CPU, or a group sets ``foreach=True``.  Otherwise (every
+        parameter on the CPU, ``foreach`` unset or False) the whole step runs as the eager one does, outside the
+        graph: there the default route's group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the compiled
+        multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower."""
+        for group in self.param_groups:
+            if group.get("foreach") is True:
+                return True
+            if any(p.grad is not None and p.device.type != "cpu" for p in group["params"]):
+                return True
+        return False
+
+    def _agreed(self) -> bool:
+        """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
+        the step (:func:`_sharded.exchange`, one all-reduce; per parameter: gradient present, valid and exactly
+        finite, and the step counter) and return ``True``, or raise the same ``ValueError`` on every rank with
+        nothing changed.  ``False`` (nothing exchanged) without a process group of more than one rank.
+
+        A step's collectives (the bases' broadcasts of ``split_refresh``, FSDP2's gathers) follow from these
+        facts alone, so ranks that agree on them enter the same collectives in the same order; ranks that do not
+        learn it here together, instead of waiting in different collectives (a hang) or stepping different
+        parameters (ranks that silently diverge under DDP)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.process_group) <= 1:
+            return False
+        codes, counts, wheres, tested = [], [], [], []
+        for group_index, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for index, p in enumerate(group["params"]):
+                wheres.append(_where(names, index, group_index))
+                grad, flat = p.grad, self.state.get(p)
+                counts.append(int(flat["step"]) if flat and grad is not None else 0)
+                if grad is None:
+                    codes.append(_sharded.NO_GRAD)
+                elif _invalid_grad(p, grad):
+                    codes.append(_sharded.HAS_GRAD | _sharded.INVALID)
+                else:
+                    codes.append(_sharded.HAS_GRAD)
+                    tested.append((len(codes) - 1, _sharded.local(grad)))
+        for (j, _), finite in zip(tested, _exactly_finite([g for _, g in tested]), strict=True):
+            codes[j] |= 0 if finite else _sharded.NONFINITE
+        backend = str(dist.get_backend(self.process_group))
+        device = "cpu" if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
+        table = _sharded.exchange(codes, counts, group=self.process_group, device=device)
+        if table is None:
+            return True
+        message = _sharded.disagreement(table, wheres, _sharded.group_ranks(self.process_group))
+        if message is None:  # only the counters of parameters without a gradient anywhere differ: nothing steps them
+            return True
+        raise ValueError(
+            f"{message}; every rank raises this error, and no parameter and no optimizer state was changed"
+        )
+
+    def _step_on_host(self, deferred: bool, agreed: bool | None = None) -> list[_ForeachPlan]:
         """The body of :meth:`step` after the closure: validation, refreshes and every update, except, when
         ``deferred`` (under ``torch.compile``), the multi-tensor update of the Adam family's batches without a
         refresh or a new state, returned as plans for :func:`_foreach_traced` (the part compiled into a graph).
@@ -374,7 +448,19 @@ class CoreOptimizer(torch.optim.Optimizer):
         Under ``torch.compile`` this runs outside the graph (:data:`_step_on_host_outside_graph`): it reads host
         values (the finiteness test, the counters), decomposes on the host and makes new states, none of which a
         graph can hold.  The Adam family then takes the multi-tensor route, bit-identical to the per-parameter one.
+
+        ``agreed``: :meth:`_agreed` ran this step (``None``: run it now), so every gradient is known to be finite on
+        every rank and the local finiteness test is skipped.
         """
+        if agreed is None:
+            agreed = self._agreed()
+        if deferred and not self._update_in_graph():  # the CPU's eager route is faster than the graph: eager bits
+            if not self._warned_eager_under_compile:
+                self._warned_eager_under_compile = True
+                warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
+            if not self._host_route_step():
+                self._step_on_host(deferred=False, agreed=agreed)
+            return []
         work = []
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
@@ -404,9 +490,10 @@ class CoreOptimizer(torch.optim.Optimizer):
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         queued = not deferred and bool(work) and not any(due)
         queued = queued and all(item.foreach and not item.fresh for item in work)
-        verdict = self._finiteness(work) if queued else None
+        verdict = self._finiteness(work) if queued and not agreed else None
         if verdict is None:
-            self._raise_if_nonfinite(work, self._finiteness(work))
+            if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
+                self._raise_if_nonfinite(work, self._finiteness(work))
             if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
                 for item in work:
                     self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
@@ -695,9 +782,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
-        order, reductions = _finiteness_sums(work)
-        sums = _sharded.agree(torch.stack([r.to(device) for r in reductions]), [item.grad for item in work])
-        return order, torch.isfinite(sums)
+        order, reductions = _finiteness_sums([item.grad for item in work], [item.foreach for item in work])
+        return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
 
     def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> bool:
         """Read the verdict (the one synchronisation of a step without refresh) and raise ``ValueError`` naming
@@ -733,7 +819,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             mine = [j for j, s in enumerate(sharded) if s]
             split = iter(_sharded.refresh([items[j] for j in mine], [states[j] for j in mine], self._whole_grads))
             return [next(split) if s else next(plain) for s in sharded]
-        if not (self.split_refresh and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        distributed = self.split_refresh and dist.is_available() and dist.is_initialized()
+        if not (distributed and dist.get_world_size(self.process_group) > 1):
             # batched per config (ar.refresh_bases): one stacked decomposition per work shape on a device
             by_config: dict[BaseConfig, list[int]] = {}
             for j, item in enumerate(items):
@@ -750,6 +837,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             [item.grad for item in items],
             [item.cfg for item in items],
             [item.name for item in items],
+            group=self.process_group,
             device=items[0].p.device if items else "cpu",
         )
 
@@ -830,6 +918,13 @@ class CoreOptimizer(torch.optim.Optimizer):
                     self.state[p] = loaded[p]
         self._host_plan = None  # new state tensors: the routes are resolved again
 
+
+_EAGER_UNDER_COMPILE = (
+    "torch.compile(opt.step) with every parameter on the CPU runs the eager step, outside the graph: the CPU's "
+    "group kernels take 0.4x to 0.65x of the time of a compiled multi-tensor update, and give the same bits. "
+    "Dynamo's call around it costs about 20 us a step (measurable on a tiny model only), so call opt.step() "
+    "uncompiled there, or set foreach=True to put the update in a graph anyway (docs/adapters.md, 'torch.compile')"
+)
 
 _step_on_host_outside_graph = torch.compiler.disable(
     CoreOptimizer._step_on_host,
@@ -1439,7 +1534,8 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
     can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
     float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice.
-    A DTensor's sum is its local shard's (summed over the ranks by :func:`_sharded.agree`)."""
+    A DTensor's sum is its local shard's (the ranks agree on every shard's finiteness in
+    :meth:`CoreOptimizer._agreed`)."""
     grad = _sharded.local(grad)
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.sum(grad, dtype=torch.float32)
@@ -1480,25 +1576,50 @@ def _host_counts(work: list[_Work]) -> list[int]:
     return [int(c) for c in torch.stack(counters).numpy().tolist()]
 
 
-def _finiteness_sums(work: list[_Work]) -> tuple[list[int], list[torch.Tensor]]:
-    """``(order, sums)``: a 0-d reduction per gradient (:func:`_finiteness_sum`; for the parameters of the
-    multi-tensor route ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and dtype) and
-    the index in ``work`` of each.  Either is NaN or Inf whenever an entry of ``G`` is."""
+def _finiteness_sums(grads: list[torch.Tensor], multi: list[bool]) -> tuple[list[int], list[torch.Tensor]]:
+    """``(order, sums)``: a 0-d reduction per gradient (:func:`_finiteness_sum`; where ``multi``,
+    ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and dtype) and the index in ``grads``
+    of each.  Either is NaN or Inf whenever an entry of ``G`` is."""
     order: list[int] = []
     sums: list[torch.Tensor] = []
     buckets: dict[tuple[Any, Any], list[int]] = {}
-    for i, item in enumerate(work):
-        if item.foreach:
-            buckets.setdefault((item.grad.device, item.grad.dtype), []).append(i)
+    for i, (grad, together) in enumerate(zip(grads, multi, strict=True)):
+        if together:
+            buckets.setdefault((grad.device, grad.dtype), []).append(i)
         else:
             order.append(i)
-            sums.append(_finiteness_sum(item.grad))
+            sums.append(_finiteness_sum(grad))
     for (_, dtype), members in buckets.items():
         low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
-        norms = torch._foreach_norm([work[i].grad for i in members], 1, torch.float32 if low else None)
+        norms = torch._foreach_norm([grads[i] for i in members], 1, torch.float32 if low else None)
         order.extend(members)
         sums.extend(norms)
     return order, sums
+
+
+def _exactly_finite(grads: list[torch.Tensor]) -> list[bool]:
+    """``isfinite(G).all()`` per (plain, dense) gradient: one multi-tensor sum per device and dtype, one host read,
+    and the exact per-entry test only for a non-finite sum (NaN or Inf, or finite entries whose sum overflowed)."""
+    if not grads:
+        return []
+    order, sums = _finiteness_sums(grads, [True] * len(grads))
+    finite = [True] * len(grads)
+    for i, ok in zip(order, torch.isfinite(torch.stack([s.cpu() for s in sums])).tolist(), strict=True):
+        finite[i] = bool(ok) or bool(torch.isfinite(grads[i]).all())
+    return finite
+
+
+def _invalid_grad(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether a step refuses ``grad`` for ``p`` (:meth:`CoreOptimizer._checked_grad`,
+    :meth:`CoreOptimizer._check_shapes`): sparse or not strided, complex, another shape or dtype."""
+    return (
+        grad.is_sparse
+        or grad.layout != torch.strided
+        or torch.is_complex(grad)
+        or torch.is_complex(p)
+        or tuple(grad.shape) != tuple(p.shape)
+        or grad.dtype != p.dtype
+    )
 
 
 class _Batched(NamedTuple):

@@ -1,17 +1,23 @@
 """``torch.compile(opt.step)`` against the eager ``opt.step()`` of the torch adapter, in the same run.
 
-For each optimizer, two copies of the same parameters (``bench_torch_adapter.SHAPES``, gradients set once) take
+For each optimizer, two copies of the same parameters (``--model small``: ``bench_torch_adapter.SHAPES``;
+``--model llama-60m``: the shapes of ``adadiag_ref.memory.llama_parameters("llama-60m")``, 58M entries; gradients
+set once) take
 steps without refresh (T = infinity, after the t = 1 refresh of the warm-up): eagerly, and through
 ``torch.compile(opt.step)``.  Prints the median step time of each (interleaved, ``--repeats`` steps each), their
 ratio, and Dynamo's counters after warm-up: graphs compiled, recompiles (frames compiled again) and the graph
-breaks by reason (the only expected one is the deliberate ``torch.compiler.disable`` of the host phase).
+breaks by reason (the only expected one is the deliberate ``torch.compiler.disable`` of the host phase).  On the CPU
+(``foreach`` unset) a compiled step runs the eager step outside the graph (``CoreOptimizer._update_in_graph``):
+the ratio is then the cost of Dynamo's call; ``--foreach`` sets ``foreach=True``, the graph route.
 
-Run: ``python benchmarks/bench_torch_compile.py [--repeats 100] [--threads 1] [--dtype float32] [names ...]``.
+Run: ``python benchmarks/bench_torch_compile.py [--model small|llama-60m] [--repeats 100] [--threads 1]
+[--dtype float32] [--foreach] [names ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -35,11 +41,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, object]:
+def _shapes(model: str) -> list[tuple[int, ...]]:
+    if model == "small":
+        return list(SHAPES)
+    from adadiag_ref.memory import llama_parameters
+
+    return [tuple(spec.shape) for spec in llama_parameters(model)]
+
+
+def bench(
+    name: str, repeats: int, dtype: torch.dtype, shapes: list[tuple[int, ...]], foreach: bool | None = None
+) -> dict[str, object]:
     torch._dynamo.reset()
     counters.clear()
-    eager = OPTIMIZER_CLASSES[name](_params(dtype), lr=1e-3, update_freq=None)
-    compiled_opt = OPTIMIZER_CLASSES[name](_params(dtype), lr=1e-3, update_freq=None)
+    options = {"lr": 1e-3, "update_freq": None, "foreach": foreach}
+    eager = OPTIMIZER_CLASSES[name](_params(dtype, shapes), **options)
+    compiled_opt = OPTIMIZER_CLASSES[name](_params(dtype, shapes), **options)
     compiled = torch.compile(compiled_opt.step)
     start = time.perf_counter()
     for _ in range(WARMUP):
@@ -48,9 +65,9 @@ def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, object]:
     warmup_s = time.perf_counter() - start
     graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
     eager_times, compiled_times = [], []
-    for _ in range(repeats):  # interleaved: a load change on the machine hits both
-        eager_times.append(_timed(eager.step))
-        compiled_times.append(_timed(compiled))
+    for k in range(repeats):  # interleaved, in alternating order: a load change (or a warm cache) hits both alike
+        for run, times in ((eager.step, eager_times), (compiled, compiled_times))[:: 1 if k % 2 else -1]:
+            times.append(_timed(run))
     eager_ms, compiled_ms = (1e3 * statistics.median(t) for t in (eager_times, compiled_times))
     return {
         "eager_ms": eager_ms,
@@ -69,13 +86,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--model", default="small", choices=["small", "llama-60m"])
+    parser.add_argument("--foreach", action="store_true", help="foreach=True: the update in a graph on the CPU too")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"shapes {SHAPES}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
+    shapes = _shapes(args.model)
+    foreach = True if args.foreach else None
+    print(
+        f"{args.model}: {len(shapes)} parameters, {sum(math.prod(s) for s in shapes):,} entries, {args.dtype}, "
+        f"foreach={foreach}, {torch.get_num_threads()} threads, median of {args.repeats} steps"
+    )
     for name in args.names:
-        row = bench(name, args.repeats, dtype)
+        row = bench(name, args.repeats, dtype, shapes, foreach)
         print(
             f"{name:14s} eager {row['eager_ms']:8.3f} ms  compiled {row['compiled_ms']:8.3f} ms  "
             f"ratio {row['ratio']:.2f}  warm-up {row['warmup_s']:.0f} s  graphs {row['graphs']}  "

@@ -29,7 +29,9 @@ CASES: dict[str, tuple[int, ...]] = {
     "1-D": (256,),
     "conv": (32, 16, 3, 3),
     "conv 1x1, tall": (128, 32, 1, 1),
+    "experts, batch_dims=1": (8, 32, 64),  # a stack: each rank holds whole experts (the stack route)
 }
+CASE_OPTIONS: dict[str, dict[str, Any]] = {"experts, batch_dims=1": {"batch_dims": 1}}
 OPTIMIZERS = {"adamw": "AdamW", "adadiag": "AdaDiag (one-sided)", "adadiag_pp": "AdaDiag++ (two-sided)"}
 WEIGHT_DECAY = 0.1  # decay reads W: the gathered route then gathers W as well as G
 
@@ -53,7 +55,8 @@ def measure(names: dict[str, str] | None = None) -> list[dict[str, Any]]:
             module = _One(shape)
             fully_shard(module)
             p = module.w
-            opt = OPTIMIZER_CLASSES[name]([p], lr=1e-3, weight_decay=WEIGHT_DECAY, update_freq=10)
+            options = CASE_OPTIONS.get(case, {})
+            opt = OPTIMIZER_CLASSES[name]([p], lr=1e-3, weight_decay=WEIGHT_DECAY, update_freq=10, **options)
             gen = torch.Generator().manual_seed(1)
             counted = []
             for _ in range(2):  # t = 1 refreshes, t = 2 does not
@@ -62,7 +65,8 @@ def measure(names: dict[str, str] | None = None) -> list[dict[str, Any]]:
                 with _sharded.traffic() as traffic:
                     opt.step()
                 counted.append(traffic.bytes)
-            route = "block" if _sharded.plan_for(p, opt.config()).block is not None else "gathered"
+            plan = _sharded.plan_for(p, opt.config())
+            route = "block" if plan.block is not None else "stack" if plan.stack else "gathered"
             grad_bytes = p.numel() * p.element_size()
             rows.append({"case": case, "shape": shape, "optimizer": label, "route": route,
                          "refresh": counted[0], "step": counted[1], "grad": grad_bytes})  # fmt: skip

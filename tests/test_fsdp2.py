@@ -91,12 +91,15 @@ def test_fsdp2_shards_equal_single_process_run_and_dcp_resume_is_bit_identical(t
     # a NaN in one rank's shard: every rank raises before anything is written
     for rank, result in enumerate(ranks):
         assert result["nan"] == {"raised": True, "unchanged": True}, rank
-    # communication (benchmarks/sharded_traffic.py, float32): a step without refresh sends only the finiteness
-    # verdict (one float32 sum) on the block route; the gathered route all-gathers G and W (weight decay on)
+    # communication (benchmarks/sharded_traffic.py, float32): a step without refresh sends only the ranks'
+    # agreement (8 bytes per parameter: CoreOptimizer._agreed) on the block route; the gathered route all-gathers
+    # G and W (weight decay on)
     for row in ranks[0]["traffic"]:
-        expected = 4 if row["route"] == "block" else 2 * row["grad"] + 4
+        expected = 8 if row["route"] in ("block", "stack") else 2 * row["grad"] + 8
         assert row["step"] == expected, row
         assert row["refresh"] >= row["step"], row
     routes = {(row["case"], row["optimizer"]): row["route"] for row in ranks[0]["traffic"]}
     assert routes[("tall", "AdaDiag (one-sided)")] == routes[("1-D", "AdaDiag (one-sided)")] == "block"
     assert routes[("wide", "AdaDiag (one-sided)")] == routes[("tall", "AdaDiag++ (two-sided)")] == "gathered"
+    stacks = {route for (case, _), route in routes.items() if case.startswith("experts")}
+    assert stacks == {"stack"}  # whole experts per rank: stepped and refreshed where they are, nothing gathered
