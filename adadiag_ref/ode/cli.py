@@ -38,7 +38,7 @@ from .checks import CheckResult, check
 from .discrete import DiscreteLimit
 from .problems import PROBLEMS, make_problem
 from .solvers import SOLVERS
-from .systems import ALIASES, SYSTEMS, make_system
+from .systems import ALIASES, SYSTEMS, make_system, systems
 
 __all__ = ["add_parser", "build_parser", "format_discrete_limit", "format_report", "main", "run", "run_discrete_limit"]
 
@@ -216,6 +216,11 @@ def run(args: argparse.Namespace) -> int:
             importlib.import_module(module)
     except ImportError as exc:
         return fail(f"ode: --import: {exc}")
+    if ALIASES.get(args.optimizer, args.optimizer) not in systems():  # checked here: --import may register one
+        try:
+            make_system(args.optimizer)
+        except ValueError as exc:
+            return fail(f"ode: --optimizer: {exc}")
     if args.discrete_limit:
         return run_discrete_limit(args)
     try:
