@@ -6,7 +6,6 @@ array-API code (NumPy, CuPy, torch, JAX, array_api_strict); see ``docs/spec.md``
 for the exact equations and conventions.
 """
 
-from .checkpoint import register_torch_safe_globals
 from .config import (
     OPTIMIZERS,
     AdafactorConfig,
@@ -34,6 +33,7 @@ from .optim import (
     refresh_basis,
     refresh_due,
     refresh_when_due,
+    register_torch_safe_globals,
     rotate,
     step,
     traced_refresh_due,

@@ -1,5 +1,6 @@
 """Pure functional optimizers: ``init``, ``refresh_basis``, ``update``, ``step``."""
 
+from .checkpoint import register_torch_safe_globals
 from .core import (
     NonFiniteGradientWarning,
     SlowRefreshWarning,
@@ -34,6 +35,7 @@ __all__ = [
     "refresh_basis",
     "refresh_due",
     "refresh_when_due",
+    "register_torch_safe_globals",
     "rotate",
     "step",
     "supports_in_place",

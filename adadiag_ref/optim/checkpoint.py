@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .optim.families import FAMILIES
+from .families import FAMILIES
 
 __all__ = ["register_torch_safe_globals", "state_types"]
 
