@@ -226,10 +226,13 @@ def check_backends(state: State, param: Array, *, name: str | None = None) -> No
     """``TypeError`` unless every array of ``state`` comes from ``param``'s library (a NumPy basis beside a JAX
     parameter, a torch state beside a NumPy parameter), before anything is computed: one line naming the
     parameter, the field and both libraries.  Reads types only (traces under ``jax.jit``)."""
-    want = _library(param)
+    kind = type(param)
     for field in state._fields:
         value = getattr(state, field)
-        if hasattr(value, "shape") and _library(value) != want:  # None fields and host ints aside
+        if value is None or type(value) is kind or not hasattr(value, "shape"):  # the common case: one type
+            continue
+        want = _library(param)
+        if _library(value) != want:  # None fields and host ints aside
             raise TypeError(
                 f"{_label(name)} is a {want} array but its optimizer state's {field!r} is a {_library(value)} "
                 f"array: make the state with ar.init on the parameter itself (or convert it); the state was left "
@@ -628,7 +631,7 @@ def step_namespace(grad: Array, param: Array, xp: Namespace | None, name: str | 
     """The namespace of one step's gradient and parameter (``xp`` when given, a plain module wrapped), and a
     ``TypeError`` naming the parameter when they come from two libraries (instead of array_api_compat's
     "Multiple namespaces")."""
-    if xp is None and _library(grad) != _library(param):
+    if xp is None and type(grad) is not type(param) and _library(grad) != _library(param):
         raise TypeError(
             f"{_label(name)} is a {_library(param)} array but its gradient a {_library(grad)} array: pass both "
             "from one library; the optimizer state was left unchanged"
