@@ -6,11 +6,24 @@ array-API code (NumPy, CuPy, torch, JAX, array_api_strict); see ``docs/spec.md``
 for the exact equations and conventions.
 """
 
-from .config import OPTIMIZERS, AdafactorConfig, AdamConfig, BaseConfig, HfacConfig, default_eps, make_config
+from .config import (
+    OPTIMIZERS,
+    AdafactorConfig,
+    AdamConfig,
+    BaseConfig,
+    HfacConfig,
+    default_eps,
+    make_config,
+    step_config,
+)
 from .linalg import CanonicalSVD, canonical_svd
 from .memory import state_nbytes
 from .optim import (
     Engine,
+    Layout,
+    NonFiniteGradientWarning,
+    Route,
+    SlowRefreshWarning,
     check_inputs,
     explain_route,
     init,
@@ -19,8 +32,11 @@ from .optim import (
     refresh_bases,
     refresh_basis,
     refresh_due,
+    refresh_when_due,
+    register_torch_safe_globals,
     rotate,
     step,
+    traced_refresh_due,
     unrotate,
     update,
     update_in_place,
@@ -41,6 +57,10 @@ __all__ = [
     "Engine",
     "HfacConfig",
     "HfacState",
+    "Layout",
+    "NonFiniteGradientWarning",
+    "Route",
+    "SlowRefreshWarning",
     "__version__",
     "canonical_svd",
     "check_inputs",
@@ -53,10 +73,14 @@ __all__ = [
     "refresh_bases",
     "refresh_basis",
     "refresh_due",
+    "refresh_when_due",
+    "register_torch_safe_globals",
     "replay",
     "rotate",
     "state_nbytes",
     "step",
+    "step_config",
+    "traced_refresh_due",
     "unrotate",
     "update",
     "update_in_place",

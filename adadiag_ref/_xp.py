@@ -8,6 +8,7 @@ The core is written against the Python array API standard.  Public functions tak
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -27,12 +28,15 @@ __all__ = [
     "Array",
     "Namespace",
     "array_device",
+    "as_namespace",
+    "backend_name",
     "count_nonfinite",
     "creation_device",
     "float_dtype_name",
     "is_float64",
     "namespace",
     "native_module",
+    "require_linalg",
     "sqrt",
     "sqrt_each",
     "state_dtype",
@@ -41,10 +45,51 @@ __all__ = [
 
 
 def namespace(*arrays: Array, xp: Namespace | None = None) -> Namespace:
-    """Return ``xp`` if given, else the array-API namespace of ``arrays``."""
+    """Return ``xp`` if given (a plain module such as ``torch`` or ``numpy`` as its array-API namespace:
+    :func:`as_namespace`), else the array-API namespace of ``arrays``."""
     if xp is not None:
-        return xp
+        try:
+            return _WRAPPED.get(xp) or as_namespace(xp)
+        except TypeError:  # an unhashable namespace object: taken as it is
+            return xp
     return array_namespace(*(a for a in arrays if a is not None))
+
+
+_WRAPPED: dict[Any, Namespace] = {}
+"""Each ``xp=`` seen by :func:`namespace`, as its array-API namespace (a module is wrapped once)."""
+
+
+def as_namespace(xp: Namespace) -> Namespace:
+    """The array-API namespace of the library ``xp``: ``array_api_compat``'s wrapper of a plain module
+    (``xp=torch``, ``numpy``, ``cupy``, ``dask.array``): the namespace of a 0-d array it makes.  A module that
+    already is one (``jax.numpy``, ``array_api_strict``, ``array_api_compat.torch``), and any other namespace
+    object, is returned as it is."""
+    wrapped = xp
+    if isinstance(xp, types.ModuleType) and not xp.__name__.startswith("array_api_compat"):
+        try:
+            wrapped = array_namespace(xp.asarray(0.0))
+        except Exception:  # not a library array_api_compat knows: the caller's own namespace
+            wrapped = xp
+    _WRAPPED[xp] = wrapped
+    return wrapped
+
+
+def backend_name(xp: Namespace) -> str:
+    """The library behind namespace ``xp``, for messages (``numpy``, ``torch``, ``jax.numpy``, ...)."""
+    name = str(getattr(xp, "__name__", type(xp).__name__))
+    return name.removeprefix("array_api_compat.")
+
+
+def require_linalg(xp: Namespace, what: str) -> None:
+    """``TypeError`` unless ``xp`` has ``linalg.svd`` (every basis refresh decomposes ``G_t``; ``ndonnx`` has no
+    ``linalg``): one line naming the missing piece and ``what`` needs it."""
+    linalg = getattr(xp, "linalg", None)
+    if linalg is None or not hasattr(linalg, "svd"):
+        missing = "linalg" if linalg is None else "linalg.svd"
+        raise TypeError(
+            f"the array namespace {backend_name(xp)} has no {missing}, which {what} needs (the basis refresh "
+            "decomposes the gradient); use an optimizer without rotation (adamw, adafactor, hfac) or another backend"
+        )
 
 
 def native_module(xp: Namespace) -> Any:
@@ -222,5 +267,8 @@ def to_numpy(x: Array) -> np.ndarray:
         return t.numpy()  # type: ignore[no-any-return]
     if is_jax_namespace(xp):
         return np.asarray(x)
-    # array_api_strict and other namespaces: go through DLPack on the CPU.
-    return np.from_dlpack(x)
+    # array_api_strict and other namespaces: DLPack on the CPU; a library whose arrays have no __dlpack__ (dask,
+    # whose arrays are lazy) through NumPy's conversion (for dask: computed)
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)

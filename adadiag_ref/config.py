@@ -25,9 +25,12 @@ name                family       sides
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
@@ -35,13 +38,17 @@ __all__ = [
     "BASIS_METHODS",
     "KERNELS",
     "OPTIMIZERS",
+    "STEP_VALUES",
     "AdafactorConfig",
     "AdamConfig",
     "BaseConfig",
     "HfacConfig",
     "OptimizerSpec",
+    "check_learning_rate",
     "default_eps",
+    "host_number",
     "make_config",
+    "step_config",
 ]
 
 Beta2Schedule = Literal["bias_corrected", "adafactor"]
@@ -63,10 +70,21 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_traced(value: Any) -> bool:
+    """Whether ``value`` is a JAX tracer (a value under ``jax.jit``, unknown until run); JAX not imported here."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.core.Tracer)
+
+
 @functools.cache
 def numba_available() -> bool:
     """Whether numba can be imported (found without importing it: configs stay cheap to build)."""
     return importlib.util.find_spec("numba") is not None
+
+
+_FIXED_MOMENTUM = "_fixed_momentum"
+"""Instance attribute of a :func:`step_config` result whose beta_1 is traced: whether ``M`` exists, decided by the
+base config (``beta_1 > 0`` of a tracer cannot be decided while tracing)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +214,9 @@ class BaseConfig:
 
     @property
     def momentum(self) -> bool:
-        """Whether a first moment is kept (beta_1 > 0)."""
-        return self.betas[0] > 0.0
+        """Whether a first moment is kept (beta_1 > 0; with a traced beta_1, the base config's: :func:`step_config`)."""
+        fixed = self.__dict__.get(_FIXED_MOMENTUM)
+        return bool(self.betas[0] > 0.0) if fixed is None else fixed
 
     def replace(self, **changes: Any) -> BaseConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -259,10 +278,13 @@ class AdafactorConfig(BaseConfig):
 
     @property
     def momentum(self) -> bool:
-        """Whether the first moment ``M`` is kept."""
+        """Whether the first moment ``M`` is kept (with a traced beta_1, the base config's: :func:`step_config`)."""
+        fixed = self.__dict__.get(_FIXED_MOMENTUM)
+        if fixed is not None:
+            return bool(fixed)
         if self.momentum_enabled is False:
             return False
-        return self.betas[0] > 0.0
+        return bool(self.betas[0] > 0.0)
 
 
 @dataclass(frozen=True)
@@ -374,3 +396,125 @@ def make_config(name: str, **options: Any) -> BaseConfig:
     if unknown:
         raise ValueError(f"unknown option(s) for {name!r}: {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
     return cls(name=name, sides=sides, **options)
+
+
+STEP_VALUES = frozenset({"lr", "betas", "eps", "weight_decay", "clip_threshold", "decay_rate", "eps2"})
+"""The numeric hyperparameters one step may override (:func:`step_config`); every other field shapes the state
+(``sides``, ``betas``' momentum, ``batch_dims``, ...) or chooses the code (``kernels``, ``basis_method``)."""
+
+
+def host_number(value: Any) -> float | None:
+    """``value`` as a Python number when it is known on the host without a wait, else ``None``.
+
+    A Python number is itself; a NumPy scalar or 0-d array its ``item()``; a 0-d CPU array of torch or JAX
+    (not traced) its value.  A traced value (``jax.jit``, ``torch.compile``), or an array on a device (CUDA),
+    gives ``None``: reading it would stop the trace or wait on the device.  An array of more than one entry
+    raises ``ValueError`` (a hyperparameter is a scalar).
+    """
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return value
+    shape = getattr(value, "shape", None)
+    if shape is None or _is_traced(value):
+        return None
+    if len(shape) != 0:
+        raise ValueError(f"a hyperparameter must be a scalar, got an array of shape {tuple(shape)}")
+    module = type(value).__module__
+    if module.startswith("numpy"):
+        return value.item()  # type: ignore[no-any-return]
+    if module.startswith("torch"):
+        import torch
+
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        return value.item()  # type: ignore[no-any-return]
+    if module.startswith("jax"):
+        devices = value.devices()
+        return value.item() if all(d.platform == "cpu" for d in devices) else None  # type: ignore[no-any-return]
+    return None
+
+
+def check_learning_rate(lr: Any) -> None:
+    """``ValueError`` unless a per-step ``lr`` known on the host (:func:`host_number`) is a finite number >= 0,
+    the rule of ``make_config``; an ``lr`` that is not (traced, on a device) is taken as it is."""
+    value = host_number(lr)
+    if value is not None:
+        _check(_finite_number(value) and value >= 0, f"lr must be a finite number >= 0, got {lr!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _replaced(cfg: BaseConfig, changes: tuple[tuple[str, Any], ...]) -> BaseConfig:
+    """``cfg.replace(**changes)``, validated by ``__post_init__`` (kept: a schedule repeats its values)."""
+    return cfg.replace(**dict(changes))
+
+
+def step_config(
+    cfg: BaseConfig, *, momentum: bool | None = None, cast: Callable[[Any], Any] | None = None, **values: Any
+) -> BaseConfig:
+    """The config one step runs with: ``cfg`` with the per-step hyperparameters ``values`` (``None``: keep).
+
+    ``step_config(cfg, weight_decay=lambda_t, betas=(beta_1, beta_2))`` is what ``step``, ``update``,
+    ``multi_step`` and ``Engine.step`` use for their ``weight_decay=`` and ``betas=`` keywords, and the optax
+    adapter for ``optax.inject_hyperparams``.  Only the numeric hyperparameters of :data:`STEP_VALUES`
+    (``lr``, ``betas``, ``eps``, ``weight_decay``, ``clip_threshold``, ``decay_rate``, ``eps2``) may change.
+
+    * A value known on the host (:func:`host_number`: a Python number, a NumPy value, a CPU array) is
+      validated by :func:`make_config`'s rules (``ValueError``, naming it) and stored as a Python number: the
+      result equals ``cfg.replace(...)`` with it, so a step computes the same bits as with a rebuilt config.
+    * Any other value (a JAX tracer under ``jax.jit``, an array on a device) cannot be read without stopping
+      the trace or waiting on the device: it is stored unvalidated (its producer's to check), through ``cast``
+      when given (the core casts to the state dtype, so that a float64 value does not promote a float32 step).
+      The result is then not hashable: not a static argument.
+    * ``betas`` may not turn the first moment on or off (``beta_1 = 0`` against ``beta_1 > 0``): the state's
+      fields were made by the config (``ValueError``).  With a traced ``beta_1`` the first moment is ``momentum``
+      (default: ``cfg.momentum``).
+
+    Returns ``cfg`` itself when nothing changes.
+    """
+    values = {k: v for k, v in values.items() if v is not None}
+    unknown = sorted(set(values) - STEP_VALUES)
+    if unknown:
+        raise ValueError(
+            f"{', '.join(unknown)} cannot change per step (it shapes the state or chooses the code); the per-step "
+            f"hyperparameters are {', '.join(sorted(STEP_VALUES))}"
+        )
+    if not values:
+        return cfg
+    concrete: dict[str, Any] = {}
+    traced: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "betas":
+            betas = tuple(value)
+            _check(len(betas) == 2, f"betas must be a pair (beta1, beta2), got {value!r}")
+            read = tuple(host_number(b) for b in betas)
+            if all(b is not None for b in read):
+                concrete[key] = read
+            else:  # both cast: a traced pair computes as arrays throughout, as one whose two betas are traced
+                for index, b in enumerate(read):
+                    _check(b is None or 0.0 <= b < 1.0, f"beta{index + 1} must be in [0, 1), got {b!r}")
+                traced[key] = betas if cast is None else tuple(cast(b) for b in betas)
+        else:
+            number = host_number(value)
+            if number is None:
+                traced[key] = value if cast is None else cast(value)
+            else:
+                concrete[key] = number
+    try:
+        new = _replaced(cfg, tuple(sorted(concrete.items()))) if concrete else cfg
+    except TypeError:  # an unhashable config (itself a step's, with traced values): validate without the cache
+        new = cfg.replace(**concrete)
+    if "betas" in concrete and new.momentum != cfg.momentum:
+        raise ValueError(
+            f"betas={concrete['betas']!r} would turn the first moment {'on' if new.momentum else 'off'}: the "
+            f"state of {cfg.name!r} was made {'with' if cfg.momentum else 'without'} it; keep beta1 "
+            f"{'> 0' if cfg.momentum else '= 0'} per step"
+        )
+    if not traced:
+        return new
+    new = copy.copy(new)  # the one place a config takes unvalidated (traced) values: this function
+    if "betas" in traced:
+        object.__setattr__(new, _FIXED_MOMENTUM, cfg.momentum if momentum is None else bool(momentum))
+    for key, value in traced.items():
+        object.__setattr__(new, key, value)
+    return new

@@ -927,11 +927,12 @@ def gram_route_applies(G: Array, method: str, *, compute_q: bool, xp: Namespace 
     tolerance there.  ``"auto"`` also keeps the SVD on JAX, where float64 (needed
     to form the Gram matrix) may be disabled, and for ``m > n`` (an ``m x m``
     eigenproblem for rank ``n``).  In the optimizer's work frame (``m <= n``) the
-    Gram route is the faster one at every measured size (``docs/performance.md``).
+    Gram route is the faster one at every measured size (``docs/performance.md``).  A namespace without
+    ``linalg.eigh`` (dask) takes the SVD.
     """
     _check_method(method)
     xp = namespace(G, xp=xp)
-    if method == "svd" or compute_q or G.dtype != xp.float32:
+    if method == "svd" or compute_q or G.dtype != xp.float32 or not hasattr(getattr(xp, "linalg", None), "eigh"):
         return False
     return not (method == "auto" and ("jax" in getattr(xp, "__name__", "") or G.shape[0] > G.shape[1]))
 

@@ -51,22 +51,20 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
     ) from exc
 
 import collections
-import contextlib
-import copy
-import ctypes
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 import adadiag_ref as ar
-from adadiag_ref.config import AdafactorConfig, BaseConfig
+from adadiag_ref.config import AdafactorConfig, BaseConfig, step_config
 from adadiag_ref.optim.core import check_orientation, preconditioned_direction, work_dtype
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.layout import from_work, split_batch, transposed_frame
+from adadiag_ref.optim.traced import refresh_when_due, traced_refresh_due
 
 __all__ = [
     "ALIASES",
@@ -227,209 +225,31 @@ def _options(name: str, options: dict[str, Any]) -> _Options:
     return _Options(ar.make_config(name, **concrete), traced)
 
 
-_FIXED_MOMENTUM: dict[type, type] = {}
-
-
-def _fixed_momentum(cls: type) -> type:
-    """``cls`` whose ``momentum`` is a stored bool: with a traced ``beta_1``, ``beta_1 > 0`` cannot decide it."""
-    if cls not in _FIXED_MOMENTUM:
-
-        def momentum(self: Any) -> bool:
-            return bool(self.__dict__["_momentum"])
-
-        _FIXED_MOMENTUM[cls] = type(f"Traced{cls.__name__}", (cls,), {"momentum": property(momentum)})
-    return _FIXED_MOMENTUM[cls]
-
-
 def _leaf_config(opts: _Options, state: Any) -> BaseConfig:
-    """The config one leaf's update reads: the static one, traced fields cast to the state dtype.
+    """The config one leaf's update reads: the static one with the traced fields
+    (:func:`adadiag_ref.config.step_config`, each cast to the state dtype).
 
     Whether ``M`` exists (momentum) is read from the state, which ``init`` built
     from the concrete values.
     """
-    if not opts.traced:
+    values = {key: value for key, value in opts.traced.items() if key != "update_freq"}  # the period: refresh_due's
+    if not values:
         return opts.cfg
     dtype = work_dtype(state)
-    cfg = copy.copy(opts.cfg)
-    object.__setattr__(cfg, "__class__", _fixed_momentum(type(opts.cfg)))
-    object.__setattr__(cfg, "_momentum", getattr(state, "M", None) is not None)
-    for key, value in opts.traced.items():
-        if key == "update_freq":  # read by refresh_due only, as the traced period
-            continue
-        cast = tuple(jnp.asarray(b, dtype) for b in value) if key == "betas" else jnp.asarray(value, dtype)
-        object.__setattr__(cfg, key, cast)
-    return cfg
+    momentum = getattr(state, "M", None) is not None
+    return step_config(opts.cfg, momentum=momentum, cast=lambda value: jnp.asarray(value, dtype), **values)
 
 
-def refresh_due(count: jax.Array, cfg: BaseConfig | Any) -> jax.Array:
-    """Traced :func:`adadiag_ref.refresh_due`: ``t == 1`` or ``(t - 1) mod T == 0`` with ``t = count + 1``.
-
-    ``cfg`` is a config (``T = cfg.update_freq``) or the period ``T`` itself: a
-    Python int, ``None`` (T = infinity) or a traced integer array.
-    """
-    period = cfg.update_freq if isinstance(cfg, BaseConfig) else cfg
-    t = count + 1
-    due = t == 1
-    if period is not None:
-        due = due | ((t - 1) % period == 0)
-    return due
-
-
-class _RotatedLeaf(NamedTuple):
-    """What the host refresh needs of one rotated leaf: its tree path (for messages), the parameter's shape, the
-    state dtype, whether ``Q`` is rotated too, and where its ``P`` sits among the callback's bases."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    two_sided: bool
-    first: int
-
-
-def _host_refresh(cfg: BaseConfig, leaves: list[_RotatedLeaf]) -> Callable[..., tuple[np.ndarray, ...]]:
-    """Host callback of one step's refresh: the core's :func:`adadiag_ref.refresh_bases` over every leaf due.
-
-    Called as ``callback(due, count, *grads, *bases)`` with, for each rotated leaf in order, its gradient, then
-    the previous bases ``P_{t-1}[, Q_{t-1}]`` of every rotated leaf; returns ``(*bases, refreshed)`` with the
-    bases in the same order and ``refreshed`` a bool per leaf.  Under ``jax.vmap`` (``vmap_method=
-    "broadcast_all"``) every argument carries the same leading batch dimensions (``due``'s shape): each
-    member whose ``due`` is true refreshes its own bases from its own gradient, the others keep theirs, and the
-    whole batch is one :func:`adadiag_ref.refresh_bases` call.
-
-    Only the gradients and the bases cross to the host (the moments stay on the device); each host state is a
-    fresh ``ar.init`` of the state dtype carrying the previous bases, so that a refresh that keeps them (a NaN or
-    Inf gradient, a decomposition that fails on every rung; ``docs/reliability.md``) returns ``P_{t-1}[,
-    Q_{t-1}]`` bit for bit, as the eager core does, never the identity of a fresh state.  ``refreshed`` is
-    False when the basis was kept: the step's update must then not apply the refresh-step structure, whose
-    premise (``G~`` computed with the bases of this very ``G``) does not hold, exactly as
-    :func:`adadiag_ref.step` passes ``refreshed=False`` (``new.P is not state.P``).  The leaves' tree paths
-    and the step label the core's messages.  The callback runs on an XLA thread whose floating-point
-    environment is not Python's; the refresh therefore runs with the default environment restored
-    (:func:`_default_fp_environment`).
-    """
-
-    def callback(due: np.ndarray, count: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-        due, count = np.asarray(due), np.asarray(count)
-        grads, previous = arrays[: len(leaves)], arrays[len(leaves) :]
-        bases = [np.array(b) for b in previous]  # writable copies: the members not due keep their bases
-        refreshed = np.zeros((*due.shape, len(leaves)), dtype=np.bool_)
-        jobs: list[tuple[tuple[int, ...], int, Any]] = []
-        with _default_fp_environment():
-            for member in np.ndindex(due.shape):  # () without vmap: the one member
-                if not due[member]:
-                    continue
-                for j, leaf in enumerate(leaves):
-                    P = bases[leaf.first][member]
-                    Q = bases[leaf.first + 1][member] if leaf.two_sided else None
-                    host = ar.init(np.zeros(leaf.shape, dtype=leaf.dtype), cfg)._replace(P=P, Q=Q)
-                    jobs.append((member, j, host))
-            new = ar.refresh_bases(
-                [host for _, _, host in jobs],
-                [np.asarray(grads[j][member]) for member, j, _ in jobs],
-                cfg,
-                names=[leaves[j].name for _, j, _ in jobs],
-                count=[int(count[member]) for member, _, _ in jobs],
-            )
-        for (member, j, host), state in zip(jobs, new, strict=True):
-            leaf = leaves[j]
-            if state.P is not host.P:  # a kept basis comes back as the very object passed in
-                refreshed[(*member, j)] = True
-                bases[leaf.first][member] = state.P
-                if leaf.two_sided:
-                    bases[leaf.first + 1][member] = state.Q
-        return (*bases, refreshed)
-
-    return callback
-
-
-def _libc() -> Any:
-    """The C library's ``fegetenv``/``fesetenv`` (glibc), or ``None`` where they cannot be loaded."""
-    try:
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "fegetenv") and hasattr(libc, "fesetenv") else None
-    except OSError:  # pragma: no cover - no C library symbols in the process
-        return None
-
-
-_LIBC = _libc()
-_FE_DFL_ENV = ctypes.c_void_p(-1)  # glibc's FE_DFL_ENV: ((const fenv_t *) -1), the program's start-up environment
-_FENV_BYTES = 256  # room for any platform's fenv_t (x86-64: 32 bytes, aarch64: 8)
-
-
-@contextlib.contextmanager
-def _default_fp_environment() -> Iterator[None]:
-    """Run the block with the C default floating-point environment, then restore the thread's own.
-
-    XLA's CPU threads compute with denormals flushed to zero (FTZ/DAZ set in
-    MXCSR on x86, FZ in FPCR on ARM), and ``jax.pure_callback`` runs Python on
-    such a thread.  LAPACK's SVD is not written for that mode: on a rank-deficient
-    float32 gradient (e.g. a first step's ``(softmax - onehot)^T X`` of rank
-    B < m) the trailing singular values pass through the denormal range,
-    ``DLASCL`` sees a scale that reads as zero, prints ``DLASCL parameter number
-    4 had an illegal value`` and the SVD does not converge.  The same matrix
-    decomposes on the Python thread.  Restoring the default environment (IEEE
-    gradual underflow) makes the callback compute exactly what the eager core
-    computes.  Without glibc's ``fesetenv`` this is a no-op.
-    """
-    if _LIBC is None:  # pragma: no cover - not glibc
-        yield
-        return
-    saved = ctypes.create_string_buffer(_FENV_BYTES)
-    _LIBC.fegetenv(saved)
-    _LIBC.fesetenv(_FE_DFL_ENV)
-    try:
-        yield
-    finally:
-        _LIBC.fesetenv(saved)
+refresh_due = traced_refresh_due
+"""Traced :func:`adadiag_ref.refresh_due` (:func:`adadiag_ref.traced_refresh_due`, kept here under its old name)."""
 
 
 def _refresh_when_due(
     grads: list[jax.Array], states: list[Any], names: list[str], opts: _Options
 ) -> tuple[list[Any], list[Any]]:
-    """Every rotated leaf's bases refreshed when due, in one ``lax.cond`` and one host callback (traceable).
-
-    ``lax.cond(due, refresh_bases, identity)``: every leaf of one transformation advances its ``count``
-    together, so ``due`` (:func:`refresh_due`) is one predicate for all, read from the first rotated leaf's
-    counter, and one callback (:func:`_host_refresh`) refreshes every rotated leaf through the core's
-    :func:`adadiag_ref.refresh_bases`.  Returns the states (the core's orientation) and, per leaf, the core's
-    ``refreshed``: a traced bool, true only when a due refresh computed new bases from the leaf's gradient, or
-    ``False`` for a leaf without a basis.  Under ``jax.vmap`` with a batched counter the ``cond`` becomes a
-    ``select``: the callback then runs at every step and refreshes only the members that are due.
-    """
-    rotated = [i for i, state in enumerate(states) if state.P is not None]
-    refreshed: list[Any] = [False] * len(states)
-    if not rotated:  # baselines and vectors only: nothing to refresh, no callback
-        return states, refreshed
-    leaves: list[_RotatedLeaf] = []
-    bases: list[jax.Array] = []
-    for i in rotated:
-        state = states[i]
-        leaf_bases = [b for b in (state.P, state.Q) if b is not None]
-        dtype = np.dtype(state.P.dtype)
-        leaves.append(_RotatedLeaf(names[i], tuple(grads[i].shape), dtype, state.Q is not None, len(bases)))
-        bases.extend(leaf_bases)
-    count = states[rotated[0]].count
-    due = refresh_due(count, opts.traced.get("update_freq", opts.cfg))
-    shapes = (
-        *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bases),
-        jax.ShapeDtypeStruct((len(rotated),), jnp.bool_),
-    )
-    callback = _host_refresh(opts.cfg, leaves)
-
-    def do_refresh(operands: Any) -> tuple[list[jax.Array], jax.Array]:
-        *new, flags = jax.pure_callback(callback, shapes, *operands, vmap_method="broadcast_all")
-        return new, flags
-
-    def keep(operands: Any) -> tuple[list[jax.Array], jax.Array]:
-        return list(operands[2 + len(rotated) :]), jnp.zeros((len(rotated),), jnp.bool_)
-
-    operands = (due, count, *(grads[i] for i in rotated), *bases)
-    new_bases, flags = jax.lax.cond(due, do_refresh, keep, operands)
-    out = list(states)
-    for j, (i, leaf) in enumerate(zip(rotated, leaves, strict=True)):
-        P, Q = new_bases[leaf.first], new_bases[leaf.first + 1] if leaf.two_sided else None
-        out[i], refreshed[i] = states[i]._replace(P=P, Q=Q), flags[j]
-    return out, refreshed
+    """Every rotated leaf's bases refreshed when due: :func:`adadiag_ref.refresh_when_due` (one ``lax.cond`` and
+    one host callback for all leaves) with the transformation's period, traced when injected."""
+    return refresh_when_due(states, grads, opts.cfg, names=names, period=opts.traced.get("update_freq", opts.cfg))
 
 
 def _prepared_leaves(grads: list[jax.Array], stored: list[Any], names: list[str], opts: _Options) -> list[Any]:
@@ -658,14 +478,16 @@ def _fused_core(
     :func:`adadiag_ref.update` itself, with the learning rate (a schedule is
     evaluated at the count) and the weight decay (traced when injected).
     """
-    opts = _options(name, {**options, "weight_decay": weight_decay})
+    opts = _options(name, {**options, "weight_decay": 0.0})  # lambda: update's per-step keyword (traced or not)
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
         _check_update_args(params, True)
 
         def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
             lr = learning_rate(s.count) if callable(learning_rate) else learning_rate  # one count for all leaves
-            return ar.update(s, g, cfg, w, lr=lr, refreshed=refreshed, xp=jnp)  # type: ignore[no-any-return]
+            return ar.update(  # type: ignore[no-any-return]
+                s, g, cfg, w, lr=lr, weight_decay=weight_decay, refreshed=refreshed, xp=jnp
+            )
 
         return _tree_step(updates, state, params, opts, leaf)  # type: ignore[no-any-return]
 

@@ -40,6 +40,11 @@ def _load_backend(name: str) -> Any:
         jax = pytest.importorskip("jax")
         jax.config.update("jax_enable_x64", True)
         return importlib.import_module("jax.numpy")
+    if name == "dask":  # lazy arrays without __dlpack__: every step a graph, computed where a value is read
+        pytest.importorskip("dask")
+        from array_api_compat.dask import array as xp_dask
+
+        return xp_dask
     if name == "cupy":
         cupy = pytest.importorskip("cupy")
         try:
@@ -62,7 +67,7 @@ def jax_x64() -> Any:
     jax.config.update("jax_enable_x64", previous)
 
 
-BACKENDS = ["numpy", "array_api_strict", "torch", "jax", pytest.param("cupy", marks=pytest.mark.gpu)]
+BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "dask", pytest.param("cupy", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -18,9 +18,10 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jax_extend = pytest.importorskip("jax.extend")
 import jax.numpy as jnp  # noqa: E402
-from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
+from adadiag_ref.optim.traced import default_fp_environment  # noqa: E402
 
 NAMES = list(ar.OPTIMIZERS)
 SHAPES = {"w": (5, 7), "b": (7,), "k": (6, 2, 2)}
@@ -266,7 +267,7 @@ def test_host_callbacks_run_on_threads_that_flush_denormals():
     def callback(x):
         tiny = np.array([1e-40], dtype=np.float32)  # a float32 denormal
         seen["xla thread"] = float((tiny * np.float32(1.0))[0])
-        with ao._default_fp_environment():
+        with default_fp_environment():
             seen["restored"] = float((tiny * np.float32(1.0))[0])
         seen["after"] = float((tiny * np.float32(1.0))[0])
         return x

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._xp import Array, Namespace, namespace
+from .._xp import Array, Namespace, namespace, require_linalg
 from ..config import BaseConfig
 from ..linalg import canonical_svd_batch
 from .core import _check_failure_policy, check_orientation, host_count, refresh_basis, work_dtype
@@ -67,8 +67,10 @@ def refresh_bases(
         raise ValueError(f"names has {len(names_l)} entries for {len(states_l)} states")
     counts: list[Any] = [None] * len(states_l) if count is None else host_counts(count, states_l, len(states_l))
     xp = namespace(*grads_l, xp=xp)
-    for state, grad in zip(states_l, grads_l, strict=True):
-        check_orientation(state, tuple(grad.shape))
+    for state, grad, name in zip(states_l, grads_l, names_l, strict=True):
+        check_orientation(state, tuple(grad.shape), name=name)
+    if any(layout_for(tuple(g.shape), cfg).rotate_left for g in grads_l):
+        require_linalg(xp, f"the refresh of {cfg.name!r}")  # before any decomposition: one line, nothing changed
     groups: dict[tuple[Any, ...], list[tuple[int, Array]]] = {}
     out_of_group: list[int] = []
     for i, (state, grad) in enumerate(zip(states_l, grads_l, strict=True)):

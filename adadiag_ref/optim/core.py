@@ -15,18 +15,29 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, sqrt, state_dtype
-from ..config import BaseConfig
+from .._xp import (
+    Array,
+    Namespace,
+    count_nonfinite,
+    creation_device,
+    float_dtype_name,
+    namespace,
+    require_linalg,
+    sqrt,
+    state_dtype,
+)
+from ..config import BaseConfig, check_learning_rate, step_config
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
+from . import rotation as _rotation
 from .dispatch import direction as family_direction
 from .families import State, family_of
 from .layout import Layout, from_work, layout_for, split_batch, to_work
-from .rotation import rotate, unrotate
 from .schedules import host_step, learning_rate
 from .tail import parameter_delta
 
@@ -135,7 +146,7 @@ def init(param: Array, cfg: BaseConfig, *, xp: Namespace | None = None) -> State
     return family.state_type(count=count, P=P, Q=Q, **moments, param_shape=param_shape)  # type: ignore[no-any-return]
 
 
-def check_orientation(state: State, shape: tuple[int, ...]) -> None:
+def check_orientation(state: State, shape: tuple[int, ...], *, name: str | None = None) -> None:
     """Refuse a state created for a parameter of another shape (e.g. ``(7, 9)`` for ``(9, 7)``).
 
     The work-frame field shapes cannot tell such parameters apart (both are
@@ -148,8 +159,8 @@ def check_orientation(state: State, shape: tuple[int, ...]) -> None:
     created = tuple(int(d) for d in recorded.shape[1:])
     if created != tuple(int(d) for d in shape):
         raise ValueError(
-            f"the optimizer state was created for a parameter of shape {created}, not {tuple(shape)}: "
-            "was it the state of another parameter? The state was left unchanged"
+            f"{_label(name)}: the optimizer state was created for a parameter of shape {created}, not "
+            f"{tuple(shape)}: was it the state of another parameter? The state was left unchanged"
         )
 
 
@@ -170,6 +181,24 @@ class NonFiniteGradientWarning(RuntimeWarning):
     """An unvalidated refresh met a gradient with NaN or Inf and kept the previous basis."""
 
 
+def rotate(
+    g: Array, P: Array | None = None, Q: Array | None = None, xp: Namespace | None = None, *, transposed: bool = False
+) -> Array:
+    """``G~ = P^T G Q`` (a missing basis, ``None``, is the identity); ``xp`` as everywhere (``None``: from ``g``).
+
+    ``transposed``: ``g`` is the transposed view of a tall parameter (:func:`~adadiag_ref.optim.layout.to_work`),
+    the product then keeps the parameter's memory order (:func:`adadiag_ref.optim.rotation.rotate`).
+    """
+    return _rotation.rotate(g, P, Q, namespace(g, xp=xp), transposed=transposed)
+
+
+def unrotate(
+    u: Array, P: Array | None = None, Q: Array | None = None, xp: Namespace | None = None, *, transposed: bool = False
+) -> Array:
+    """``P U~ Q^T``, the inverse of :func:`rotate` for orthogonal ``P`` and ``Q`` (``xp``, ``transposed`` as there)."""
+    return _rotation.unrotate(u, P, Q, namespace(u, xp=xp), transposed=transposed)
+
+
 def _where(name: str | None, state: State, shape: tuple[int, ...], count: int | None = None) -> str:
     """``"parameter 'fc.weight' (shape (7, 9)) at step 5"`` for error and warning messages (``count``: the host
     counter, when the caller keeps one; else the state's is read)."""
@@ -179,6 +208,55 @@ def _where(name: str | None, state: State, shape: tuple[int, ...], count: int | 
         t = "?"
     who = f"parameter {name!r}" if name else "parameter"
     return f"{who} (shape {shape}) at step {t}"
+
+
+def _label(name: str | None) -> str:
+    """``"parameter 'fc.weight'"`` (or ``"the parameter"``): who a mismatch error is about."""
+    return f"parameter {name!r}" if name else "the parameter"
+
+
+def _library(x: Array) -> str:
+    """The library of an array, from its type (``numpy``, ``torch``, ``jax``, ...): a few hundred nanoseconds,
+    no namespace resolution.  A JAX array and a JAX tracer are both ``jax``."""
+    root = type(x).__module__.partition(".")[0]
+    return "jax" if root == "jaxlib" else root
+
+
+def check_backends(state: State, param: Array, *, name: str | None = None) -> None:
+    """``TypeError`` unless every array of ``state`` comes from ``param``'s library (a NumPy basis beside a JAX
+    parameter, a torch state beside a NumPy parameter), before anything is computed: one line naming the
+    parameter, the field and both libraries.  Reads types only (traces under ``jax.jit``)."""
+    kind = type(param)
+    for field in state._fields:
+        value = getattr(state, field)
+        if value is None or type(value) is kind or not hasattr(value, "shape"):  # the common case: one type
+            continue
+        want = _library(param)
+        if _library(value) != want:  # None fields and host ints aside
+            raise TypeError(
+                f"{_label(name)} is a {want} array but its optimizer state's {field!r} is a {_library(value)} "
+                f"array: make the state with ar.init on the parameter itself (or convert it); the state was left "
+                "unchanged"
+            )
+
+
+def _traced(*arrays: Array) -> bool:
+    """Whether any of ``arrays`` is a JAX tracer (inside ``jax.jit``, ``jax.grad``, ...)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+JIT_TOOLKIT = (
+    "under jax.jit use adadiag_ref.update (traceable) with adadiag_ref.refresh_when_due (the refresh as one "
+    "lax.cond and host callback) and adadiag_ref.traced_refresh_due; docs/embedding.md, 'Your own jitted loop'"
+)
+
+
+def _refuse_traced(function: str, *arrays: Array) -> None:
+    """One-line ``TypeError`` for an eager function called under ``jax.jit`` (instead of JAX's
+    ``TracerBoolConversionError`` deep inside), pointing to the traceable toolkit."""
+    if _traced(*arrays):
+        raise TypeError(f"adadiag_ref.{function} is eager (it reads values on the host); {JIT_TOOLKIT}")
 
 
 def _check_failure_policy(on_nonfinite: str, on_failure: str) -> None:
@@ -229,11 +307,14 @@ def refresh_basis(
     matrix of the stack keeps its previous basis.
     """
     _check_failure_policy(on_nonfinite, on_failure)
+    _refuse_traced("refresh_basis", grad, state.count)
     xp = namespace(grad, xp=xp)
-    check_orientation(state, tuple(grad.shape))
+    check_orientation(state, tuple(grad.shape), name=name)
     layout = layout_for(tuple(grad.shape), cfg)
     if not layout.rotate_left:
         return state
+    check_backends(state, grad, name=name)
+    require_linalg(xp, f"the refresh of {_label(name)} ({cfg.name!r})")
     g = to_work(xp.astype(grad, work_dtype(state), copy=False), layout, xp)
     label = f"gradient of {_where(name, state, layout.shape, count)}"
     try:
@@ -371,6 +452,7 @@ def prepare_step(
     *,
     block: Layout | None = None,
     whole_grad: Array | None = None,
+    name: str | None = None,
 ) -> StepInput:
     """Check shapes, then form ``t``, ``G`` and ``W`` in the work frame and ``G~`` (shared by the update forms).
 
@@ -382,20 +464,20 @@ def prepare_step(
     layout (``rows``/``cols`` the block's, ``transposed`` and the rotated sides the whole parameter's) and the state
     holds the block's moments.  ``whole_grad`` (the whole parameter's gradient, parameter-shaped) then gives the
     numerical rank of a refresh step's structure (:func:`refresh_step_structure`), so the block keeps exactly the
-    rows the whole step keeps.
+    rows the whole step keeps.  ``name`` labels the parameter in the shape checks' messages.
     """
     layout = layout_for(tuple(param.shape), cfg) if block is None else block
-    _check_static(state, grad, param, layout, cfg)
+    _check_static(state, grad, param, layout, cfg, name=name)
     dtype = work_dtype(state)
     # copy=False: no copy of G and W when they already have the state dtype (nothing here mutates them)
     g = to_work(xp.astype(grad, dtype, copy=False), layout, xp)
     w = to_work(xp.astype(param, dtype, copy=False), layout, xp)
-    g_rot = rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
+    g_rot = _rotation.rotate(g, state.P, state.Q, xp, transposed=layout.transposed)
     if state.P is not None and refreshed is not False:
         rank_from = None
         if whole_grad is not None:  # a block of whole columns: the rank is the whole parameter's
             whole = to_work(xp.astype(whole_grad, dtype, copy=False), layout_for(tuple(whole_grad.shape), cfg), xp)
-            rank_from = rotate(whole, state.P, state.Q, xp, transposed=layout.transposed)
+            rank_from = _rotation.rotate(whole, state.P, state.Q, xp, transposed=layout.transposed)
         g_rot = refresh_step_structure(g_rot, state.Q is not None, refreshed, xp, rank_from=rank_from)
     t = host_step(count, dtype, xp) if count is not None else xp.astype(state.count + 1, dtype)
     return StepInput(layout, t, g, w, g_rot)
@@ -408,16 +490,24 @@ def update(
     param: Array,
     *,
     lr: Any = None,
+    weight_decay: Any = None,
+    betas: Any = None,
     refreshed: Any = False,
     count: int | None = None,
+    name: str | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
     """One optimizer update with the current bases (never refreshes).
 
     Returns ``(delta, new_state)`` with ``W_{t+1} = W_t + delta`` and
-    ``delta = -eta_t (P U~ Q^T + lambda W_t)``; ``lr`` overrides ``cfg.lr`` (it may
-    be an array, e.g. a scheduled or traced learning rate).  ``delta`` has the
-    parameter's dtype; all arithmetic runs in the state dtype.
+    ``delta = -eta_t (P U~ Q^T + lambda W_t)``.  The step's hyperparameters may change at every step:
+    ``lr`` overrides ``cfg.lr`` (``eta``), ``weight_decay`` ``cfg.weight_decay`` (``lambda``) and ``betas``
+    ``cfg.betas`` (``beta_1, beta_2``; ``beta_1`` must stay ``> 0`` or ``= 0`` as in ``cfg``, which made the
+    state).  Each is a number or a 0-d array: known on the host it is validated by ``make_config``'s rules
+    (``ValueError``, nothing computed); traced (``jax.jit``) or on a device it is used as it is
+    (:func:`~adadiag_ref.config.step_config`), cast to the state dtype except ``lr``.  The result equals the
+    update under a config rebuilt with those values, bit for bit.  ``delta`` has the
+    parameter's dtype; all arithmetic runs in the state dtype.  ``name`` labels the parameter in errors.
 
     ``refreshed`` (a bool, or a boolean array under ``jax.jit``) says that the
     bases were just computed from this very gradient.  Then ``G~`` is ``Sigma``
@@ -427,9 +517,26 @@ def update(
     ``count``: the steps taken (``state.count``) as a host int, for a caller that keeps its own counter
     (:func:`step`): the step's coefficients are then host numbers, not device arrays.
     """
-    xp = namespace(grad, param, xp=xp)
-    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
+    xp = step_namespace(grad, param, xp, name)
+    cfg = step_hyperparameters(cfg, state, xp, lr=lr, weight_decay=weight_decay, betas=betas)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count), name=name)
     return update_prepared(state, step_in, cfg, param, lr, xp)
+
+
+def step_hyperparameters(
+    cfg: BaseConfig, state: State, xp: Namespace, *, lr: Any = None, weight_decay: Any = None, betas: Any = None
+) -> BaseConfig:
+    """The config of one step with its per-step ``weight_decay`` and ``betas``
+    (:func:`~adadiag_ref.config.step_config`: validated when known on the host; a traced or device value cast to
+    the state dtype, so that a float64 value never promotes a float32 step), after checking ``lr``
+    (:func:`~adadiag_ref.config.check_learning_rate`).  ``cfg`` itself when neither is given."""
+    check_learning_rate(lr)
+    if weight_decay is None and betas is None:
+        return cfg
+    dtype = work_dtype(state)
+    return step_config(
+        cfg, weight_decay=weight_decay, betas=betas, cast=lambda value: xp.astype(xp.asarray(value), dtype)
+    )
 
 
 def update_prepared(
@@ -442,7 +549,7 @@ def update_prepared(
     family = family_of(cfg)
     eta = learning_rate(cfg, lr)
     for route in () if layout.batch else family.routes.update:  # the fused routes take single matrices
-        fused = route(state, layout, t, step_in.g_rot, w, cfg, eta, unrotate, xp)
+        fused = route(state, layout, t, step_in.g_rot, w, cfg, eta, _rotation.unrotate, xp)
         if fused is not None:
             work_delta, moments = fused
             delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
@@ -481,7 +588,7 @@ def preconditioned_direction(
 def _direction(state: State, step_in: StepInput, cfg: BaseConfig, xp: Namespace) -> tuple[Array, State]:
     """``(P U~ Q^T, new_state)`` from a prepared step; ``U~`` by the code ``cfg.kernels`` selects."""
     u_rot, moments = family_direction(state, step_in.g_rot, step_in.t, cfg, xp)
-    direction = unrotate(u_rot, state.P, state.Q, xp, transposed=step_in.layout.transposed)
+    direction = _rotation.unrotate(u_rot, state.P, state.Q, xp, transposed=step_in.layout.transposed)
     return direction, state._replace(count=state.count + 1, **moments)
 
 
@@ -493,53 +600,95 @@ def refresh_due(count: int, cfg: BaseConfig) -> bool:
     return cfg.update_freq is not None and (t - 1) % cfg.update_freq == 0
 
 
-def _check_gradient_shape(grad: Array, param: Array) -> None:
+def _check_gradient_shape(grad: Array, param: Array, name: str | None = None) -> None:
     if tuple(grad.shape) != tuple(param.shape):
-        raise ValueError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"{_label(name)}: gradient shape {tuple(grad.shape)} does not match parameter shape "
+            f"{tuple(param.shape)}; the optimizer state was left unchanged"
+        )
 
 
-def _check_gradient_dtype(grad: Array, param: Array, xp: Namespace) -> None:
-    pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
+def _check_gradient_dtype(grad: Array, param: Array, xp: Namespace, name: str | None = None) -> None:
+    try:
+        pname, gname = float_dtype_name(param.dtype, xp), float_dtype_name(grad.dtype, xp)
+    except ValueError as exc:
+        raise ValueError(f"{_label(name)}: {exc}") from None
     if pname != gname:
-        raise ValueError(f"gradient dtype {gname} does not match parameter dtype {pname}")
+        raise ValueError(
+            f"{_label(name)}: gradient dtype {gname} does not match parameter dtype {pname}; the optimizer state "
+            "was left unchanged"
+        )
 
 
-def check_gradient_matches(grad: Array, param: Array, xp: Namespace) -> None:
+def check_gradient_matches(grad: Array, param: Array, xp: Namespace, *, name: str | None = None) -> None:
     """``ValueError`` unless ``G`` has the parameter's shape and real floating dtype (no value read): the checks
-    of one gradient against its parameter that :func:`check_inputs` and the engine share."""
-    _check_gradient_shape(grad, param)
-    _check_gradient_dtype(grad, param, xp)
+    of one gradient against its parameter that :func:`check_inputs` and the engine share; ``name`` labels it."""
+    _check_gradient_shape(grad, param, name)
+    _check_gradient_dtype(grad, param, xp, name)
 
 
-def _check_static(state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig) -> None:
-    _check_gradient_shape(grad, param)
+def step_namespace(grad: Array, param: Array, xp: Namespace | None, name: str | None = None) -> Namespace:
+    """The namespace of one step's gradient and parameter (``xp`` when given, a plain module wrapped), and a
+    ``TypeError`` naming the parameter when they come from two libraries (instead of array_api_compat's
+    "Multiple namespaces")."""
+    if xp is None and type(grad) is not type(param) and _library(grad) != _library(param):
+        raise TypeError(
+            f"{_label(name)} is a {_library(param)} array but its gradient a {_library(grad)} array: pass both "
+            "from one library; the optimizer state was left unchanged"
+        )
+    return namespace(grad, param, xp=xp)
+
+
+def _check_state_dtype(state: State, cfg: BaseConfig, name: str | None) -> None:
+    """``ValueError`` when ``cfg.state_dtype`` is set and the state holds another dtype (a float64 state under
+    ``state_dtype="float32"`` would otherwise stay float64)."""
+    if cfg.state_dtype is None:
+        return
+    held = str(work_dtype(state))
+    if cfg.state_dtype not in held:
+        raise ValueError(
+            f"{_label(name)}: the optimizer state holds {held}, but the config says state_dtype="
+            f"{cfg.state_dtype!r}: make the state with ar.init under this config; the state was left unchanged"
+        )
+
+
+def _check_static(
+    state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig, *, name: str | None = None
+) -> None:
+    _check_gradient_shape(grad, param, name)
     family = family_of(cfg)
     if not isinstance(state, family.state_type):
-        raise ValueError(f"state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}")
+        raise ValueError(
+            f"{_label(name)}: state of type {type(state).__name__} does not belong to optimizer {cfg.name!r}"
+        )
+    check_backends(state, param, name=name)
     m, n, batch = layout.rows, layout.cols, layout.batch
     expected = {
         "P": (*batch, m, m) if layout.rotate_left else None,
         "Q": (*batch, n, n) if layout.rotate_right else None,
         **{k: None if v is None else (*batch, *v) for k, v in family.moment_shapes(cfg, m, n).items()},
     }
-    for name in state._fields:
-        if name in ("count", "param_shape"):
+    for field in state._fields:
+        if field in ("count", "param_shape"):
             continue
-        value = getattr(state, name)
-        want = expected[name]
+        value = getattr(state, field)
+        want = expected[field]
         got = None if value is None else tuple(value.shape)
         if got != want:
             raise ValueError(
-                f"state field {name!r} has shape {got}, expected {want} for a parameter of shape {layout.shape} "
-                f"under {cfg.name!r}: was the state created for another parameter or config?"
+                f"{_label(name)}: state field {field!r} has shape {got}, expected {want} for a parameter of shape "
+                f"{layout.shape} under {cfg.name!r}: was the state created for another parameter or config?"
             )
-    check_orientation(state, tuple(param.shape))  # equal work frames, another parameter shape
+    _check_state_dtype(state, cfg, name)
+    check_orientation(state, tuple(param.shape), name=name)  # equal work frames, another parameter shape
 
 
-def _check_form(state: State, grad: Array, cfg: BaseConfig, param: Array, xp: Namespace) -> None:
+def _check_form(
+    state: State, grad: Array, cfg: BaseConfig, param: Array, xp: Namespace, name: str | None = None
+) -> None:
     """:func:`check_inputs` without the finiteness scan: shapes against the parameter and the state, one dtype."""
-    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg)
-    _check_gradient_dtype(grad, param, xp)
+    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg, name=name)
+    _check_gradient_dtype(grad, param, xp, name)
 
 
 def check_inputs(
@@ -558,10 +707,13 @@ def check_inputs(
     gradient share one real floating dtype, and that the gradient is finite
     (the message names the parameter, ``name`` when given, and the step: ``count + 1`` when the caller keeps
     the counter on the host, else read from the state).  One host synchronisation: the finiteness verdict.
+    Every mismatch (shape, dtype, a state of another library or dtype) names the parameter in one line.
+    Eager: under ``jax.jit`` a one-line ``TypeError`` points to the traceable toolkit.
     """
-    xp = namespace(grad, param, xp=xp)
+    _refuse_traced("check_inputs", grad, param)
+    xp = step_namespace(grad, param, xp, name)
     split_batch(tuple(param.shape), cfg.batch_dims, name=name)  # first: its message names the parameter
-    _check_form(state, grad, cfg, param, xp)
+    _check_form(state, grad, cfg, param, xp, name)
     bad = count_nonfinite(grad, xp)
     if bad:
         raise ValueError(
@@ -577,6 +729,8 @@ def step(
     param: Array,
     *,
     lr: Any = None,
+    weight_decay: Any = None,
+    betas: Any = None,
     check: bool = True,
     name: str | None = None,
     out: Array | None = None,
@@ -584,6 +738,11 @@ def step(
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
     """Eager driver: validate, refresh the basis when due, update: ``W_{t+1} = W_t + delta``.
+
+    ``lr``, ``weight_decay`` and ``betas``: this step's ``eta``, ``lambda`` and ``(beta_1, beta_2)`` instead of
+    the config's, as in :func:`update` (validated first: an invalid one raises ``ValueError`` with the state
+    untouched).  Under ``jax.jit`` ``step`` raises a one-line ``TypeError`` pointing to :func:`update` and
+    :func:`~adadiag_ref.optim.traced.refresh_when_due` (it decides the refresh with a Python ``if``).
 
     Returns ``(new_param, new_state)``.  ``check=True``: invalid input (shapes,
     dtypes, a NaN or Inf in ``G``) raises ``ValueError`` before anything is
@@ -608,14 +767,17 @@ def step(
     Without ``count`` the state's counter is read (one synchronisation on a device backend).  The result is the
     same; on NumPy, bit for bit.
     """
-    xp = namespace(grad, param, xp=xp)
+    _refuse_traced("step", grad, param, state.count)
+    xp = step_namespace(grad, param, xp, name)
     count = host_count(count)
+    cfg = step_hyperparameters(cfg, state, xp, lr=lr, weight_decay=weight_decay, betas=betas)
     if out is not None:
         return out, _step_owned(state, grad, cfg, param, out, lr, xp)
     if check:
         check_inputs(state, grad, cfg, param, name=name, count=count, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, name, xp, count)
-    delta, state = update(state, grad, cfg, param, lr=lr, refreshed=refreshed, count=count, xp=xp)
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, count, name=name)
+    delta, state = update_prepared(state, step_in, cfg, param, lr, xp)
     return param + delta, state
 
 
@@ -657,7 +819,7 @@ def _step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: A
         step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
         eta = learning_rate(cfg, lr)
         for route in routes if fused_route else ():
-            nonfinite = route(state, *step_in[:2], step_in.g_rot, step_in.w, cfg, eta, unrotate, xp,
+            nonfinite = route(state, *step_in[:2], step_in.g_rot, step_in.w, cfg, eta, _rotation.unrotate, xp,
                               to_work(out, step_in.layout, xp))  # fmt: skip
             if nonfinite is not None:
                 break

@@ -114,7 +114,7 @@ import numpy as np
 from array_api_compat import is_jax_namespace, is_numpy_namespace, is_torch_namespace
 
 from .._xp import Array, Namespace, count_nonfinite, creation_device, float_dtype_name, namespace, native_module
-from ..config import BaseConfig
+from ..config import BaseConfig, check_learning_rate, step_config
 from .batched_refresh import host_counts, refresh_bases
 from .blas_threads import run_balanced, spreads
 from .core import (
@@ -321,11 +321,24 @@ def _transpose(x: Array) -> Array:
     return x.mT if hasattr(x, "mT") else x.swapaxes(-1, -2)
 
 
+def key_mismatch(what: str, keys: Sequence[Any], given: Sequence[Any]) -> ValueError:
+    """The one-line error for a mapping ``what`` whose keys are not ``keys``: the missing and the extra ones named
+    (``grads lacks 'fc2.bias'; has 'fc3.bias', which is not a parameter``)."""
+    missing = [k for k in keys if k not in set(given)]
+    extra = [k for k in given if k not in set(keys)]
+    parts = ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) + (
+        [f"has {', '.join(map(repr, extra))}, which {'is' if len(extra) == 1 else 'are'} not a parameter"]
+        if extra
+        else []
+    )
+    return ValueError(f"{what} must have the parameters' keys: it {'; it '.join(parts)}; nothing was changed")
+
+
 def _as_ordered(values: Any, keys: list[Key], what: str) -> list[Any]:
     """``values`` (a mapping with the engine's keys, or a sequence in its order) as a list in the engine's order."""
     if isinstance(values, Mapping):
         if set(values) != set(keys):
-            raise ValueError(f"{what} must have the engine's keys {keys}, got {list(values)}")
+            raise key_mismatch(what, keys, list(values))
         return [values[k] for k in keys]
     if not isinstance(values, Sequence):
         raise TypeError(f"{what} must be a sequence (list, tuple) or a mapping of arrays")
@@ -403,11 +416,25 @@ class Engine:
             raise ValueError("an engine needs at least one parameter")
         states_l = _as_ordered(states, keys, "states")
         xp = namespace(*params_l, xp=xp)
-        for s, p in zip(states_l, params_l, strict=True):
-            _check_static(s, p, p, layout_for(tuple(p.shape), cfg), cfg)
+        for key, s, p in zip(keys, states_l, params_l, strict=True):
+            _check_static(s, p, p, layout_for(tuple(p.shape), cfg), cfg, name=str(key))
         engine = cls.__new__(cls)
         engine._build(keys, names_l, params_l, states_l, cfg, host_counts(count, states_l, len(states_l)), xp)
         return engine
+
+    @property
+    def cfg(self) -> BaseConfig:
+        """The config the engine was built for (read-only: its groups, routes and kernels were chosen for it).
+        A step's own ``lr``, ``weight_decay`` and ``betas`` are keywords of :meth:`step`."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, value: BaseConfig) -> None:
+        raise AttributeError(
+            "Engine.cfg is fixed when the engine is built (its groups, routes and kernels were chosen for it): pass "
+            "lr=, weight_decay= or betas= to Engine.step for one step, or build another engine "
+            "(Engine.from_states(engine.states(), params, cfg))"
+        )
 
     # ------------------------------------------------------------------------------------------------ building
 
@@ -421,7 +448,7 @@ class Engine:
         counts: list[int],
         xp: Namespace,
     ) -> None:
-        self.cfg, self.xp = cfg, xp
+        self._cfg, self.xp = cfg, xp
         self._keys, self._names = keys, names
         self._shapes = [tuple(int(d) for d in p.shape) for p in params]
         self._param_dtypes = [p.dtype for p in params]
@@ -778,13 +805,27 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ stepping
 
-    def step(self, grads: Any, params: Any, *, lr: Any = None, check: bool = True, in_place: bool | None = None) -> Any:
+    def step(
+        self,
+        grads: Any,
+        params: Any,
+        *,
+        lr: Any = None,
+        weight_decay: Any = None,
+        betas: Any = None,
+        check: bool = True,
+        in_place: bool | None = None,
+    ) -> Any:
         """One step of every parameter: ``W_{t+1} = W_t - eta_t (P U~ Q^T + lambda W_t)`` (a refresh first where
         due), the counters advanced by one.
 
         ``grads`` and ``params``: sequences in the engine's order or mappings with its keys; each parameter of the
         shape and dtype the engine was built for, each gradient of its parameter's shape and dtype (``ValueError``
-        otherwise, before any work).  ``lr`` overrides ``cfg.lr`` (a number or an array).  ``check`` (module
+        naming the parameter otherwise, before any work).  ``lr``, ``weight_decay`` and ``betas`` override
+        ``cfg.lr``, ``cfg.weight_decay`` and ``cfg.betas`` for this step (numbers or 0-d arrays, validated as by
+        :func:`~adadiag_ref.update`: an invalid one raises ``ValueError`` with nothing changed); a step with its
+        own ``weight_decay`` or ``betas`` takes the gathering path (the in-place group kernels were built for
+        ``cfg``), the same numbers as an engine built with them.  ``check`` (module
         docstring): one reduced finiteness verdict read back; a non-finite gradient raises ``ValueError`` naming
         its parameter, and then no state and no parameter has changed.
 
@@ -796,8 +837,10 @@ class Engine:
             in_place = not self._immutable
         elif in_place and self._immutable:
             raise TypeError("JAX arrays are immutable: step them with in_place=False (the new parameters returned)")
+        check_learning_rate(lr)
+        cfg = step_config(self._cfg, weight_decay=weight_decay, betas=betas)
         grads_l, params_l = self._inputs(grads, params)
-        new = self._advance(grads_l, params_l, lr, check, in_place)
+        new = self._advance(grads_l, params_l, lr, check, in_place, cfg)
         out = list(params_l) if in_place else new
         if in_place:
             with self._writable():
@@ -829,15 +872,19 @@ class Engine:
                     f"shape {self._shapes[i]} and dtype {self._param_dtypes[i]}"
                 )
             if getattr(g, "dtype", None) != p.dtype or tuple(g.shape) != shape:  # the common case costs nothing
-                check_gradient_matches(g, p, xp)
+                check_gradient_matches(g, p, xp, name=str(self._keys[i]))
         return grads_l, params_l
 
-    def _advance(self, grads: list[Array], params: list[Array], lr: Any, check: bool, in_place: bool) -> list[Array]:
-        """One step, committed: the new parameters (views of the groups' flat results, per member, or the very
-        arrays a group's kernels wrote)."""
+    def _advance(
+        self, grads: list[Array], params: list[Array], lr: Any, check: bool, in_place: bool, cfg: BaseConfig
+    ) -> list[Array]:
+        """One step under ``cfg`` (the engine's, or a step's :func:`~adadiag_ref.config.step_config` of it),
+        committed: the new parameters (views of the groups' flat results, per member, or the very arrays a group's
+        kernels wrote).  The group kernels, built for the engine's config, run only under it."""
         xp = self.xp
-        eta = learning_rate(self.cfg, lr)
-        direct = [self._prepare(group, grads, params, eta) if in_place else None for group in self._flat]
+        eta = learning_rate(cfg, lr)
+        kernels_apply = in_place and cfg is self._cfg
+        direct = [self._prepare(group, grads, params, eta) if kernels_apply else None for group in self._flat]
         flats = [self._gather(group, grads) if d is None or group.blocks else None
                  for group, d in zip(self._flat, direct, strict=True)]  # fmt: skip
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
@@ -853,7 +900,7 @@ class Engine:
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not is_numpy_namespace(xp)
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
-            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct)
+            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg)
         verdict: Any = None
         if check and not verdict_first:  # the work is queued (nothing written yet): the verdict, still on the device
             verdict = self._verdict(checked, counts)
@@ -1016,10 +1063,11 @@ class Engine:
         refreshed: dict[tuple[int, int], Any],
         fresh_states: dict[int, State],
         direct: list[Any],
+        cfg: BaseConfig,
     ) -> _Pending:
-        """Every group's step into new arrays (nothing of the engine or the parameters written); a direct rotated
-        group's direction is kept for its tail kernel (:meth:`_run_kernels`)."""
-        xp, cfg, family = self.xp, self.cfg, self._family
+        """Every group's step under ``cfg`` into new arrays (nothing of the engine or the parameters written); a
+        direct rotated group's direction is kept for its tail kernel (:meth:`_run_kernels`)."""
+        xp, family = self.xp, self._family
         eta = learning_rate(cfg, lr)
         moments_out: list[dict[str, Array | None] | None] = []
         flat_params: list[Array | None] = []
@@ -1033,20 +1081,20 @@ class Engine:
             g_rot = self._rotated(group, number, g, stacks, refreshed)
             t = host_step(group.count, group.dtype, xp)
             if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
-                u_rot, moments = self._direction(group, g_rot, t)
+                u_rot, moments = self._direction(group, g_rot, t, cfg)
                 tails[number] = self._unrotated(group, u_rot, stacks)
                 moments_out.append(moments)
                 flat_params.append(None)
                 continue
             w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
-            fused = self._fused_update(group, g, w, t, eta)
+            fused = self._fused_update(group, g, w, t, eta, cfg)
             if fused is not None:
                 delta, moments = fused
                 moments_out.append(moments)
                 flat_params.append(w_param + xp.astype(delta, group.param_dtype, copy=False))
                 continue
-            u_rot, moments = self._direction(group, g_rot, t)
+            u_rot, moments = self._direction(group, g_rot, t, cfg)
             direction = self._unrotated(group, u_rot, stacks)
             eta_t = family.step_size(cfg, t, w, eta, xp)
             # with rotation blocks the direction is the fresh concatenation of _unrotated: the tail may overwrite
@@ -1061,7 +1109,9 @@ class Engine:
             for s, (stack, g) in enumerate(zip(pgroup.stacks, grad_stacks, strict=True)):
                 state, was_refreshed = self._fresh_stack(pgroup, stack, fresh_states)
                 w = self._stacked(stack, params)
-                delta, new_states[(number, s)] = update(state, g, stack.cfg, w, lr=lr, refreshed=was_refreshed,
+                stack_cfg = stack.cfg if cfg is self._cfg else step_config(
+                    stack.cfg, weight_decay=cfg.weight_decay, betas=cfg.betas)  # fmt: skip
+                delta, new_states[(number, s)] = update(state, g, stack_cfg, w, lr=lr, refreshed=was_refreshed,
                                                         count=pgroup.count, xp=xp)  # fmt: skip
                 w_new = w + delta
                 for position, i in enumerate(stack.indices):
@@ -1089,7 +1139,7 @@ class Engine:
         return state, xp.reshape(xp.asarray(flags, dtype=xp.bool, device=creation_device(state.P)), shape)
 
     def _fused_update(
-        self, group: _FlatGroup, g: Array, w: Array, t: Any, eta: Any
+        self, group: _FlatGroup, g: Array, w: Array, t: Any, eta: Any, cfg: BaseConfig
     ) -> tuple[Array, dict[str, Array | None]] | None:
         """``delta = -eta_t (U~ + lambda W_t)`` and the new moments of a group without rotation blocks by its
         fused update route, flat, or ``None`` (no such route, or it declines this step, e.g. an array ``lr``)."""
@@ -1098,21 +1148,23 @@ class Engine:
         xp, shape = self.xp, (1, group.size)
         state = self._row_state(group.moments, group.size)
         layout = _row_layout(group.size)
-        found = group.update_route(state, layout, t, xp.reshape(g, shape), xp.reshape(w, shape), self.cfg, eta,
+        found = group.update_route(state, layout, t, xp.reshape(g, shape), xp.reshape(w, shape), cfg, eta,
                                    unrotate, xp)  # fmt: skip
         if found is None:
             return None
         delta, moments = found
         return xp.reshape(delta, (-1,)), _flattened(moments, xp)
 
-    def _direction(self, group: _FlatGroup, g_rot: Array, t: Any) -> tuple[Array, dict[str, Array | None]]:
+    def _direction(
+        self, group: _FlatGroup, g_rot: Array, t: Any, cfg: BaseConfig
+    ) -> tuple[Array, dict[str, Array | None]]:
         """``U~, M_t, V_t`` of the whole flat group by its route (the routes take matrices: the group is handed
         over as one ``1 x N`` matrix, a view), flat again."""
         xp, family = self.xp, self._family
         state = self._row_state(group.moments, group.size)
         g_row = xp.reshape(g_rot, (1, group.size))
-        found = group.direction(state, g_row, t, self.cfg, xp)
-        u_rot, moments = found if found is not None else family.direction(state, g_row, t, self.cfg, xp)
+        found = group.direction(state, g_row, t, cfg, xp)
+        u_rot, moments = found if found is not None else family.direction(state, g_row, t, cfg, xp)
         return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
     def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[..., Array]) -> Array:

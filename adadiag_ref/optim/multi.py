@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._xp import Namespace, namespace
-from ..config import BaseConfig
+from ..config import BaseConfig, check_learning_rate, step_config
 from .batched_refresh import host_counts, refresh_bases
-from .core import _check_form
-from .engine import Engine
+from .core import _check_form, step_namespace
+from .engine import Engine, key_mismatch
 
 __all__ = ["multi_step", "refresh_bases"]
 
@@ -32,8 +32,11 @@ def _as_lists(states: Any, grads: Any, params: Any, names: Any) -> tuple[list[An
     if isinstance(params, Mapping):
         keys = list(params)
         for label, other in (("states", states), ("grads", grads)):
-            if not isinstance(other, Mapping) or set(other) != set(keys):
-                raise ValueError(f"params is a mapping: {label} must be a mapping with the same keys")
+            if not isinstance(other, Mapping):
+                raise TypeError(f"params is a mapping: {label} must be a mapping with the same keys, not a "
+                                f"{type(other).__name__}")  # fmt: skip
+            if set(other) != set(keys):
+                raise key_mismatch(label, keys, list(other))
         return [states[k] for k in keys], [grads[k] for k in keys], [params[k] for k in keys], [str(k) for k in keys]
     if not all(isinstance(x, Sequence) for x in (states, grads, params)):
         raise TypeError("multi_step takes sequences (lists or tuples) or mappings of states, gradients and parameters")
@@ -56,6 +59,8 @@ def multi_step(
     params: Any,
     *,
     lr: Any = None,
+    weight_decay: Any = None,
+    betas: Any = None,
     check: bool = True,
     names: Sequence[str | None] | None = None,
     count: int | Sequence[int] | None = None,
@@ -65,7 +70,8 @@ def multi_step(
 
     ``states``, ``grads`` and ``params`` are equal-length sequences (lists, tuples), or mappings with the same
     keys (the keys then name the parameters in messages); returns ``(new_params, new_states)`` in the same
-    form (lists for sequences, dicts for mappings).  ``cfg``, ``lr`` and ``check`` are ``step``'s;
+    form (lists for sequences, dicts for mappings).  ``cfg``, ``lr``, ``weight_decay``, ``betas`` and ``check``
+    are ``step``'s (the hyperparameters validated before anything is computed);
     ``names`` labels the parameters of sequences in messages.  ``count`` (host ints, the steps taken): one
     int for all parameters or one per parameter; ``None`` reads each state's counter.
 
@@ -80,12 +86,16 @@ def multi_step(
     states_l, grads_l, params_l, names_l = _as_lists(states, grads, params, names)
     if not params_l:
         return ({} if mapping_keys is not None else []), ({} if mapping_keys is not None else [])
+    check_learning_rate(lr)
+    step_cfg = step_config(cfg, weight_decay=weight_decay, betas=betas)
+    for g, p, n in zip(grads_l, params_l, names_l, strict=True):
+        step_namespace(g, p, xp, n)  # a gradient of another library than its parameter, named
     xp = namespace(*grads_l, *params_l, xp=xp)
     counts = host_counts(count, states_l, len(params_l))
-    for s, g, p in zip(states_l, grads_l, params_l, strict=True):
-        _check_form(s, g, cfg, p, xp)
+    for s, g, p, n in zip(states_l, grads_l, params_l, names_l, strict=True):
+        _check_form(s, g, cfg, p, xp, n)
     engine = Engine.from_states(states_l, params_l, cfg, names=names_l, count=counts, xp=xp)
-    new_params = engine._advance(grads_l, params_l, lr, check, in_place=False)
+    new_params = engine._advance(grads_l, params_l, lr, check, False, step_cfg)
     new_states = [engine.state(i) for i in range(len(params_l))]
     if mapping_keys is not None:
         return dict(zip(mapping_keys, new_params, strict=True)), dict(zip(mapping_keys, new_states, strict=True))
