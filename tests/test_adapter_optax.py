@@ -18,9 +18,9 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jax_extend = pytest.importorskip("jax.extend")
 import jax.numpy as jnp  # noqa: E402
+from adadiag_ref.adapters import optax as ao  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
-from adadiag_ref.adapters import optax as ao  # noqa: E402
 from adadiag_ref.optim.traced import default_fp_environment  # noqa: E402
 
 NAMES = list(ar.OPTIMIZERS)
