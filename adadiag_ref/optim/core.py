@@ -222,14 +222,19 @@ def _library(x: Array) -> str:
     return "jax" if root == "jaxlib" else root
 
 
+def _one_library(a: Array, b: Array) -> bool:
+    """Whether ``a`` and ``b`` are of one type up to subclassing (a torch ``Parameter`` and its ``Tensor`` state):
+    ``isinstance`` only, which ``torch.compile`` traces without a graph break (``str`` methods it does not)."""
+    return isinstance(a, type(b)) or isinstance(b, type(a))
+
+
 def check_backends(state: State, param: Array, *, name: str | None = None) -> None:
     """``TypeError`` unless every array of ``state`` comes from ``param``'s library (a NumPy basis beside a JAX
     parameter, a torch state beside a NumPy parameter), before anything is computed: one line naming the
     parameter, the field and both libraries.  Reads types only (traces under ``jax.jit``)."""
-    kind = type(param)
     for field in state._fields:
         value = getattr(state, field)
-        if value is None or type(value) is kind or not hasattr(value, "shape"):  # the common case: one type
+        if value is None or _one_library(value, param) or not hasattr(value, "shape"):  # the common case
             continue
         want = _library(param)
         if _library(value) != want:  # None fields and host ints aside
@@ -631,7 +636,7 @@ def step_namespace(grad: Array, param: Array, xp: Namespace | None, name: str | 
     """The namespace of one step's gradient and parameter (``xp`` when given, a plain module wrapped), and a
     ``TypeError`` naming the parameter when they come from two libraries (instead of array_api_compat's
     "Multiple namespaces")."""
-    if xp is None and type(grad) is not type(param) and _library(grad) != _library(param):
+    if xp is None and not _one_library(grad, param) and _library(grad) != _library(param):
         raise TypeError(
             f"{_label(name)} is a {_library(param)} array but its gradient a {_library(grad)} array: pass both "
             "from one library; the optimizer state was left unchanged"
