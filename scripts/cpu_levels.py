@@ -12,6 +12,9 @@ avx2        ``avx2``                the AVX-512 groups                  ``haswel
 baseline    ``default``             AVX2 and the AVX-512 groups         ``generic``       ``Sandybridge``
 ==========  ======================  ==================================  ================  ==================
 
+A level only forces kernels down, never up (code for a feature the CPU lacks is SIGILL): ``avx2`` runs on CPUs
+with AVX2 and FMA only.
+
 Usage: ``python scripts/cpu_levels.py [--levels native avx2 baseline] [--json out.json] [pytest args...]``.
 Exit status 0 when every level passes.  ``.ci/run`` runs it after the main test pass.
 """
@@ -51,12 +54,21 @@ def _numpy_dispatch() -> list[str]:
     return list(__cpu_dispatch__)
 
 
+def _has_avx2() -> bool:
+    """Whether this CPU runs AVX2 and FMA code (a level may only force kernels down, never up: up is SIGILL)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # NumPy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__  # type: ignore[no-redef]
+    return bool(__cpu_features__.get("AVX2") and __cpu_features__.get("FMA3"))
+
+
 def level_environments() -> dict[str, dict[str, str | None]]:
-    """Each level's environment overrides (``None``: unset the variable)."""
+    """Each level's environment overrides (``None``: unset the variable); ``avx2`` only on a CPU that has it."""
     dispatch = _numpy_dispatch()
     avx512 = " ".join(g for g in dispatch if g in _AVX512_GROUPS or g.startswith("AVX512"))
     below_avx2 = " ".join(g for g in dispatch if g in ("X86_V3", "AVX2", "FMA3") or g in avx512.split())
-    return {
+    levels: dict[str, dict[str, str | None]] = {
         "native": {"OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None},
         "avx2": {
             "ATEN_CPU_CAPABILITY": "avx2",
@@ -71,6 +83,9 @@ def level_environments() -> dict[str, dict[str, str | None]]:
             "OPENBLAS_CORETYPE": "Sandybridge",
         },
     }
+    if not _has_avx2():
+        del levels["avx2"]
+    return levels
 
 
 def _environment(overrides: dict[str, str | None]) -> dict[str, str]:
