@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 # the tests that assert bits across routes, backends and counters (the rest assert tolerances)
 BIT_TESTS = (
@@ -45,22 +46,24 @@ BIT_TESTS = (
 _AVX512_GROUPS = ("X86_V4", "AVX512_ICL", "AVX512_SPR", "AVX512F", "AVX512_SKX", "AVX512_CLX", "AVX512_CNL")
 
 
+def _multiarray() -> Any:
+    """NumPy's C module, which reports the build's SIMD dispatch list and the CPU's features."""
+    try:
+        from numpy._core import _multiarray_umath
+    except ImportError:  # NumPy 1.x
+        from numpy.core import _multiarray_umath  # type: ignore[no-redef]
+    return _multiarray_umath
+
+
 def _numpy_dispatch() -> list[str]:
     """The SIMD groups this NumPy build can dispatch to (names NPY_DISABLE_CPU_FEATURES accepts)."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__
-    except ImportError:  # NumPy 1.x
-        from numpy.core._multiarray_umath import __cpu_dispatch__  # type: ignore[no-redef]
-    return list(__cpu_dispatch__)
+    return list(_multiarray().__cpu_dispatch__)
 
 
 def _has_avx2() -> bool:
     """Whether this CPU runs AVX2 and FMA code (a level may only force kernels down, never up: up is SIGILL)."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_features__
-    except ImportError:  # NumPy 1.x
-        from numpy.core._multiarray_umath import __cpu_features__  # type: ignore[no-redef]
-    return bool(__cpu_features__.get("AVX2") and __cpu_features__.get("FMA3"))
+    features = _multiarray().__cpu_features__
+    return bool(features.get("AVX2") and features.get("FMA3"))
 
 
 def level_environments() -> dict[str, dict[str, str | None]]:
@@ -88,7 +91,8 @@ def level_environments() -> dict[str, dict[str, str | None]]:
     return levels
 
 
-def _environment(overrides: dict[str, str | None]) -> dict[str, str]:
+def environment(overrides: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment with a level's overrides applied (``None``: the variable unset)."""
     env = dict(os.environ)
     for key, value in overrides.items():
         if value is None:
@@ -100,7 +104,7 @@ def _environment(overrides: dict[str, str | None]) -> dict[str, str]:
 
 def run_level(name: str, overrides: dict[str, str | None], pytest_args: list[str]) -> dict[str, object]:
     """The bit-asserting tests and the golden verification under one level; returns the outcome."""
-    env = _environment(overrides)
+    env = environment(overrides)
     started = time.perf_counter()
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *BIT_TESTS, *pytest_args],

@@ -120,13 +120,7 @@ print(json.dumps(out))
 """
 
 
-def _probe(env_overrides: dict[str, str | None]) -> dict[str, str]:
-    env = dict(os.environ)
-    for key, value in env_overrides.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+def _probe(env: dict[str, str]) -> dict[str, str]:
     done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -137,9 +131,9 @@ def test_unrotated_trajectories_have_the_same_bits_at_every_forced_cpu_level():
     """The coefficients and the unrotated optimizers' trajectories (no GEMM, so no BLAS kernel choice) hash alike
     under every level one machine can force (scripts/cpu_levels.py's table)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    from cpu_levels import level_environments
+    from cpu_levels import environment, level_environments
 
-    hashes = {name: _probe(env) for name, env in level_environments().items()}
+    hashes = {name: _probe(environment(overrides)) for name, overrides in level_environments().items()}
     first_name, first = next(iter(hashes.items()))
     for name, got in hashes.items():
         assert got == first, (first_name, name, {k: (first[k], got.get(k)) for k in first if first[k] != got.get(k)})
