@@ -68,7 +68,7 @@ from adadiag_ref.optim.layout import (
     work_view,
 )
 from adadiag_ref.optim.rotation import unrotate
-from adadiag_ref.optim.schedules import beta_hats, learning_rate
+from adadiag_ref.optim.schedules import beta_hats, host_step, learning_rate
 from adadiag_ref.optim.tail import decays
 
 from . import _sharded
@@ -1723,15 +1723,18 @@ def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tup
     ``(betas, bias_correction, count, dtype)``, all they depend on; computed afresh for betas that are not Python
     floats or a counter off the host."""
     key = None
-    if count.device.type == "cpu" and all(type(b) is float for b in cfg.betas):
-        key = (tuple(cfg.betas), bool(cfg.bias_correction), count.detach().numpy().item(), dtype)  # no aten read
-        found = _HOST_BETAS.get(key)
-        if found is not None:
-            return found
-    t = torch_namespace().astype(count + 1, dtype)
-    b1_t, b2_t = beta_hats(cfg, t, torch_namespace())
-    b1, b2 = _host_number(b1_t), _host_number(b2_t)
-    c1, c2 = (_host_number(torch.tensor(1.0 - b, dtype=dtype)) for b in (b1, b2))  # exact in float64, rounded once
+    if count.device.type == "cpu":
+        steps = int(count.detach().numpy())  # read from host memory: no aten dispatch
+        if all(type(b) is float for b in cfg.betas):
+            key = (tuple(cfg.betas), bool(cfg.bias_correction), steps, dtype)
+            found = _HOST_BETAS.get(key)
+            if found is not None:
+                return found
+        b1_t, b2_t = beta_hats(cfg, host_step(steps, dtype, torch_namespace()), numpy)  # NumPy 0-d, dtype's precision
+    else:
+        b1_t, b2_t = beta_hats(cfg, torch_namespace().astype(count + 1, dtype), torch_namespace())
+    # 1 - b in the arrays' dtype: exact from the rounded b in float64, rounded once (docs/spec.md)
+    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
     if key is not None:
         if len(_HOST_BETAS) > 8:
             _HOST_BETAS.clear()
