@@ -283,6 +283,14 @@ def group_ranks(group: Any) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
+_IN_FLIGHT: list[torch.Tensor] = []
+"""The tensors of the last :func:`exchange`, referenced from Python until the next one.  gloo's worker thread
+drops its reference to a collective's tensor when it destroys the work; were that the last reference to a tensor
+made in Python, the thread would need the GIL to free it, while holding the process group's work lock, and a
+process group destroyed from Python at that moment (the GIL held, waiting for that lock) deadlocks at exit
+(observed once in a DDP worker that ended right after ``opt.step()``).  Held here, the thread never frees them."""
+
+
 def exchange(
     codes: Sequence[int], counts: Sequence[int], *, group: Any = None, device: Any = "cpu"
 ) -> torch.Tensor | None:
@@ -297,10 +305,12 @@ def exchange(
     all-reduce, of the table (each rank fills its own row, a sum).  These are the first collectives of a step, so
     ranks that disagree learn it together, before any of them enters another one.  ``device``: where the backend
     reduces (CPU for gloo, the current CUDA device for NCCL)."""
+    _IN_FLIGHT.clear()  # the previous step's buffers: their collectives' works ended a whole step ago
     codes_t = torch.tensor(list(codes), dtype=torch.int32)
     counts_t = torch.tensor(list(counts), dtype=torch.int32)
     key = (counts_t % (1 << 27)) * 8 + codes_t
     extremes = torch.stack([key, -key], dim=1).to(device)
+    _IN_FLIGHT.append(extremes)
     all_reduce(extremes, dist.ReduceOp.MAX, group=group)
     largest, smallest = extremes[:, 0].cpu(), -extremes[:, 1].cpu()
     if bool((largest == smallest).all()) and not bool((largest & (NONFINITE | INVALID)).any()):
@@ -309,6 +319,7 @@ def exchange(
     table = torch.zeros((len(ranks), len(codes_t), 2), dtype=torch.int32)
     table[ranks.index(dist.get_rank())] = torch.stack([codes_t, counts_t], dim=1)
     table = table.to(device)
+    _IN_FLIGHT.append(table)
     all_reduce(table, group=group)
     return table.cpu()
 
