@@ -6,9 +6,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
-from array_api_compat import is_numpy_namespace
 
-from . import buffers
 from ._xp import Array, namespace, to_numpy
 from .config import BaseConfig, make_config
 from .linalg import basis_conditioning
@@ -152,14 +150,6 @@ def _run(cfg: BaseConfig, w0: Array, grads: Array | Sequence[Array], xp: Any) ->
     n_steps = int(grads.shape[0]) if hasattr(grads, "shape") else len(grads)
     state = init(w0, cfg, xp=xp)
     w = w0
-    if is_numpy_namespace(xp):
-        # W_{t+1} written straight into the result (no copy, no stack); the state never leaves this function, so
-        # its moments may be updated in place (step's out=: the same bits)
-        out = buffers.empty((n_steps, *w0.shape), w0.dtype)
-        for k in range(n_steps):
-            g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]
-            w, state = step(state, g, cfg, w, out=out[k, ...])
-        return out
     trajectory = []
     for k in range(n_steps):
         g = grads[k, ...] if hasattr(grads, "shape") else grads[k]  # type: ignore[call-overload]

@@ -11,9 +11,9 @@ The adapter owns no math.  For every parameter with a gradient, one call of
                                                   # bit-identical to update(), moments overwritten in place
 
 The core resolves the torch namespace itself (``array_api_compat``); nothing is
-copied to NumPy.  On float32/float64 CPU tensors of the Adam family (and
-``kernels`` not ``"reference"``) ``update_in_place`` runs numba kernels on
-zero-copy NumPy views of the very tensors, bit-identical to the torch ops.
+copied to NumPy.  ``update_in_place`` is the reference's arithmetic in torch ops; on a step without refresh the
+Adam family's float32/float64 CPU parameters take the group kernels (numba on zero-copy views of the very
+tensors, bit-identical to the torch ops: :meth:`CoreOptimizer.routes`).
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -53,7 +53,6 @@ import adadiag_ref as ar
 from adadiag_ref._xp import namespace, sqrt_each
 from adadiag_ref.config import BaseConfig
 from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
-from adadiag_ref.optim.dispatch import direction as family_direction
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 from adadiag_ref.optim.families.adam import cupy_group, group_route, torch_route
@@ -629,7 +628,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 elif reason is None:
                     moments = "numba group kernels (CPU; one call per kernel for the group and dtype)"
                 else:
-                    moments = "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                    moments = "per parameter: update_in_place (the reference's arithmetic, copied into the state)"
                 if not rotated:
                     refresh = "none (no basis)"
                 elif sharded:
@@ -672,7 +671,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             for entry in routes.values():
                 if entry["moments"].startswith(("numba group", "large-parameter group")):
                     entry["moments"] = (
-                        "per parameter: update_in_place (the family's in-place routes, first that applies)"
+                        "per parameter: update_in_place (the reference's arithmetic, copied into the state)"
                     )
                     entry["why_not_group_kernels"] = "another parameter of the step cannot take the group kernels"
         return _HostPlan(snapshots, routes, lanes or None, idle)
@@ -1925,7 +1924,7 @@ def _foreach_flat(batch: list[_Batched], count: int) -> Callable[[], None]:
     }
     t = xp.astype(first.state.count + 1, g_flat.dtype)  # the per-parameter route's t, made once
     flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
-    u_flat, moments = family_direction(flat_state, g_flat, t, cfg, xp)
+    u_flat, moments = family.direction(flat_state, g_flat, t, cfg, xp)
     sizes = [s.g_rot.numel() for s in prepared]
 
     def pieces(flat_array: torch.Tensor) -> list[torch.Tensor]:

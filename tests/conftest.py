@@ -118,3 +118,21 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+def routed_replay(name: str, w0: Any, grads: Any, **kw: Any) -> np.ndarray:
+    """``ar.replay``'s trajectory through the engine's per-parameter step (the refresh when due, then
+    ``routed_update``: the families' routes, which the reference never takes), as one NumPy array."""
+    import adadiag_ref as ar
+    from adadiag_ref.optim.engine import routed_update
+
+    cfg = ar.make_config(name, **kw)
+    state, w, out = ar.init(w0, cfg), w0, []
+    for k, g in enumerate(grads):
+        refreshed = ar.refresh_due(k, cfg)
+        if refreshed:
+            state = ar.refresh_basis(state, g, cfg)
+        delta, state = routed_update(state, g, cfg, w, None, refreshed, k, np)
+        w = w + delta
+        out.append(w)
+    return np.stack(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import io
-import threading
 
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
@@ -408,7 +407,8 @@ def _count_calls(monkeypatch, module, names):
 ROUTE_SHAPES = [(130, 300), (300, 130), (5, 7), (7, 5), (6, 2, 2), (7,)]
 
 
-ROUTE_KERNELS = ["adam_step_in_place_flat", "adam_moments_over_flat"]
+ROUTE_KERNELS = ["second_moment", "apply_unrotated", "direction_rotated", "apply_rotated", "step_at", "moments_at"]
+"""The group kernels of the adapter's CPU lanes (``optim/families/adam/group_route.py``), by module attribute."""
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -419,9 +419,9 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name
     equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
     large enough that a route taking another square root than the library's correctly rounded one (eager
     ``torch.sqrt``, MKL VML's on x86 builds) would differ."""
-    from adadiag_ref.optim.families.adam import numba_route
+    from adadiag_ref.optim.families.adam import group_route
 
-    calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
+    calls = _count_calls(monkeypatch, group_route, ROUTE_KERNELS)
     streams = [_stream(s, steps=5, dtype=dtype, seed=i) for i, s in enumerate(ROUTE_SHAPES)]
     hyper = {"lr": 0.01, "weight_decay": weight_decay, "update_freq": 2}
     results = {}
@@ -453,7 +453,7 @@ def test_cpu_kernel_route_steps_large_parameters_in_one_pass_without_torch_sqrt(
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
-    calls = _count_calls(monkeypatch, numba_route, ROUTE_KERNELS)
+    calls = _count_calls(monkeypatch, numba_route, ["adam_moments_over_flat", "adam_step_in_place_flat"])
     group_calls = _count_calls(monkeypatch, group_route, ["step_at", "moments_at"])
     roots = []
     real_sqrt = torch.sqrt
@@ -474,45 +474,6 @@ def test_cpu_kernel_route_steps_large_parameters_in_one_pass_without_torch_sqrt(
     assert roots == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", ["adamw", "adadiag"])
-def test_cpu_kernel_route_splits_across_torch_threads_with_the_same_bits(name, dtype, monkeypatch):
-    """Issue 31: with ``torch.get_num_threads() > 1`` a large parameter's passes are cut into contiguous parts run
-    at once on helper threads (here forced on small tensors); trajectories and states equal the single-threaded
-    reference route bit for bit."""
-    from adadiag_ref.optim.families.adam import torch_route
-
-    monkeypatch.setattr(at, "_host_route_refusal", lambda *a: "the test")  # the per-parameter route
-    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 333)
-    parts = []
-    real_part = torch_route._part
-
-    def counted_part(*args):
-        parts.append(threading.get_ident())
-        return real_part(*args)
-
-    monkeypatch.setattr(torch_route, "_part", counted_part)
-    streams = [_stream(s, steps=4, dtype=dtype, seed=i) for i, s in enumerate([(30, 70), (70, 30), (1001,), (3, 5)])]
-    hyper = {"lr": 0.01, "weight_decay": 0.1, "update_freq": 3}
-    results = {}
-    threads = torch.get_num_threads()
-    try:
-        for kernels, n in (("reference", 1), ("auto", 3)):
-            torch.set_num_threads(n)
-            params = [torch.nn.Parameter(w0.clone()) for w0, _ in streams]
-            opt = CLASSES[name](params, kernels=kernels, **hyper)
-            trajs = _run(opt, params, [g for _, g in streams])
-            results[kernels] = (trajs, [opt.state[p] for p in params])
-    finally:
-        torch.set_num_threads(threads)
-    # (two parts may share a helper thread: the pool reuses an idle one before it starts another)
-    assert threading.get_ident() in parts and len(set(parts)) >= 2, parts
-    for ref, fast in zip(results["reference"][0], results["auto"][0], strict=True):
-        assert torch.equal(ref, fast)
-    for ref, fast in zip(results["reference"][1], results["auto"][1], strict=True):
-        assert all(torch.equal(ref[k], fast[k]) for k in ref)
-
-
 def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch):
     """A forked child inherits the helper pool's object but none of its threads; the route makes a new pool there
     instead of queueing work nobody runs (a hang)."""
@@ -528,25 +489,6 @@ def test_cpu_kernel_route_helper_threads_are_made_anew_after_a_fork(monkeypatch)
     assert child_pool is not pool and child_pool.submit(lambda: 7).result(timeout=10) == 7
     pool.shutdown()
     child_pool.shutdown()
-
-
-def test_cpu_kernel_route_computes_the_step_coefficients_once_per_step(monkeypatch):
-    """Issue 31: ``b_hat_1, b_hat_2`` (torch ops on the 0-d step) are computed once per step for all parameters of
-    one configuration, not once per parameter; trajectories stay the reference route's (tests above)."""
-    from adadiag_ref.optim.families.adam import torch_route
-
-    # the per-parameter route: parameters of any size otherwise take the group kernels or the large-parameter
-    # lane, whose coefficients are computed once per lane
-    monkeypatch.setattr(at, "_host_route_refusal", lambda *a: "the test")
-    params = [torch.nn.Parameter(torch.randn(s)) for s in [(130, 300), (20000,), (150, 120), (17000,)]]
-    opt = CLASSES["adadiag"](params, lr=1e-3, update_freq=None)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    calls = _count_calls(monkeypatch, torch_route, ["beta_hats"])
-    opt.step()
-    opt.step()
-    assert calls["beta_hats"] == 2
 
 
 def test_cpu_kernel_route_keeps_the_state_tensor_objects():

@@ -197,29 +197,14 @@ def _functional_run(name: str, shape: tuple[int, int], steps: int) -> list[np.nd
     return seen
 
 
-@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
 @pytest.mark.parametrize("shape", [(256, 512), (1024, 128)])
 def test_functional_update_reuses_blocks_and_keeps_its_bits(name: str, shape: tuple[int, int]) -> None:
-    """A loop of ``ar.update`` serves its outputs (moments, delta, the rotation products) from blocks of the
-    steps before, with the same results as with the pool off."""
+    """A loop of ``ar.update`` serves its rotation products from blocks of the steps before (the reference's
+    other outputs are the backend's own arrays), with the same results as with the pool off."""
     reused = buffers.stats().reused
     pooled = _functional_run(name, shape, 6)
     assert buffers.stats().reused >= reused + 6  # at least one output per step from a reused block
     buffers.set_limit(0)
     plain = _functional_run(name, shape, 6)
     assert all(np.array_equal(x, y) for x, y in zip(pooled, plain, strict=True))
-
-
-def test_replay_trajectory_is_pooled_and_equal() -> None:
-    rng = np.random.default_rng(8)
-    w0 = rng.standard_normal((128, 256)).astype(np.float32)
-    grads = rng.standard_normal((6, 128, 256)).astype(np.float32)
-    first = ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=3)
-    copy = first.copy()
-    where = address(first)
-    del first
-    gc.collect()
-    again = ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=3)
-    assert address(again) == where and np.array_equal(again, copy)
-    buffers.set_limit(0)
-    assert np.array_equal(ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=3), copy)

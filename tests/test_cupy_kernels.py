@@ -34,7 +34,8 @@ import adadiag_ref as ar
 from adadiag_ref import _kernels
 from adadiag_ref._kernels import cupy_kernels as ck
 from adadiag_ref._xp import namespace
-from adadiag_ref.optim.core import preconditioned_direction, prepare_step
+from adadiag_ref.optim.core import prepare_step
+from adadiag_ref.optim.engine import routed_direction, routed_update
 from adadiag_ref.optim.families import FAMILIES
 from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
 from adadiag_ref.optim.families.adam import cupy_route as adam_route
@@ -53,8 +54,6 @@ def test_every_family_registers_its_cupy_routes() -> None:
         assert module.direction in FAMILIES[family].routes.direction
     routes = FAMILIES["adam"].routes
     assert adam_route.update in routes.update
-    # before the route on CuPy's ufuncs, which always applies
-    assert routes.in_place.index(adam_route.in_place) < len(routes.in_place) - 1
 
 
 def _cpu_backend(name: str) -> Any:
@@ -80,7 +79,6 @@ def test_cupy_routes_decline_other_backends(backend: str, name: str, kernels: st
             adam_route.update(state, step_in.layout, step_in.t, step_in.g_rot, step_in.w, cfg, 1e-2, unrotate, xp)
             is None
         )
-        assert adam_route.in_place(state, step_in, cfg, w, 1e-2, xp) is False
 
 
 class _FakeDeviceArray:
@@ -417,7 +415,7 @@ def test_kernel_sources_compile_with_nvrtc(
     # every kernel once, the forms taken in turn (each form several times); all forms: the slow test below
     monkeypatch.setattr(ck, "_KERNELS", {})
     names = sorted(k.name for k in _every_kernel())
-    assert len(names) == len(set(names)) >= 19
+    assert len(names) == len(set(names)) >= 14
     forms_of = {name: [FORMS[i % len(FORMS)]] for i, name in enumerate(names)}
     assert _compile_and_check(cupy_nvrtc, arch, dtype, forms_of, monkeypatch) == len(names) + 1
 
@@ -456,9 +454,6 @@ def _emulated_cases(family: str) -> list[dict[str, Any]]:
               dict(shape=(7,), weight_decay=0.0, host_count=False),
               dict(shape=(2, 3, 4), weight_decay=0.0, host_count=True),
               dict(shape=(48, 80), weight_decay=0.05, host_count=False)]  # fmt: skip
-    in_place_shapes = [(6, 9), (9, 6)] if family == "adam" else [(9, 6)]  # only Adam has an in-place kernel route
-    cases += [dict(shape=shape, weight_decay=wd, host_count=wd == 0.0, in_place=True)
-              for shape, wd in itertools.product(in_place_shapes, (0.05, 0.0))]  # fmt: skip
     cases += [dict(shape=(9, 6), weight_decay=0.0, host_count=k % 2 == 0, **options)
               for k, options in enumerate(FAMILY_OPTIONS[family])]  # fmt: skip
     return cases
@@ -571,14 +566,10 @@ def test_kernel_bodies_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
 def test_direction_kernels_evaluated_on_the_cpu_equal_the_reference_bit_for_bit(
     emulated_cupy: list[Any], name: str, dtype: str
 ) -> None:
-    # the direction alone (preconditioned_direction: the optax scale_by's entry point)
+    # the direction alone (the engine's routed_direction)
     rng = np.random.default_rng(5)
     w, g = (rng.standard_normal((5, 8)).astype(dtype) for _ in range(2))
-    found = {}
-    for kernels in ("reference", "auto"):
-        cfg = ar.make_config(name, kernels=kernels)
-        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
-        found[kernels] = preconditioned_direction(state, g, cfg, w, refreshed=True, count=0)[:2]
+    found = {kernels: _routed_direction(name, kernels, w, g) for kernels in ("reference", "auto")}
     assert emulated_cupy
     _assert_identical(found["auto"][0], found["reference"][0])
     _assert_states_identical(found["auto"][1], found["reference"][1])
@@ -657,7 +648,9 @@ def _trajectory(
     weight_decay: float = 0.05, **options: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Seven steps (bases refreshed at t = 1, 4, 7; a zero gradient at t = 4) from fixed inputs on CuPy (or on
-    NumPy, ``cp=np``, with the kernels evaluated on the CPU: the fixture ``emulated_cupy``).  ``weight_decay=0``
+    NumPy, ``cp=np``, with the kernels evaluated on the CPU: the fixture ``emulated_cupy``): ``kernels="reference"``
+    by ``ar.step``, ``"auto"`` by the engine's per-parameter step (the routes run only there), ``in_place`` by
+    ``ar.update_in_place`` (the reference's arithmetic, whatever ``kernels`` says).  ``weight_decay=0``
     runs the kernels without the decay term (the default configuration's)."""
     cfg = ar.make_config(name, kernels=kernels, lr=2e-2, betas=(0.9, 0.99), weight_decay=weight_decay, update_freq=3,
                          **options)  # fmt: skip
@@ -671,9 +664,25 @@ def _trajectory(
             if refreshed:
                 state = ar.refresh_basis(state, g, cfg)
             state = ar.update_in_place(state, g, cfg, w, refreshed=refreshed, count=count)
-        else:
+        elif kernels == "reference":
             w, state = ar.step(state, g, cfg, w, count=count)
+        else:  # the routes run in the engine only: its per-parameter step
+            refreshed = ar.refresh_due(k, cfg)
+            if refreshed:
+                state = ar.refresh_basis(state, g, cfg)
+            delta, state = routed_update(state, g, cfg, w, None, refreshed, count, namespace(g, w))
+            w = w + delta
     return w, state
+
+
+def _routed_direction(name: str, kernels: str, w: Any, g: Any) -> tuple[Any, Any]:
+    """``U~`` and the state with the new moments of a refresh step, by the engine's ``routed_direction``."""
+    cfg = ar.make_config(name, kernels=kernels)
+    state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
+    xp = namespace(g, w)
+    step_in = prepare_step(state, g, cfg, w, True, xp, 0)
+    u, moments = routed_direction(state, step_in.g_rot, step_in.t, cfg, xp)
+    return u, state._replace(**moments)
 
 
 def _inputs(cp: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -792,16 +801,11 @@ def test_cupy_kernels_hfac_without_clip(cp: Any, name: str, dtype: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_cupy_direction_route_equals_the_reference(cp: Any, name: str, dtype: str) -> None:
-    # the direction alone (preconditioned_direction: the optax scale_by's entry point and update's fallback)
+    # the direction alone (the engine's routed_direction)
     rng = np.random.default_rng(5)
     w = cp.asarray(rng.standard_normal((5, 8)).astype(dtype))
     g = cp.asarray(rng.standard_normal((5, 8)).astype(dtype))
-    found = {}
-    for kernels in ("reference", "auto"):
-        cfg = ar.make_config(name, kernels=kernels)
-        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
-        u, new, _ = preconditioned_direction(state, g, cfg, w, refreshed=True, count=0)
-        found[kernels] = u, new
+    found = {kernels: _routed_direction(name, kernels, w, g) for kernels in ("reference", "auto")}
     _assert_close(found["auto"][0], found["reference"][0], dtype)
     _assert_states_close(found["auto"][1], found["reference"][1], dtype)
 
@@ -816,14 +820,14 @@ def test_cupy_update_in_place_equals_the_functional_update(
     cp: Any, name: str, dtype: str, shape: tuple[int, ...], host_count: bool, weight_decay: float
 ) -> None:
     kw = dict(host_count=host_count, weight_decay=weight_decay)
-    w_f, s_f = _trajectory(cp, name, dtype, shape, "auto", **kw)
+    w_f, s_f = _trajectory(cp, name, dtype, shape, "reference", **kw)
     w_i, s_i = _trajectory(cp, name, dtype, shape, "auto", in_place=True, **kw)
     # the same operations on the same operands (no contraction): expected bit for bit; checked to rounding
     tight = {"float64": 1e-14, "float32": 1e-6}[dtype]
     np.testing.assert_allclose(to_np(w_i), to_np(w_f), rtol=tight, atol=tight * float(np.max(np.abs(to_np(w_f)))))
     _assert_states_close(s_i, s_f, dtype)
-    w_r, _ = _trajectory(cp, name, dtype, shape, "reference", in_place=True, **kw)
-    _assert_close(w_i, w_r, dtype)
+    w_a, _ = _trajectory(cp, name, dtype, shape, "auto", **kw)  # the routes: to rounding
+    _assert_close(w_i, w_a, dtype)
 
 
 @pytest.mark.gpu
@@ -869,8 +873,8 @@ def test_cupy_update_in_place_writes_the_callers_buffers(cp: Any) -> None:
 
 
 @pytest.mark.gpu
-def test_cupy_update_in_place_with_a_state_of_another_dtype_takes_the_ufunc_route(cp: Any) -> None:
-    # float32 parameter, float64 state: the work-frame W is a copy, so the fused in-place kernel declines
+def test_cupy_update_in_place_with_a_state_of_another_dtype(cp: Any) -> None:
+    # float32 parameter, float64 state: the work-frame W is a copy, written back in the parameter's dtype
     rng = np.random.default_rng(4)
     cfg = ar.make_config("adamw", state_dtype="float64", weight_decay=0.1)
     w = cp.asarray(rng.standard_normal((4, 6)).astype(np.float32))
@@ -885,20 +889,20 @@ def test_cupy_update_in_place_with_a_state_of_another_dtype_takes_the_ufunc_rout
 # ----------------------------------------------------------------------------- CPU: the engine's group kernels
 
 
-def test_group_step_kernel_carries_the_in_place_kernels_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA group step kernel's arithmetic is, line for line, that of the CuPy route's in-place kernel, whose
-    bits the CPU evaluation above checks against the reference: ``ADAM_ENTRY`` and the tail ``w + tail``."""
+def test_group_step_kernel_carries_the_update_kernels_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA group step kernel's arithmetic is, line for line, that of the CuPy route's fused update kernel,
+    whose bits the CPU evaluation above checks against the reference: ``ADAM_ENTRY`` and the tail ``w + tail``."""
     from adadiag_ref.optim.families.adam import cupy_group
 
     monkeypatch.setattr(ck, "elementwise", lambda *source: source)
     for decay in (False, True):
-        _, _, _, in_place = adam_route._step_in_place_kernel(decay)
+        _, _, _, fused = adam_route._delta_kernel(decay)
         for moments, at in (("flat", "i"), ("address", "j")):  # the engine's flat moments, the adapter's own
             source = cupy_group.step_source("float32", decay, moments)
             for line in adam_route.ADAM_ENTRY.splitlines():
                 assert not line or line in source, line
             tail = ck.tail_expression("u", "w", decay)
-            assert f"W = w + {tail};" in in_place and f"wp[j] = w + {tail};" in source
+            assert f"D = {tail};" in fused and f"wp[j] = w + {tail};" in source
             assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
             assert f"const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];" in source
             assert f"mp[{at}] = m; vp[{at}] = v;" in source

@@ -1,7 +1,7 @@
-"""The numba fast path (adadiag_ref._kernels) against the generic NumPy path.
+"""The numba fast path (adadiag_ref._kernels), which the engine runs, against the reference NumPy path.
 
-Both are selected through the config option ``kernels`` (``"numba"`` and
-``"reference"``), the only switch the library has.
+The engine's routes are selected through the config option ``kernels`` (``"numba"``, ``"auto"`` and
+``"reference"``), the only switch the library has; the reference (``ar.update``, ``ar.step``) never takes one.
 
 Both paths compute the same formulas in the same order; only the positive sums
 ``sum(G~^2 + eps)`` and ``sum(U^2)`` are accumulated sequentially by the kernels
@@ -21,12 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import routed_replay
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import adadiag_ref as ar
 from adadiag_ref import _kernels
-from adadiag_ref.optim.core import preconditioned_direction
+from adadiag_ref.optim.core import prepare_step
+from adadiag_ref.optim.engine import routed_direction, routed_update
 from adadiag_ref.optim.families.adafactor import numba_route as adafactor_kernels
 from adadiag_ref.optim.families.adam import numba_route as adam_kernels
 from adadiag_ref.optim.families.hfac import numba_route as hfac_kernels
@@ -37,7 +39,10 @@ RTOL = 1e-12
 
 
 def _replay(name: str, fast: bool, w0: np.ndarray, grads: np.ndarray, **kw: object) -> np.ndarray:
-    return np.asarray(ar.replay(name, w0, grads, kernels="numba" if fast else "reference", **kw))
+    """The trajectory by the numba routes (the engine's per-parameter step) or by the reference (``ar.replay``)."""
+    if fast:
+        return routed_replay(name, w0, grads, kernels="numba", **kw)
+    return np.asarray(ar.replay(name, w0, grads, **kw))
 
 
 @pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
@@ -105,22 +110,25 @@ def _spy_on_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(ar.OPTIMIZERS))
-@pytest.mark.parametrize("in_place", [False, True])
-def test_kernels_option_selects_the_code_that_runs(name: str, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # "reference" never enters a numba kernel; "numba" and "auto" (numba installed) always do, functional or in place.
+@pytest.mark.parametrize("path", ["update", "update_in_place", "engine"])
+def test_kernels_option_selects_the_code_that_runs(name: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the reference (update, update_in_place) never enters a numba kernel; the engine's step does unless
+    # kernels="reference" ("numba" and "auto", numba installed)
     calls = _spy_on_kernels(monkeypatch)
     rng = np.random.default_rng(9)
     w0, g = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
-    for kernels, expect_kernel in (("reference", False), ("numba", True), ("auto", True)):
+    for kernels in ("reference", "numba", "auto"):
         calls.clear()
         cfg = ar.make_config(name, kernels=kernels)
         state, w = ar.init(w0, cfg), w0.copy()
         state = ar.refresh_basis(state, g, cfg)
-        if in_place:
+        if path == "update_in_place":
             ar.update_in_place(state, g, cfg, w, refreshed=True)
-        else:
+        elif path == "update":
             ar.update(state, g, cfg, w, refreshed=True)
-        assert bool(calls) == expect_kernel, (kernels, calls)
+        else:
+            routed_update(state, g, cfg, w, None, True, 0, np)
+        assert bool(calls) == (path == "engine" and kernels != "reference"), (kernels, calls)
 
 
 def test_kernels_option_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,8 +247,8 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
     g = rng.standard_normal((33, 70)).astype(np.float32)
     outs = []
     for moments, update in (
-        (adam_kernels.adam_moments_inplace, _kernels.apply_direction_into_flat),
-        (adam_kernels.adam_moments_inplace_parallel, _kernels.apply_direction_into_flat_parallel),
+        (adam_kernels.adam_moments_inplace, _kernels.scale_direction_flat),
+        (adam_kernels.adam_moments_inplace_parallel, _kernels.scale_direction_flat_parallel),
     ):
         M = np.full_like(g, 0.1)
         V = np.full_like(g, 0.2)
@@ -248,7 +256,8 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
         W = np.empty_like(g)
         f = np.float32
         moments(M, V, g, f(0.9), f(0.1), f(0.99), f(0.01), f(1e-8), M, V, U)
-        update(np.ones_like(g).reshape(-1), U.reshape(-1), f(-1e-2), f(0.1), True, W.reshape(-1))
+        W[...] = U
+        update(W.reshape(-1), np.ones_like(g).reshape(-1), f(-1e-2), f(0.1), True)
         outs.append((M, V, U, W))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
@@ -378,38 +387,6 @@ def test_check_message_counts_every_nonfinite_entry() -> None:
 # ----------------------------------------------------------------------------- row kernels walk memory in order
 
 
-def _spy_row_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[np.ndarray, ...]]:
-    seen: list[tuple[np.ndarray, ...]] = []
-    kernel = adam_kernels.adam_moments_inplace
-
-    def spy(*args: object) -> object:
-        seen.append(tuple(a for a in args if isinstance(a, np.ndarray)))
-        return kernel(*args)
-
-    monkeypatch.setattr(adam_kernels, "adam_moments_inplace", spy)
-    return seen
-
-
-@pytest.mark.parametrize("shape", [(40, 6), (6, 40)])  # tall: its work frame is the Fortran-ordered transpose
-def test_update_in_place_row_kernel_walks_contiguous_rows(shape: tuple[int, int], monkeypatch) -> None:
-    """The row kernel gets row-contiguous views of every operand (a strided walk over a tall parameter's F-order
-    frame measured 20-30x slower), and the update keeps its bits: the same values as the functional update."""
-    rng = np.random.default_rng(11)
-    w, g = rng.standard_normal(shape), rng.standard_normal(shape)
-    for name in ("adamw", "adadiag"):
-        cfg = ar.make_config(name, lr=1e-2, weight_decay=0.1, kernels="numba")
-        state = ar.refresh_basis(ar.init(w, cfg), g, cfg)
-        delta, want = ar.update(state, g, cfg, w)
-        seen = _spy_row_kernel(monkeypatch)
-        w2, state2 = w.copy(), ar.refresh_basis(ar.init(w, cfg), g, cfg)
-        state2 = ar.update_in_place(state2, g, cfg, w2)
-        monkeypatch.undo()
-        assert len(seen) == 1 and all(a.flags.c_contiguous for a in seen[0])
-        np.testing.assert_array_equal(w2, w + delta)
-        np.testing.assert_array_equal(state2.M, want.M)
-        np.testing.assert_array_equal(state2.V, want.V)
-
-
 def test_rows_in_memory_order_transposes_only_when_every_operand_is_fortran_ordered() -> None:
     c = np.zeros((3, 5))
     f = np.asfortranarray(c)
@@ -442,6 +419,15 @@ ROW_KERNELS = (
 )
 
 
+def _routed_step_result(state: object, g: np.ndarray, cfg: object, w: np.ndarray) -> np.ndarray:
+    """The engine's result for one step: the Adam family's direction ``U~`` alone (its update takes the flat fused
+    route, families/adam/numba_route.py; its direction the row kernel), another family's ``delta``."""
+    if cfg.family == "adam":  # type: ignore[attr-defined]
+        step_in = prepare_step(state, g, cfg, w, False, np)  # type: ignore[arg-type]
+        return routed_direction(state, step_in.g_rot, step_in.t, cfg, np)[0]  # type: ignore[arg-type]
+    return routed_update(state, g, cfg, w, None, False, None, np)[0]  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("name", "options"),
     [("adafactor", {}), ("adafactor", {"momentum": False}), ("adafacdiag", {}), ("hfac", {}), ("hfacdiag", {}),
@@ -467,12 +453,10 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
             return _original(*args)  # type: ignore[operator]
 
         monkeypatch.setattr(module, kernel, spy)
-    # the Adam family's update takes the flat fused route (families/adam/numba_route.py); its direction the row kernel
-    direction = preconditioned_direction if cfg.family == "adam" else ar.update
-    got = direction(state, g, cfg, w)[0]
+    got = _routed_step_result(state, g, cfg, w)
     monkeypatch.undo()
     assert seen  # the route ran kernels
-    want = direction(state, g, ar.make_config(name, lr=1e-2, kernels="reference", **options), w)[0]
+    want = _routed_step_result(state, g, ar.make_config(name, lr=1e-2, kernels="reference", **options), w)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.max(np.abs(want))))
 
 

@@ -10,7 +10,7 @@ Floors, from the bottom:
 
 0. foundation: ``_xp``, ``config``, ``linalg``, ``_kernels``, ``buffers``, ``_cli`` (array
    namespaces, frozen configs, decompositions, numba kernels, the output-buffer pool, CLI error plumbing);
-1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, kernel dispatch,
+1. optimizer: ``optim`` (families with their state types, rotation, schedules, layout, the engine,
    core, in place), ``memory``, ``replay``;
 2. the public facade ``adadiag_ref`` (``__init__``: re-exports floors 0-1);
 3. tools built on the optimizer: ``golden``, ``testing``, ``ode``, ``perf.allocator``,
@@ -211,6 +211,24 @@ def test_the_reference_path_does_not_import_the_fast_path(package: str) -> None:
     reached = _reachable_above_the_foundation(f"{package}.reference") | {f"{package}.reference"}
     fast = sorted(m for m in reached if m.startswith(f"{PACKAGE}._kernels") or m.endswith(("_route", "inplace")))
     assert not fast, f"{package}.reference reaches {fast}"
+
+
+REFERENCE_DRIVER = [f"{PACKAGE}.optim.{m}" for m in ("core", "rotation", "layout", "schedules", "tail", "inplace")]
+"""The reference's own modules: ``init``, ``refresh_basis``, ``update``, ``step``, ``update_in_place`` and what they
+are made of (the families' ``reference.py`` are checked above)."""
+
+FAST_PATH = ("_route", "_group", ".engine", ".blas_threads", ".batched_refresh", ".dispatch", f"{PACKAGE}._kernels")
+
+
+@pytest.mark.parametrize("name", REFERENCE_DRIVER)
+def test_the_reference_driver_tries_no_route(name: str) -> None:
+    # the reference is the paper's equations: it imports no engine, route or kernel module and never reads a
+    # family's Routes table (only the engine runs the routes, adadiag_ref/optim/engine.py)
+    fast = sorted(m for m in GRAPH[name] if m.endswith(FAST_PATH) or m.startswith(FAST_PATH[-1]))
+    assert not fast, f"{name} imports {fast}"
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    reads = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "routes"]
+    assert not reads, f"{name} reads a family's routes at lines {reads}"
 
 
 def _documented_floors() -> list[set[str]]:

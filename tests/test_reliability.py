@@ -17,8 +17,7 @@ import pytest
 import adadiag_ref as ar
 from adadiag_ref import _kernels, linalg
 from adadiag_ref.optim import core, inplace, rotation, tail
-from adadiag_ref.optim.families.adam import inplace as adam_inplace
-from adadiag_ref.optim.families.adam import numba_route as adam_kernels
+from adadiag_ref.optim.families.adam import reference as adam_reference
 
 ROTATED = ("adadiag", "adadiag_pp", "adafacdiag", "adafacdiag_pp", "hfacdiag")
 BAD_VALUES = (np.nan, np.inf, -np.inf)
@@ -132,7 +131,6 @@ def test_update_and_update_in_place_propagate_non_finite_values_alike(name: str,
 @pytest.mark.parametrize("value", BAD_VALUES)
 @pytest.mark.parametrize("name", ["adadiag", "adafacdiag", "hfacdiag"])
 def test_numba_kernels_follow_the_generic_path_on_non_finite_input(name: str, value: float) -> None:
-    from adadiag_ref import _kernels
 
     if not _kernels.AVAILABLE:
         pytest.skip("numba not installed")
@@ -248,43 +246,25 @@ def _raiser(*args: Any, **kwargs: Any) -> Any:
     raise _Boom("injected")
 
 
-class _NativeProxy:
-    """numpy, except that one ufunc raises."""
-
-    def __init__(self, failing: str) -> None:
-        self.failing = failing
-
-    def __getattr__(self, item: str) -> Any:
-        return _raiser if item == self.failing else getattr(np, item)
-
-
 IN_PLACE_POINTS = [
     (inplace, "prepare_step"),
-    (adam_inplace, "beta_hats"),
-    (adam_inplace, "unrotate"),
+    (adam_reference, "beta_hats"),
+    (adam_reference, "sqrt"),  # the library's root (adadiag_ref._xp.sqrt)
+    (rotation, "unrotate"),
     (tail, "from_work"),
     (rotation, "rotate"),  # core calls it as rotation.rotate (ar.rotate is the public wrapper)
     (core, "refresh_step_structure"),
-    ("native", "multiply"),
-    (adam_inplace, "sqrt"),  # the library's root (adadiag_ref._xp.sqrt), between the ufuncs
-    ("native", "divide"),
-    (adam_kernels, "adam_moments_inplace"),
 ]
+"""Points on ``update_in_place``'s way (the reference's arithmetic) where a failure is injected."""
 
 
-@pytest.mark.parametrize("point", IN_PLACE_POINTS, ids=lambda p: f"{getattr(p[0], '__name__', p[0])}.{p[1]}")
+@pytest.mark.parametrize("point", IN_PLACE_POINTS, ids=lambda p: f"{p[0].__name__}.{p[1]}")
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
 def test_update_in_place_is_all_or_nothing(name: str, point: tuple[Any, str], monkeypatch) -> None:
     where, attr = point
-    if where is adam_kernels and not _kernels.AVAILABLE:
-        pytest.skip("numba is not installed")
-    # the backend's ufuncs run on the reference path, the fused kernel on the numba path
-    cfg, state, w = _warmed(name, kernels="numba" if where is adam_kernels else "reference")
+    cfg, state, w = _warmed(name, kernels="auto")  # update_in_place is the reference whatever kernels says
     g = np.random.default_rng(5).standard_normal(w.shape)
-    if where == "native":
-        monkeypatch.setattr(adam_inplace, "native_module", lambda xp: _NativeProxy(attr))
-    else:
-        monkeypatch.setattr(where, attr, _raiser)
+    monkeypatch.setattr(where, attr, _raiser)
     before = _snapshot(state, w, g)
     try:
         inplace.update_in_place(state, g, cfg, w, refreshed=True)
@@ -314,18 +294,17 @@ STEP_POINTS = [
     (core, "prepare_step"),
     (rotation, "rotate"),  # core calls it as rotation.rotate (ar.rotate is the public wrapper)
     (rotation, "unrotate"),
-    ((core, tail), "from_work"),  # the fused route's (core) and the shared tail's: one of them on every path
+    (tail, "from_work"),  # the shared tail's, on every path of the reference
     (linalg, "canonicalize_svd"),
 ]
 
 
-@pytest.mark.parametrize("point", STEP_POINTS, ids=lambda p: f"{getattr(p[0], '__name__', 'core+tail')}.{p[1]}")
+@pytest.mark.parametrize("point", STEP_POINTS, ids=lambda p: f"{p[0].__name__}.{p[1]}")
 @pytest.mark.parametrize("name", ["adadiag", "adadiag_pp", "adafacdiag", "hfacdiag"])
 def test_step_failing_at_any_point_changes_nothing(name: str, point: tuple[Any, str], monkeypatch) -> None:
     cfg, state, w = _warmed(name)
     g = np.random.default_rng(5).standard_normal(w.shape)
-    for module in point[0] if isinstance(point[0], tuple) else (point[0],):
-        monkeypatch.setattr(module, point[1], _raiser)
+    monkeypatch.setattr(*point, _raiser)
     before = _snapshot(state, w, g)
     with pytest.raises(_Boom):
         ar.step(state, g, cfg, w)

@@ -15,11 +15,11 @@ routes that call them; this module holds what they share and what is not a famil
   Gram-Schmidt and pivoted Cholesky, for :mod:`adadiag_ref.linalg`).
 
 Thread policy: the callers choose.  A flat kernel that some caller runs on numba's pool exists twice, serial
-and ``*_parallel`` (separate compiles and cache entries, :func:`_serial_and_parallel`).  The functional route
-and ``replay`` use the parallel forms for arrays of :data:`PARALLEL_MIN_SIZE` entries or more, and only under
-numba's non-spinning ``workqueue`` layer; the engine between its GEMM phases; the torch CPU route never
-(torch's OpenMP threads spin after each parallel region): it cuts its arrays over ``torch.get_num_threads()``
-threads of its own instead (``optim/families/adam/torch_route.py``).  BLAS owns the cores during GEMMs
+and ``*_parallel`` (separate compiles and cache entries, :func:`_serial_and_parallel`).  The engine's routes use
+the parallel forms for arrays of :data:`PARALLEL_MIN_SIZE` entries or more, between its GEMM phases, and only
+under numba's non-spinning ``workqueue`` layer; the torch adapter's group kernels never (torch's OpenMP threads
+spin after each parallel region): they cut their rows over ``torch.get_num_threads()`` threads of their own
+instead (``optim/families/adam/torch_route.py``).  BLAS owns the cores during GEMMs
 (docs/performance.md, "Threads").
 """
 
@@ -245,14 +245,6 @@ def _apply_direction_flat(W, D, neg_lr, wd, decay):  # type: ignore[no-untyped-d
         W[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
 
 
-def _apply_direction_into_flat(W, D, neg_lr, wd, decay, out):  # type: ignore[no-untyped-def]
-    """On flat views: ``out = W + (-eta) (D + lambda W)`` for an unrotated direction ``D = P U~ Q^T`` (``W_{t+1}``
-    written into a separate array; ``replay``'s trajectory).  ``out`` must not overlap ``W`` or ``D``."""
-    for k in prange(W.shape[0]):
-        w = W[k]
-        out[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
-
-
 def _renamed(fn: Any, suffix: str) -> Any:
     """A copy of ``fn`` (same code, globals and closure) whose ``__qualname__`` ends in ``suffix``.
 
@@ -282,8 +274,7 @@ def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
 
 
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)
-apply_direction_into_flat, apply_direction_into_flat_parallel = _serial_and_parallel(_apply_direction_into_flat)
-# serial only: the torch CPU route cuts its arrays over threads of its own (optim/families/adam/torch_route.py)
+# serial only: the torch adapter's group kernels cut their rows over threads of their own (adam/torch_route.py)
 apply_direction_flat = _jit(_apply_direction_flat)
 
 

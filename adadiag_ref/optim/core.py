@@ -14,9 +14,9 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,11 +35,13 @@ from .._xp import (
 from ..config import BaseConfig, check_learning_rate, step_config
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
 from . import rotation as _rotation
-from .dispatch import direction as family_direction
-from .families import State, family_of
-from .layout import Layout, from_work, layout_for, split_batch, to_work
+from .families import Moments, State, family_of
+from .layout import Layout, layout_for, split_batch, to_work
 from .schedules import host_step, learning_rate
 from .tail import parameter_delta
+
+DirectionFn = Callable[[Any, Array, Any, BaseConfig, Namespace], "tuple[Array, Moments]"]
+"""``(state, G~, t, cfg, xp) -> (U~, moments)``: a family's direction (its reference, or the engine's routed one)."""
 
 __all__ = [
     "SLOW_REFRESH_SIDE",
@@ -545,23 +547,21 @@ def step_hyperparameters(
 
 
 def update_prepared(
-    state: State, step_in: StepInput, cfg: BaseConfig, param: Array, lr: Any, xp: Namespace
+    state: State,
+    step_in: StepInput,
+    cfg: BaseConfig,
+    param: Array,
+    lr: Any,
+    xp: Namespace,
+    direction: DirectionFn | None = None,
 ) -> tuple[Array, State]:
-    """:func:`update` after :func:`prepare_step`: the family's first applicable update route (the whole update
-    fused, bit-identical), else its direction (:func:`_direction`) and the shared tail
-    (:func:`~adadiag_ref.optim.tail.parameter_delta`)."""
-    layout, t, w = step_in.layout, step_in.t, step_in.w
-    family = family_of(cfg)
-    eta = learning_rate(cfg, lr)
-    for route in () if layout.batch else family.routes.update:  # the fused routes take single matrices
-        fused = route(state, layout, t, step_in.g_rot, w, cfg, eta, _rotation.unrotate, xp)
-        if fused is not None:
-            work_delta, moments = fused
-            delta = xp.astype(from_work(work_delta, layout, xp), param.dtype, copy=False)
-            return delta, state._replace(count=state.count + 1, **moments)
-    direction, new_state = _direction(state, step_in, cfg, xp)
-    eta_t = family.step_size(cfg, t, w, eta, xp)
-    return parameter_delta(direction, w, eta_t, cfg, layout, param.dtype, xp, owned=False), new_state
+    """:func:`update` after :func:`prepare_step`: ``U~`` by the family's ``direction`` (or the given function of
+    the same signature: the engine's routes), ``P U~ Q^T`` (:func:`_direction`), the family's step size and the
+    shared tail (:func:`~adadiag_ref.optim.tail.parameter_delta`): ``delta = -eta_t (P U~ Q^T + lambda W_t)`` in
+    the parameter's frame and dtype."""
+    unrotated, new_state = _direction(state, step_in, cfg, xp, direction)
+    eta_t = family_of(cfg).step_size(cfg, step_in.t, step_in.w, learning_rate(cfg, lr), xp)
+    return parameter_delta(unrotated, step_in.w, eta_t, cfg, step_in.layout, param.dtype, xp, owned=False), new_state
 
 
 def preconditioned_direction(
@@ -581,18 +581,19 @@ def preconditioned_direction(
     parameter's shape), the state with the new moments and ``count + 1``, and
     the :class:`StepInput` (``t``, ``G``, ``W``, ``G~``) it was computed from.
     :func:`update` is ``delta = -eta_t (U + lambda W_t)`` on top of it; an
-    optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` comes
-    from the family function or its fast route (numba on NumPy, CuPy kernels on CuPy), as ``cfg.kernels`` selects
-    (:mod:`adadiag_ref.optim.dispatch`); ``count`` as in :func:`update`.
+    optax-style ``scale_by`` transformation returns ``U`` itself.  ``U~`` is the family's reference
+    ``direction``; ``count`` as in :func:`update`.
     """
     xp = namespace(grad, param, xp=xp)
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp, host_count(count))
     return (*_direction(state, step_in, cfg, xp), step_in)
 
 
-def _direction(state: State, step_in: StepInput, cfg: BaseConfig, xp: Namespace) -> tuple[Array, State]:
-    """``(P U~ Q^T, new_state)`` from a prepared step; ``U~`` by the code ``cfg.kernels`` selects."""
-    u_rot, moments = family_direction(state, step_in.g_rot, step_in.t, cfg, xp)
+def _direction(
+    state: State, step_in: StepInput, cfg: BaseConfig, xp: Namespace, direction: DirectionFn | None = None
+) -> tuple[Array, State]:
+    """``(P U~ Q^T, new_state)`` from a prepared step; ``U~`` by ``direction``, else the family's reference."""
+    u_rot, moments = (direction or family_of(cfg).direction)(state, step_in.g_rot, step_in.t, cfg, xp)
     direction = _rotation.unrotate(u_rot, state.P, state.Q, xp, transposed=step_in.layout.transposed)
     return direction, state._replace(count=state.count + 1, **moments)
 
@@ -738,7 +739,6 @@ def step(
     betas: Any = None,
     check: bool = True,
     name: str | None = None,
-    out: Array | None = None,
     count: int | None = None,
     xp: Namespace | None = None,
 ) -> tuple[Array, State]:
@@ -757,14 +757,6 @@ def step(
     and the parameter as in Adam.  A failed decomposition keeps the previous
     basis with a warning (:func:`refresh_basis`).  The inputs are never modified.
 
-    ``out`` (NumPy; parameter-shaped, not overlapping ``param``): ``W_{t+1}`` is written into it and returned,
-    the same bits, for a driver that **owns** ``state`` (nobody else holds its arrays, as in ``replay``): then
-    the state's moment arrays may be updated in place (no moment-sized allocation, three array passes fewer
-    per rotated Adam-family step, :attr:`~adadiag_ref.optim.families.Routes.step_owned`), and if the call
-    raises, ``state`` may have been partly updated (the owner discards it).  ``check`` is always on with
-    ``out``; on a step without refresh a fused route may count ``G~``'s non-finite entries in its moments pass
-    instead of scanning ``G`` first (the same ``ValueError``).
-
     ``count`` (a host int, the steps taken: ``state.count``'s value, which the caller promises and which is not
     read back to check it): the refresh schedule and the step's coefficients come from it instead of from the
     state's counter, so a step on a device backend (CuPy, CUDA torch) waits for the device only where it must:
@@ -776,8 +768,6 @@ def step(
     xp = step_namespace(grad, param, xp, name)
     count = host_count(count)
     cfg = step_hyperparameters(cfg, state, xp, lr=lr, weight_decay=weight_decay, betas=betas)
-    if out is not None:
-        return out, _step_owned(state, grad, cfg, param, out, lr, xp)
     if check:
         check_inputs(state, grad, cfg, param, name=name, count=count, xp=xp)
     state, refreshed = _refresh_if_due(state, grad, cfg, name, xp, count)
@@ -796,42 +786,3 @@ def _refresh_if_due(
         return state, False
     new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)
     return new, new.P is not state.P
-
-
-def _step_owned(state: State, grad: Array, cfg: BaseConfig, param: Array, out: Array, lr: Any, xp: Namespace) -> State:
-    """:func:`step` with ``out`` (its docstring): ``W_{t+1}`` written into ``out``, the state owned by the caller.
-
-    The family's owned-step route when one applies (``out`` C-contiguous: its work-frame view is a view, never a
-    copy); otherwise ``step``'s route, with ``delta`` added into ``out``.  The scan of ``G`` runs first where a
-    decomposition follows (LAPACK never sees NaN or Inf) or no route will count ``G~``; otherwise the route's
-    count replaces it, and ``G`` is scanned only when that count is positive.  NumPy's floating-point warnings
-    from that step's two products are silenced (a finite ``G`` whose ``G~`` overflows then proceeds as in
-    ``step``, without NumPy's overflow warning).
-    """
-
-    _check_form(state, grad, cfg, param, xp)
-    routes = family_of(cfg).routes.step_owned
-    # a parameter dtype other than the state's fails the route's own dtype check
-    fused_route = bool(routes) and out.flags.c_contiguous and cfg.kernels != "reference" and not cfg.batch_dims
-    scanned = refresh_due(int(state.count), cfg) or not fused_route
-    if scanned:
-        check_inputs(state, grad, cfg, param, xp=xp)
-    state, refreshed = _refresh_if_due(state, grad, cfg, None, xp)
-    nonfinite = None
-    # unscanned, a NaN or Inf in G reaches the rotation's products before the check below raises: NumPy's warning
-    # about it would precede step's ValueError, which step gives alone
-    with contextlib.nullcontext() if scanned else np.errstate(over="ignore", invalid="ignore"):
-        step_in = prepare_step(state, grad, cfg, param, refreshed, xp)
-        eta = learning_rate(cfg, lr)
-        for route in routes if fused_route else ():
-            nonfinite = route(state, *step_in[:2], step_in.g_rot, step_in.w, cfg, eta, _rotation.unrotate, xp,
-                              to_work(out, step_in.layout, xp))  # fmt: skip
-            if nonfinite is not None:
-                break
-    if not scanned and (nonfinite is None or nonfinite):
-        check_inputs(state, grad, cfg, param, xp=xp)  # raises for a non-finite G; else G~ overflowed from a finite G
-    if nonfinite is not None:
-        return state._replace(count=state.count + 1)
-    delta, state = update_prepared(state, step_in, cfg, param, lr, xp)
-    np.add(param, delta, out=out)
-    return state

@@ -47,7 +47,7 @@ One step of a flat group (:meth:`Engine.step`), whatever the number of its param
 
 A group without rotation blocks (AdamW; every member unrotated) takes steps 3 and 5 in one call where its family
 has a fused update route that applies (numba on NumPy, the CuPy kernels on CuPy: the one
-:func:`~adadiag_ref.optim.core.update` takes for one unrotated parameter), over the flat group as one ``1 x N``
+:func:`routed_update` takes for one unrotated parameter), over the flat group as one ``1 x N``
 matrix: moments, direction and tail in one kernel, the same per-entry arithmetic.
 
 Where its family has *group kernels* for the backend and dtype (:class:`~adadiag_ref.optim.families.registry.
@@ -69,9 +69,9 @@ constant_step_size`).  The gathering scratch is allocated on first use, so a gro
 
 A per-parameter group (Adafactor, Hfac) is split into *stacks*, one per parameter shape: the parameters of one
 shape are stepped as one ``batch_dims`` stack (``cfg.batch_dims + 1``; each matrix its own factored moments, as
-``batch_dims`` defines), so that one :func:`~adadiag_ref.optim.core.update` (the family's routes tried per call)
-serves all of them: the stacked ``G`` and ``W`` are one ``stack`` call each, and the number of calls of a step
-no longer grows with the number of layers.  A stack's state is kept stacked; :meth:`Engine.state` hands out a
+``batch_dims`` defines), so that one :func:`routed_update` (the family's routes tried per call, else the
+reference) serves all of them: the stacked ``G`` and ``W`` are one ``stack`` call each, and the number of calls
+of a step no longer grows with the number of layers.  A stack's state is kept stacked; :meth:`Engine.state` hands out a
 member's slice.  On the CPU (NumPy, torch CPU tensors) every parameter is a stack of one: no launches to save,
 and NumPy's fused numba update kernels take single matrices only (:func:`_in_host_memory`).
 
@@ -93,12 +93,12 @@ Backends: any array-API namespace.  NumPy, torch and CuPy parameters are written
 steps them functionally (``step(..., in_place=False)``, the default for JAX, returns the new parameters).  The
 engine runs one config for all of its parameters.
 
-Results: per parameter those of :func:`~adadiag_ref.step` with the same count, bit for bit where both take the
-reference arithmetic (``kernels="reference"``, and any backend without fused kernels, e.g. ``array_api_strict``
-and CPU torch); to rounding where a fused kernel differs (NumPy with ``kernels="auto"``: ``step`` takes the
-numba kernel of the whole update, the engine the numba direction kernel over the group and the array tail; CuPy
-for a factored stack: the fused single-matrix update kernels do not take stacks, so a stack runs the direction
-route and the array tail).
+The engine is the only code that runs the families' fast routes (:class:`~adadiag_ref.optim.families.Routes`):
+the reference (:func:`~adadiag_ref.update`, :func:`~adadiag_ref.step`) never tries one.  Results: per parameter
+those of :func:`~adadiag_ref.step` with the same count, bit for bit where the engine takes the reference
+arithmetic (``kernels="reference"``, and any backend without kernels, e.g. ``array_api_strict`` and CPU torch) or
+a fused route (the Adam family's update and group kernels: the same formulas in the same order); to rounding
+where a direction kernel sums in another order (Adafactor's and Hfac's factored statistics on NumPy and CuPy).
 """
 
 from __future__ import annotations
@@ -122,20 +122,21 @@ from .core import (
     _where,
     check_gradient_matches,
     init,
+    prepare_step,
     refresh_due,
     refresh_step_structure,
-    update,
+    update_prepared,
     work_dtype,
 )
-from .families import FamilySpec, State, family_of
+from .families import FamilySpec, Moments, State, family_of
 from .families.common import constant_step_size
 from .families.registry import GroupKernels
-from .layout import Layout, flatten_in_memory_order, layout_for, memory_shape, work_view
+from .layout import Layout, flatten_in_memory_order, from_work, layout_for, memory_shape, work_view
 from .rotation import _product, unrotate
 from .schedules import host_step, learning_rate
 from .tail import decayed_step
 
-__all__ = ["Engine", "Route", "explain_route"]
+__all__ = ["Engine", "Route", "explain_route", "routed_direction", "routed_update"]
 
 Key = Any  # a parameter's key: its mapping key, its name, or its index
 
@@ -256,7 +257,7 @@ def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
 
 def _in_host_memory(xp: Namespace, state: State) -> bool:
     """Whether a per-parameter group's arrays are NumPy's or torch CPU tensors: such a group keeps one
-    :func:`~adadiag_ref.optim.core.update` per parameter rather than stacks.  On the CPU there are no launches
+    :func:`routed_update` per parameter rather than stacks.  On the CPU there are no launches
     to save, a stack costs copies of ``G`` and ``W``, and NumPy's fused numba update kernels take single
     matrices only (LLaMA-60M's 16 block matrices, float32: Adafactor 61 ms per parameter against 127 ms
     stacked on NumPy, 62 against 84 ms on torch CPU)."""
@@ -597,7 +598,7 @@ class Engine:
 
     def _resolve_update(self, group: _FlatGroup, family: FamilySpec) -> tuple[Callable[..., Any] | None, str]:
         """For a group without rotation blocks (every member unrotated: AdamW, vectors): the family's first fused
-        update route (moments, direction and tail in one call, as :func:`~adadiag_ref.optim.core.update` takes it
+        update route (moments, direction and tail in one call, as :func:`routed_update` takes it
         for one unrotated parameter) that applies to a one-entry group, else ``None`` (the direction route and
         the shared tail)."""
         xp = self.xp
@@ -771,8 +772,8 @@ class Engine:
                 unrotate = f"batched GEMM: P U~{' Q^T' if lay.rotate_right else ''} over the same {k} matrices ({how})"
             else:
                 where = self._stack_words(i)
-                rotate = f"rotation.rotate ({sides}) inside core.update, {where}"
-                unrotate = f"rotation.unrotate ({sides}) inside core.update, {where}"
+                rotate = f"rotation.rotate ({sides}) inside engine.routed_update, {where}"
+                unrotate = f"rotation.unrotate ({sides}) inside engine.routed_update, {where}"
         if kind == "flat":
             group = self._flat[number]
             entrywise = (f"{group.direction_name} once over the flat group ({group.size} entries), then "
@@ -789,8 +790,9 @@ class Engine:
                              f"do not take: gathered, then {entrywise})")  # fmt: skip
             label = f"{group.label}, {group.size} entries"
         else:
-            entrywise = (f"adadiag_ref.optim.core.update, {self._stack_words(i)} (the family's update and direction "
-                         "routes tried per call, else its reference; the tail tail.parameter_delta)")  # fmt: skip
+            entrywise = (f"adadiag_ref.optim.engine.routed_update, {self._stack_words(i)} (the family's update "
+                         "and direction routes tried per call, else its reference; the tail "
+                         "tail.parameter_delta)")  # fmt: skip
             label = self._per_param[number].label
         return label, refresh, rotate, unrotate, entrywise
 
@@ -1111,8 +1113,8 @@ class Engine:
                 w = self._stacked(stack, params)
                 stack_cfg = stack.cfg if cfg is self._cfg else step_config(
                     stack.cfg, weight_decay=cfg.weight_decay, betas=cfg.betas)  # fmt: skip
-                delta, new_states[(number, s)] = update(state, g, stack_cfg, w, lr=lr, refreshed=was_refreshed,
-                                                        count=pgroup.count, xp=xp)  # fmt: skip
+                delta, new_states[(number, s)] = routed_update(state, g, stack_cfg, w, lr, was_refreshed,
+                                                               pgroup.count, xp)  # fmt: skip
                 w_new = w + delta
                 for position, i in enumerate(stack.indices):
                     new_params[i] = w_new[position, ...] if stack.stacked else w_new
@@ -1252,6 +1254,37 @@ class Engine:
             for i in pgroup.indices:
                 out[i] = pending.params[i]
         return out
+
+
+def routed_direction(state: State, g_rot: Array, t: Any, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:
+    """``U~`` and the new moments by the family's first direction route that applies to these arrays (numba on
+    NumPy, the CuPy kernels on CuPy; ``None`` from a route that does not apply), else its reference ``direction``.
+    A stack of matrices (``batch_dims``) takes the reference: the routes take single matrices."""
+    family = family_of(cfg)
+    for route in family.routes.direction if g_rot.ndim <= 2 else ():
+        found = route(state, g_rot, t, cfg, xp)
+        if found is not None:
+            return found
+    return family.direction(state, g_rot, t, cfg, xp)
+
+
+def routed_update(
+    state: State, grad: Array, cfg: BaseConfig, param: Array, lr: Any, refreshed: Any, count: int, xp: Namespace
+) -> tuple[Array, State]:
+    """:func:`~adadiag_ref.update` of one parameter (or one ``batch_dims`` stack) with the family's routes tried
+    first: its first fused update route that applies to a single matrix (moments, direction and tail in one
+    call), else :func:`routed_direction` and the reference's rotation and tail.  The same formulas, so the same
+    bits, except a direction kernel, which agrees to rounding (``Routes``)."""
+    step_in = prepare_step(state, grad, cfg, param, refreshed, xp, count)
+    layout, family = step_in.layout, family_of(cfg)
+    eta = learning_rate(cfg, lr)
+    for route in () if layout.batch else family.routes.update:
+        fused = route(state, layout, step_in.t, step_in.g_rot, step_in.w, cfg, eta, unrotate, xp)
+        if fused is not None:
+            delta, moments = fused
+            new: State = state._replace(count=state.count + 1, **moments)
+            return xp.astype(from_work(delta, layout, xp), param.dtype, copy=False), new
+    return update_prepared(state, step_in, cfg, param, lr, xp, routed_direction)
 
 
 def explain_route(cfg: BaseConfig, shape: Sequence[int], dtype: Any = None, *, xp: Namespace | None = None) -> Route:

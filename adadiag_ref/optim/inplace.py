@@ -2,12 +2,11 @@
 
 :func:`update_in_place` computes exactly what ``delta, new = update(state, G, cfg, W)`` followed by
 ``W += delta`` computes, bit for bit, but overwrites ``W`` and the moment arrays of ``state`` instead of
-allocating new ones.  It is how the torch adapter applies updates.
+allocating new ones.  It is how the torch adapter applies a per-parameter update.
 
-The arithmetic is the family's: its in-place routes (:attr:`~adadiag_ref.optim.families.Routes.in_place`,
-tried in order; the Adam family has a torch CPU route, a numba route, a CuPy kernel route and a route on the
-backend's own ufuncs, ``optim/families/adam/``), and for a family without one the functional update whose
-results are then copied into the buffers.  Every route ends in the shared tail (:mod:`adadiag_ref.optim.tail`).
+The arithmetic is the reference's (:func:`~adadiag_ref.optim.core.update_prepared`), its results copied into the
+buffers once everything that can fail has run; no route is tried here (the fast executor is
+:class:`~adadiag_ref.Engine`).
 
 Only backends with mutable arrays qualify (NumPy, CuPy, PyTorch); JAX arrays are immutable and get a
 ``TypeError``.
@@ -24,7 +23,6 @@ from ..config import BaseConfig
 from .core import host_count, prepare_step, update_prepared
 from .families import State, family_of
 from .layout import Layout
-from .schedules import learning_rate
 from .tail import commit
 
 __all__ = ["supports_in_place", "update_in_place"]
@@ -75,16 +73,10 @@ def update_in_place(
     NaN or Inf in ``G`` propagate into the moments and ``W`` as in Adam.
 
     All or nothing: everything that can fail (shapes, writability, GEMMs,
-    allocations) runs before the first write to ``W``, ``M`` and ``V``; a call
-    that raises leaves the parameter and the state bit-identical.  Every route
-    but one computes the new values into scratch buffers and writes them at the
-    end; the CPU torch route of an unrotated parameter (:mod:`adadiag_ref.optim.families.adam.torch_route`)
-    writes ``W``, ``M`` and ``V`` in place in one numba kernel pass, after everything that can fail.
-    On PyTorch the Adam family's ``M`` and ``V`` otherwise take over their scratch
-    tensors' storage (``Tensor.set_``) instead of copying it: the same tensor
-    objects, the same values, one pass over memory less each (views taken of
-    them earlier keep the old values; on the in-place CPU route they see the new ones,
-    as with ``torch.optim.AdamW``).
+    allocations) runs before the first write to ``W`` and the moments; a call
+    that raises leaves the parameter and the state bit-identical.  The new values are computed by
+    :func:`~adadiag_ref.update` into new arrays and then copied into the state's own arrays (views taken of them
+    earlier see the new values, as with ``torch.optim.AdamW``).
 
     ``count`` (the steps taken, a host int) as in :func:`~adadiag_ref.step`: the step's coefficients are then
     host numbers and nothing is read back from the device.  ``block`` and ``whole_grad``: a block of a sharded
@@ -94,16 +86,11 @@ def update_in_place(
     native_module(xp)  # TypeError for immutable arrays (JAX), before anything else
     fields = {f"state field {k!r}": v for k, v in zip(state._fields[1:], state[1:])}
     _check_writable({"parameter": param, **fields})
-    spec = family_of(cfg)
     step_in = prepare_step(
         state, grad, cfg, param, refreshed, xp, host_count(count), block=block, whole_grad=whole_grad
     )
-    eta = learning_rate(cfg, lr)
-    for route in () if step_in.layout.batch else spec.routes.in_place:  # the routes take single matrices
-        if route(state, step_in, cfg, param, eta, xp):
-            return state._replace(count=state.count + 1)
     delta, new = update_prepared(state, step_in, cfg, param, lr, xp)
     param += delta
-    moments = spec.moment_fields
+    moments = family_of(cfg).moment_fields
     commit({k: getattr(state, k) for k in moments}, {k: getattr(new, k) for k in moments}, adopt=False)
     return state._replace(count=new.count)

@@ -38,19 +38,16 @@ DirectionRoute = Callable[[Any, Any, Any, BaseConfig, Any], "tuple[Any, Moments]
 
 class Routes(NamedTuple):
     """A family's fast routes, by entry point; each a tuple of candidates tried in order, first applicable wins.
+    Only the engine (:class:`~adadiag_ref.Engine`) runs them: the reference (``init``, ``update``, ``step``) never
+    does.
 
     Every route computes what the reference computes (the same formulas in the same order, so the same bits or,
     for the direction kernels, the same values to rounding), and says ``None`` when it does not apply.
 
     Attributes:
-        direction: ``(state, G~, t, cfg, xp) -> (U~, moments) | None``: the family's direction
-            (:func:`adadiag_ref.optim.dispatch.direction`).
+        direction: ``(state, G~, t, cfg, xp) -> (U~, moments) | None``: the family's direction.
         update: ``(state, layout, t, G~, W, cfg, eta, unrotate, xp) -> (delta, moments) | None``: the whole
-            functional update in the work frame (``update``).
-        step_owned: ``(state, layout, t, G~, W, cfg, eta, unrotate, xp, out) -> nonfinite | None``: a step whose
-            driver owns the state (``replay``), ``W_{t+1}`` written into ``out``.
-        in_place: ``(state, step_input, cfg, param, eta, xp) -> bool``: ``update_in_place``'s arithmetic on the
-            caller's buffers; ``False`` (nothing written) when it does not apply.
+            update of one unrotated matrix (or a flat group as a ``1 x N`` row) in the work frame.
         group: ``(cfg, dtype, sizes, device, xp) -> GroupKernels | None``: the engine's multi-tensor step of a
             flat group without rotation (:class:`GroupKernels`), chosen once when the engine is built; ``None`` when the
             family has no such kernels for the backend and dtype.
@@ -58,8 +55,6 @@ class Routes(NamedTuple):
 
     direction: tuple[DirectionRoute, ...] = ()
     update: tuple[Callable[..., Any], ...] = ()
-    step_owned: tuple[Callable[..., Any], ...] = ()
-    in_place: tuple[Callable[..., Any], ...] = ()
     group: tuple[Callable[..., Any], ...] = ()
 
 

@@ -2,13 +2,13 @@
 
 * :mod:`.reference`: the state types, the discrete direction (Algorithm 1) and the continuous-time form
   (the paper's Adam-ODE, ``H``, ``dH/dt``), in array-API code: the definition every route is tested against;
-* :mod:`.numba_route`: the numba kernels (NumPy) of the direction, the functional update and ``replay``'s
-  owned step;
-* :mod:`.cupy_route`: the CuPy kernels (CUDA) of the direction, the functional update and ``update_in_place``;
+* :mod:`.numba_route`: the numba kernels (NumPy) of the direction and of an unrotated matrix's whole update;
+* :mod:`.cupy_route`: the same as CuPy kernels (CUDA);
 * :mod:`.group_route`, :mod:`.cupy_group`: the multi-tensor kernels over many parameters' own memory (the torch
   adapter's CPU group route; the engine's groups without rotation, numba and CUDA);
-* :mod:`.torch_route`: ``update_in_place`` on CPU torch tensors (numba on zero-copy views, torch's ``sqrt``);
-* :mod:`.inplace`: ``update_in_place`` on any mutable backend (the numba moments, or the backend's ufuncs).
+* :mod:`.torch_route`: the threads that the torch adapter's CPU group kernels are cut over.
+
+The routes run only in the engine (:class:`adadiag_ref.Engine`); the reference never tries them.
 
 :data:`SPEC` is the family's registry entry.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from ....config import AdamConfig, BaseConfig
 from ..common import flow_of, paper_defaults
 from ..registry import FamilySpec, Routes
-from . import cupy_group, cupy_route, group_route, inplace, numba_route, reference, torch_route
+from . import cupy_group, cupy_route, group_route, numba_route, reference
 from .reference import AdamODEState, AdamState
 
 __all__ = ["SPEC", "AdamODEState", "AdamState"]
@@ -39,8 +39,6 @@ SPEC = FamilySpec(
     routes=Routes(
         direction=(numba_route.direction, cupy_route.direction),
         update=(numba_route.update, cupy_route.update),
-        step_owned=(numba_route.step_owned,),
-        in_place=(torch_route.in_place, cupy_route.in_place, inplace.in_place),
         group=(group_route.engine_group, cupy_group.engine_group),
     ),
     report_lr=3e-2,

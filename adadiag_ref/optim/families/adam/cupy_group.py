@@ -11,8 +11,8 @@ writes::
     W <- W_t + (-eta) (U [+ lambda W_t])
 
 the arithmetic of :data:`~.cupy_route.ADAM_ENTRY` and :func:`~adadiag_ref._kernels.cupy_kernels.tail_expression`,
-the very text of the CuPy route's in-place kernel (``_step_in_place_kernel``), whose bits the CPU stand-in checks
-against the reference.  So 7 array passes per entry (read ``G, W, M, V``, write ``W, M, V``), nothing gathered,
+the very text of the CuPy route's update kernels, whose bits the CPU stand-in checks against the reference.
+So 7 array passes per entry (read ``G, W, M, V``, write ``W, M, V``), nothing gathered,
 nothing written back, and the coefficients are the step's host numbers as kernel scalars.  A second kernel
 (:func:`nonfinite_source`) counts the gradients' NaN and Inf into a 0-d device integer (one read pass; no
 read-back): the engine's verdict.  The step kernel takes the verdict as ``proceed``, a 0-d device boolean, and

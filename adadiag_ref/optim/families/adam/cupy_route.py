@@ -14,10 +14,6 @@ multiply-add contraction).  The routes:
 * :func:`update`: the whole functional update.  No rotation: one kernel reads ``G, W, M_{t-1}, V_{t-1}`` and
   writes ``M_t, V_t, delta``.  With rotation: one kernel writes ``M_t``, ``V_t`` and ``U~`` (over ``G~``, a
   product this call owns), the unrotation ``P U~ Q^T`` (cuBLAS), one kernel scales it in place into ``delta``;
-* :func:`in_place`: ``update_in_place`` on CuPy arrays.  No rotation: one kernel overwrites ``M``, ``V`` and
-  ``W``.  With rotation: one kernel writes ``U~`` only, the unrotation, then one kernel recomputes ``M_t, V_t``
-  (the same expressions, so the same values) and overwrites ``M``, ``V`` and ``W`` together: every allocation
-  and product runs before the first write (all or nothing, as :func:`adadiag_ref.update_in_place` promises).
 
 Applies when ``cfg.kernels == "auto"`` and the arrays are CuPy float32/float64 of one dtype
 (:func:`adadiag_ref._kernels.cupy_kernels.selected`); ``None`` / ``False`` otherwise, and the numba or
@@ -33,13 +29,12 @@ from typing import Any, NamedTuple
 from ...._kernels import cupy_kernels as ck
 from ...._xp import Array, Namespace
 from ....config import BaseConfig
-from ...rotation import unrotate
 from ...schedules import beta_hats
 from ...tail import decays
 from ..common import Moments
 from .reference import AdamState
 
-__all__ = ["ADAM_ENTRY", "direction", "in_place", "update"]
+__all__ = ["ADAM_ENTRY", "direction", "update"]
 
 ADAM_SCALARS = "T b1, T c1, T b2, T c2, T eps"
 """The kernel arguments of one Adam entry (the EMA coefficients ``b``, ``1 - b`` and ``eps``)."""
@@ -93,41 +88,6 @@ def _scale_kernel(decay: bool) -> Any:
         "T w, T neg_lr, T wd",
         "T D",
         f"D = {ck.tail_expression('D', 'w', decay)};",
-    )
-
-
-def _step_in_place_kernel(decay: bool) -> Any:
-    """In place, unrotated: ``M <- M_t``, ``V <- V_t``, ``W <- W + delta``."""
-    return ck.elementwise(
-        f"adadiag_adam_step_in_place{'_decay' if decay else ''}",
-        f"T x, {ADAM_SCALARS}, T neg_lr, T wd",
-        "T M, T V, T W",
-        "const T m0 = M; const T v0 = V; const T w = W;\n"
-        + ADAM_ENTRY
-        + f"M = m; V = v; W = w + {ck.tail_expression('u', 'w', decay)};",
-    )
-
-
-def _direction_only_kernel() -> Any:
-    """``(M0, V0, G~) -> U~`` (nothing else written)."""
-    return ck.elementwise(
-        "adadiag_adam_direction_only",
-        f"T m0, T v0, T x, {ADAM_SCALARS}",
-        "T U",
-        ADAM_ENTRY + "U = u;",
-    )
-
-
-def _commit_kernel(decay: bool) -> Any:
-    """In place, rotated: ``M <- M_t``, ``V <- V_t`` (recomputed from ``G~``) and ``W <- W + (-eta)(D + lambda W)``
-    for the unrotated direction ``D = P U~ Q^T``."""
-    return ck.elementwise(
-        f"adadiag_adam_commit{'_decay' if decay else ''}",
-        f"T x, T d, {ADAM_SCALARS}, T neg_lr, T wd",
-        "T M, T V, T W",
-        "const T m0 = M; const T v0 = V; const T w = W;\n"
-        + ADAM_ENTRY
-        + f"M = m; V = v; W = w + {ck.tail_expression('d', 'w', decay)};",
     )
 
 
@@ -212,31 +172,3 @@ def update(
         D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
         _scale_kernel(decay)(w, neg_lr, wd, D)
     return D, {"M": M, "V": V}
-
-
-def in_place(state: AdamState, step_in: Any, cfg: BaseConfig, param: Array, eta: Any, xp: Namespace) -> bool:
-    """``W += delta`` and ``M``, ``V`` overwritten on CuPy arrays (module docstring); ``False`` (nothing written)
-    when the kernels are not selected, or when the work-frame ``W`` is not a view of ``param`` (another dtype
-    than the state's, or a reshape that copied): then the route on CuPy's ufuncs runs."""
-    layout, t, _, w, g_rot = step_in
-    M, V = state.M, state.V
-    if not ck.selected(cfg, xp, g_rot, M, V, w) or param.dtype != w.dtype:
-        return False
-    dtype = w.dtype
-    sc, tail = _adam_scalars(t, cfg, dtype, xp), _tail_scalars(cfg, eta, dtype)
-    if sc is None or tail is None:
-        return False
-    import cupy
-
-    if not cupy.may_share_memory(w, param):  # a copy: writing it would not update the parameter
-        return False
-    neg_lr, wd, decay = tail
-    if state.P is None and state.Q is None:
-        _step_in_place_kernel(decay)(g_rot, *sc, neg_lr, wd, M, V, w)
-        return True
-    U = cupy.empty_like(g_rot)
-    _direction_only_kernel()(M, V, g_rot, *sc, U)
-    D = unrotate(U, state.P, state.Q, xp, transposed=layout.transposed)
-    # commit: one kernel writes M, V and W (everything that can fail ran above)
-    _commit_kernel(decay)(g_rot, D, *sc, neg_lr, wd, M, V, w)
-    return True

@@ -12,12 +12,10 @@ used by every kernel below; the update's tail ``delta = (-eta)(U + lambda W)`` i
   reference makes four to six, in three to five passes).  With rotation: ``G~ = P^T G Q`` (BLAS), one pass
   writing ``M_t``, ``V_t`` and ``U~`` (into ``G~``'s buffer, which the call owns), ``P U~ Q^T`` (BLAS) and one
   pass scaling it in place into ``delta``.  Nothing passed in is modified;
-* :func:`step_owned`: for a driver that owns the state (``replay``): the moments updated in place and
-  ``W_{t+1}`` written into the driver's array, ten array passes per rotated step instead of thirteen;
-* :func:`moments_in_place`: ``update_in_place``'s moments (:mod:`.inplace`).
 
-Bit-identical to the reference (``tests/test_fused.py``, ``tests/test_inplace.py`` compare with
-``array_equal``), except :func:`direction`, whose results agree to rounding with it (``tests/test_kernels.py``).
+Only the engine runs them (:class:`adadiag_ref.Engine`).  Bit-identical to the reference
+(``tests/test_fused.py`` compares with ``array_equal``), except :func:`direction`, whose results agree to
+rounding with it (``tests/test_kernels.py``).
 Arrays of at least :data:`~adadiag_ref._kernels.PARALLEL_MIN_SIZE` entries are processed by numba's thread pool
 between the BLAS calls when numba's threading layer is ``workqueue`` (``NUMBA_THREADING_LAYER=workqueue``;
 ``adadiag-ref bench`` sets it), whose idle threads do not spin next to OpenBLAS's; otherwise serially.
@@ -52,7 +50,7 @@ from ...schedules import beta_hats
 from ..common import Moments
 from .reference import AdamState
 
-__all__ = ["adam_direction", "direction", "kernel_scalars", "moments_in_place", "step_owned", "update"]
+__all__ = ["adam_direction", "direction", "kernel_scalars", "update"]
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -130,21 +128,6 @@ def _adam_moments_own_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-un
         M[k], V[k], GU[k] = _adam_entry(M[k], V[k], GU[k], b1, c1, b2, c2, eps)
 
 
-def _adam_moments_own_counted_flat(M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
-    """:func:`_adam_moments_own_flat` that also returns the number of NaN or Inf entries of ``G~`` it read.
-
-    For ``replay``, whose gradient check then needs no pass of its own: a NaN or Inf anywhere in ``G`` makes at
-    least one entry of ``G~ = P^T G Q`` non-finite (its column times a nonzero row of the orthogonal ``P``, and
-    ``0 x Inf`` is NaN), so a count of zero proves ``G`` finite; a positive count sends the caller to the exact
-    check of ``G`` (``G~`` may also overflow from a finite ``G``)."""
-    bad = 0
-    for k in prange(GU.shape[0]):
-        x = GU[k]
-        bad += not np.isfinite(x)
-        M[k], V[k], GU[k] = _adam_entry(M[k], V[k], x, b1, c1, b2, c2, eps)
-    return bad
-
-
 def _adam_delta_flat(M0, V0, g, w, b1, c1, b2, c2, eps, neg_lr, wd, decay, M, V, D):  # type: ignore[no-untyped-def]
     """The whole unrotated Adam update in one pass over flat views: ``M``, ``V`` and
     ``D = (-eta) (U + lambda W)`` (:func:`delta_entry`)."""
@@ -168,7 +151,7 @@ def _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type
 
 
 def _adam_step_in_place_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place on flat views, in one pass (the torch CPU route): each array crosses memory
+    """The unrotated Adam step in place on flat views, in one pass (the group kernels' spans): each array crosses memory
     once, and nothing of the parameter's size is allocated (:func:`_adam_step_span`)."""
     _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay)
 
@@ -181,11 +164,6 @@ adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_
 
 
 adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
-
-
-adam_moments_own_counted_flat, adam_moments_own_counted_flat_parallel = _serial_and_parallel(
-    _adam_moments_own_counted_flat
-)
 
 
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
@@ -205,21 +183,6 @@ def direction(state: Any, g: Array, t: Array, cfg: BaseConfig, xp: Namespace) ->
     b1_t, b2_t = beta_hats(cfg, t, xp)
     M, V, U = adam_direction(state.M, state.V, g, b1_t, b2_t, cfg.eps)
     return U, {"M": M, "V": V}
-
-
-def moments_in_place(
-    M: Array, V: Array, g_rot: Array, owned: bool, b1_t: Any, b2_t: Any, cfg: BaseConfig, xp: Namespace
-) -> tuple[Array, Array, Array] | None:
-    """``(M_t, V_t, U~)`` for ``update_in_place`` in one pass, into scratch from the output pool (``G~`` reused for
-    ``M_t`` when ``owned``); ``None`` when the kernels do not apply.  The caller commits them."""
-    if not _kernels.selected(cfg, xp, g_rot, M, V):
-        return None
-    buf = buffers.empty_like(M)  # resident pages, not fresh ones on every step (adadiag_ref.buffers)
-    new_M = g_rot if owned else buffers.empty_like(M)  # the kernel reads each G~_ij before writing M_ij
-    new_V = buffers.empty_like(V)
-    rows = rows_in_memory_order(M, V, g_rot, new_M, new_V, buf)  # a tall parameter's F-order frame
-    adam_moments_inplace(*rows[:3], *ema_coefficients(b1_t, b2_t, M.dtype), scalar(cfg.eps, M.dtype), *rows[3:])
-    return new_M, new_V, buf
 
 
 class _Scalars(NamedTuple):
@@ -311,45 +274,3 @@ def update(
                 D = D + cfg.weight_decay * w
             D = -lr * D
     return D, {"M": M, "V": V}
-
-
-def step_owned(
-    state: AdamState,
-    layout: Any,
-    t: Array,
-    g_rot: Array,
-    w: Array,
-    cfg: BaseConfig,
-    lr: Any,
-    unrotate: Callable[..., Array],
-    xp: Namespace,
-    out: Array,
-) -> int | None:
-    """A rotated Adam-family step for a driver that owns ``state`` (``replay``): the moments updated in place and
-    ``W_{t+1} = W_t + delta`` written into ``out``; ``None`` (nothing written) when the route does not apply.
-
-    Returns the number of NaN or Inf entries of ``G~`` the moments pass read (the same pass, no extra read):
-    zero proves ``G`` finite (``_kernels._adam_moments_own_counted_flat``), so the driver needs no separate scan
-    of ``G`` on a step without refresh.
-
-    The same kernels' formulas as :func:`update`, so the same bits: ``M, V <- b M + c G~, ...`` and ``U~``
-    over ``G~``'s fresh buffer in one pass, ``D = P U~ Q^T`` (BLAS), then one pass reading ``W_t`` and ``D`` and
-    writing ``out`` (``out`` must not overlap ``W_t``).  Ten array passes per step where the functional form and
-    a separate ``W + delta`` make thirteen, and no moment-sized allocation.  Applies to rotated parameters only
-    (``G~`` must be this call's own array); ``out`` is the work-frame view of the parameter-shaped destination,
-    of the state dtype.
-    """
-    sc = _applies(state, t, g_rot, w, cfg, lr, xp)
-    if sc is None or not sc.rotated or type(out) is not np.ndarray or not alike(out, w) or out.dtype != w.dtype:
-        return None
-    moments = adam_moments_own_counted_flat_parallel if sc.parallel else adam_moments_own_counted_flat
-    M, V = state.M, state.V  # type: ignore[union-attr]
-    assert M is not None and V is not None  # _applies checked
-    nonfinite = int(moments(flat(M), flat(V), flat(g_rot), sc.b1, sc.c1, sc.b2, sc.c2, sc.eps))
-    D = unrotate(g_rot, state.P, state.Q, xp, transposed=layout.transposed)
-    if type(D) is np.ndarray and D.dtype == w.dtype and alike(D, w):
-        apply = _kernels.apply_direction_into_flat_parallel if sc.parallel else _kernels.apply_direction_into_flat
-        apply(flat(w), flat(D), sc.neg_lr, sc.wd, sc.decay, flat(out))
-    else:  # pragma: no cover - BLAS outputs are contiguous; the generic expressions otherwise
-        np.add(w, -lr * (D + cfg.weight_decay * w if sc.decay else D), out=out)
-    return nonfinite
