@@ -2,36 +2,23 @@
 
 Measures, in one process and against the roofline measured right before each
 row (float32 GEMM peak at the model's work shapes, in-place triad bandwidth;
-:class:`~adadiag_ref.perf.bench.Roofline`), the ratios that issue 12 sets
-targets for, each a median over rounds:
+:class:`~adadiag_ref.perf.bench.Roofline`), the ratios of what a user runs for speed, each a median over rounds:
 
 ==============================================  ================================================  ======
 ratio                                           bound                                             target
 ==============================================  ================================================  ======
-AdamW ``ar.update`` (functional, every param)   7 arrays per element / bandwidth                  <= 3
-AdaDiag ``ar.update`` (functional)              ``4 m^2 n`` flops / peak + 9 (rotated) or 7       <= 1.4
-                                                (unrotated) arrays per element / bandwidth
-``replay`` AdaDiag, one 512 x 1376 matrix       one measured refresh + K x (GEMM + 9 arrays)      <= 1.2
-``ar.Engine`` AdaDiag step (what a NumPy loop    GEMM + bytes                                      <= 1.15
-runs, :class:`~.bench.EngineSteps`)
+``ar.Engine`` AdaDiag step (what a NumPy loop    ``4 m^2 n`` flops / peak + 9 (rotated) or 7       <= 1.15
+runs, :class:`~.bench.EngineSteps`)             (unrotated) arrays per element / bandwidth
+``ar.Engine`` AdamW step (every param)          7 arrays per element / bandwidth                  <= 3
 torch adapter ``opt.step``                      AdaDiag written directly in torch ops (not a      <= 1.1
                                                 bound: both called in alternation, a ratio per
                                                 round, the median)
 ==============================================  ================================================  ======
 
-``replay`` runs ``K`` steps with ``update_freq=None``: the step-1 refresh (an
-SVD, measured on its own in the same run and counted in the bound) and ``K``
-non-refresh steps of 9 arrays each: the moments pass (reads ``G~, M, V``, writes
-``M, V, U~``), which also counts ``G~``'s NaN/Inf in place of a separate scan of
-``G`` (``optim.core.step_owned``), and the write pass (reads ``W_t, P U~``, writes
-``W_{t+1}``).
-
-The functional rows are pure functions: they return new outputs (the new
-moments and ``delta``) on every call, and those bytes are part of the ratio;
-the outputs come from :mod:`adadiag_ref.buffers`'s pool, as in any caller's loop.
-They time the ``ar.update`` calls only (the caller's ``W += delta`` is not part
-of ``update`` and not of its bound), in a steady state: states and inputs are
-kept across rounds and warmed up first (:class:`~adadiag_ref.perf.bench.FunctionalSteps`).
+The reference (``ar.update``, ``ar.step``, ``ar.replay``) tries no route: it is the paper's arithmetic in
+array-API code, and its speed is not a target (``adadiag-ref bench`` prints it beside the engine's rows).  The
+engine rows keep their engines, parameters and gradients across rounds and are warmed up first (a steady state,
+as a training loop sees it).
 """
 
 from __future__ import annotations
@@ -42,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..memory import LLAMA_CONFIGS, llama_parameters
@@ -50,45 +36,17 @@ from . import bench
 from .allocator import free_page_reporting, freed_memory_retained
 from .params import adadiag_bytes, adadiag_flops, is_rotated
 
-__all__ = ["TARGETS", "replay_bench", "run"]
+__all__ = ["TARGETS", "run"]
 
 #: (key, label, target) of every ratio printed by :func:`run`, in order.
 TARGETS: tuple[tuple[str, str, float], ...] = (
-    ("adamw_functional", "AdamW ar.update / bandwidth bound", 3.0),
-    ("adadiag_functional", "AdaDiag ar.update / GEMM + bytes bound", 1.4),
-    ("replay", "replay AdaDiag 512x1376 / its bound", 1.2),
     ("engine_step", "ar.Engine AdaDiag step / GEMM + bytes bound", 1.15),
+    ("adamw_engine", "ar.Engine AdamW step / bandwidth bound", 3.0),
     ("torch_adapter", "torch adapter / AdaDiag in torch ops", 1.1),
 )
 
-REPLAY_SHAPE = (512, 1376)
-
 #: Seconds of sleep before each timed row (:func:`_after_pause`).
 PAUSE = 0.3
-
-
-def replay_bench(steps: int) -> Callable[[], tuple[float, float]]:
-    """A function returning ``(replay time, refresh time)`` of one call each: ``ar.replay("adadiag", ...)`` over
-    ``steps`` float32 gradients of :data:`REPLAY_SHAPE` with ``update_freq=None``, and one ``refresh_basis`` of
-    the first gradient (the SVD that replay's step 1 runs).  The inputs are made once and both calls warmed
-    up once, so that rounds measure a steady state rather than first touches of fresh memory."""
-    import adadiag_ref as ar
-
-    rng = np.random.default_rng(6)
-    w0 = rng.standard_normal(REPLAY_SHAPE, dtype=np.float32)
-    grads = rng.standard_normal((steps, *REPLAY_SHAPE), dtype=np.float32)
-    cfg = ar.make_config("adadiag", update_freq=None)
-    state = ar.init(w0, cfg)
-
-    def one() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        ar.replay("adadiag", w0, grads, lr=1e-3, update_freq=None)
-        t1 = time.perf_counter()
-        ar.refresh_basis(state, grads[0], cfg)
-        return t1 - t0, time.perf_counter() - t1
-
-    one()
-    return one
 
 
 def _measure(roofline: bench.Roofline, seen: list[tuple[float, float]]) -> tuple[float, float]:
@@ -134,7 +92,6 @@ def _run(
             use_torch = False
     rotated = [s for s in specs if is_rotated(s, rule)]
     work = [ws for _, ws in bench._work_specs(rotated)]
-    m, n = REPLAY_SHAPE
     out(f"adadiag-ref bench --steady: {'quick (tiny shapes)' if quick else model}, rule {rule!r}, float32")
     out(f"machine: {bench.machine_description()}; OpenBLAS threads {threads if threads is not None else '?'}")
     reported_before = free_page_reporting()
@@ -142,17 +99,12 @@ def _run(
                          else "the C library's defaults (fresh pages for large outputs)"))  # fmt: skip
     size = sum(math.prod(s.shape) for s in specs)
     eng = bench.EngineSteps("adadiag", specs, rule)
-    steps = 4 if quick else 30
-    # the functional rows and replay keep their states and inputs across rounds (a steady state, as a training
-    # loop sees it); each round times one step of each
-    adamw = bench.FunctionalSteps("adamw", specs)
-    adadiag = bench.FunctionalSteps("adadiag", specs, rule)
-    replay = replay_bench(steps)
+    adamw = bench.EngineSteps("adamw", specs, rule)
     # every round runs each row once and divides it by the roofline measured right before it (the VM's bandwidth
     # drifts within seconds): a ratio per row and round, the median over rounds
     rounds: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {}
-    roofline = bench.Roofline((1 << 22) if quick else (1 << 25), [*work, (m, n)], 3)
+    roofline = bench.Roofline((1 << 22) if quick else (1 << 25), work, 3)
 
     def adadiag_bound(bw: float, peak: float) -> float:  # the GEMMs at the peak + the elementwise bytes
         return adadiag_flops(specs, rule) / peak + adadiag_bytes(specs, rule) / bw
@@ -165,14 +117,8 @@ def _run(
         row["engine_step"] = bench.median_time(eng, 3, warmup=1)
         bounds["engine_step"] = adadiag_bound(bw, peak)
         bw, peak = _measure(roofline, seen)
-        row["adamw_functional"] = _after_pause(adamw)
-        bounds["adamw_functional"] = 7 * 4 * size / bw
-        bw, peak = _measure(roofline, seen)
-        row["adadiag_functional"] = _after_pause(adadiag)
-        bounds["adadiag_functional"] = adadiag_bound(bw, peak)
-        bw, peak = _measure(roofline, seen)
-        row["replay"], refresh_time = _after_pause(replay)
-        bounds["replay"] = refresh_time + steps * (4.0 * m * m * n / peak + 9 * 4 * m * n / bw)
+        row["adamw_engine"] = _after_pause(lambda: bench.median_time(adamw, 3, warmup=1))
+        bounds["adamw_engine"] = 7 * 4 * size / bw
         for key, t in row.items():
             times.setdefault(key, []).append(t)
             rounds.setdefault(key, []).append(t / bounds[key])
@@ -181,7 +127,6 @@ def _run(
             f"{min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f} GFLOP/s (measured before each row)")  # fmt: skip
     eng.close()
     adamw.close()
-    adadiag.close()
     med = {key: statistics.median(v) for key, v in times.items()}
     ratios = {key: statistics.median(v) for key, v in rounds.items()}
     if use_torch:
