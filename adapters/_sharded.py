@@ -54,10 +54,9 @@ import torch.distributed as dist
 
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig
+from adadiag_ref.optim import Layout, decays, layout_for
 from adadiag_ref.optim.families import State, family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.layout import Layout, layout_for
-from adadiag_ref.optim.tail import decays
 
 try:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor

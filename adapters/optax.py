@@ -61,10 +61,17 @@ import numpy as np
 
 import adadiag_ref as ar
 from adadiag_ref.config import AdafactorConfig, BaseConfig, step_config
-from adadiag_ref.optim.core import check_orientation, preconditioned_direction, work_dtype
+from adadiag_ref.optim import (
+    check_orientation,
+    from_work,
+    preconditioned_direction,
+    refresh_when_due,
+    split_batch,
+    traced_refresh_due,
+    transposed_frame,
+    work_dtype,
+)
 from adadiag_ref.optim.families import family_of
-from adadiag_ref.optim.layout import from_work, split_batch, transposed_frame
-from adadiag_ref.optim.traced import refresh_when_due, traced_refresh_due
 
 __all__ = [
     "ALIASES",

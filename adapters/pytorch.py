@@ -50,25 +50,32 @@ from typing import Any, NamedTuple
 import numpy
 
 import adadiag_ref as ar
-from adadiag_ref._xp import namespace, sqrt_each
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim.core import _check_static, prepare_step, work_dtype
-from adadiag_ref.optim.families import family_of
-from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-from adadiag_ref.optim.families.adam import cupy_group, group_route, torch_route
-from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
-from adadiag_ref.optim.layout import (
+from adadiag_ref.optim import (
     Layout,
+    beta_hats,
+    check_state,
+    decays,
     flatten_in_memory_order,
     from_work,
+    host_step,
     layout_for,
+    learning_rate,
+    namespace,
+    prepare_step,
     split_batch,
+    sqrt_each,
     to_work,
+    unrotate,
+    work_dtype,
     work_view,
 )
-from adadiag_ref.optim.rotation import unrotate
-from adadiag_ref.optim.schedules import beta_hats, host_step, learning_rate
-from adadiag_ref.optim.tail import decays
+from adadiag_ref.optim.families import family_of
+from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
+
+# the executors issue 44 moves into the engine: the group kernels the CPU lanes and the CUDA launch call
+from adadiag_ref.optim.families.adam import cupy_group, group_route, torch_route
+from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
 
 from . import _sharded
 
@@ -509,7 +516,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             if new_bases:
                 state = state._replace(**new_bases)
             if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
-                _check_static(state, item.grad, item.p, layout_for(tuple(item.p.shape), item.cfg), item.cfg)
+                check_state(state, item.grad, item.p, item.cfg)
                 key = (item.group_index, item.p.device, item.p.dtype, work_dtype(state), count)
                 batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
                 continue
@@ -992,7 +999,7 @@ def _host_route_refusal(
     ):
         return f"state dtype {M.dtype} differs from the parameter's {p.dtype}"
     try:
-        _check_static(state, p, p, layout, cfg)
+        check_state(state, p, p, cfg)
     except ValueError:
         return "a state whose shapes do not fit the parameter"
     if state.P is None and state.Q is None:

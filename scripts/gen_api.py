@@ -33,6 +33,7 @@ MODULES = (
     "adadiag_ref.report",
     "adadiag_ref.config",
     "adadiag_ref.linalg",
+    "adadiag_ref.optim",
     "adadiag_ref.optim.families",
     "adadiag_ref.adapters.pytorch",
     "adadiag_ref.adapters.optax",

@@ -231,6 +231,52 @@ def test_the_reference_driver_tries_no_route(name: str) -> None:
     assert not reads, f"{name} reads a family's routes at lines {reads}"
 
 
+def _documented_modules() -> set[str]:
+    """The modules docs/api.md documents (``scripts/gen_api.py``'s ``MODULES``, read from its source) and the
+    family packages (``optim.families.<family>``: a family's ``SPEC`` and state types)."""
+    tree = ast.parse((ROOT / "scripts" / "gen_api.py").read_text())
+    listed = next(
+        node.value for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODULES" for t in node.targets)
+    )  # fmt: skip
+    return {elt.value for elt in listed.elts} | set(FAMILY_PACKAGES)  # type: ignore[attr-defined]
+
+
+ADAPTER_EXECUTORS = {
+    f"{PACKAGE}.optim.families.adam.{m}" for m in ("group_route", "cupy_group", "torch_route", "numba_route")
+}
+"""The kernel modules the torch adapter's own executors still call (its CPU lanes, its CUDA launch): the open part
+of issue 44, which moves them into the engine.  No other internal module may enter the adapters."""
+
+
+def _adapter_imports() -> list[tuple[str, str, str]]:
+    """``(adapter file, module, name)`` of every ``from adadiag_ref... import name`` in ``adapters/``."""
+    found = []
+    for path in sorted((ROOT / "adapters").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+                found += [(path.name, node.module or "", alias.name) for alias in node.names]
+    return found
+
+
+def test_the_adapters_import_only_public_names() -> None:
+    # the adapters are shells over the public API: every name they import is in the __all__ of a module the API
+    # reference documents (or is such a module), except the executor kernels listed above
+    import importlib
+
+    public = _documented_modules()
+    private = []
+    for where, module, name in _adapter_imports():
+        target = f"{module}.{name}"
+        if target in ADAPTER_EXECUTORS or module in ADAPTER_EXECUTORS:
+            continue
+        ok = target in public or (module in public and name in getattr(importlib.import_module(module), "__all__", ()))
+        if not ok:
+            private.append(f"{where}: from {module} import {name}")
+    assert not private, private
+    assert _adapter_imports(), "the test reads no import"
+
+
 def _documented_floors() -> list[set[str]]:
     """The floor table of docs/architecture.md, as sets of module names relative to the package."""
     text = (ROOT / "docs" / "architecture.md").read_text()

@@ -49,6 +49,7 @@ __all__ = [
     "SlowRefreshWarning",
     "check_inputs",
     "check_orientation",
+    "check_state",
     "init",
     "preconditioned_direction",
     "refresh_basis",
@@ -687,6 +688,14 @@ def _check_static(
             )
     _check_state_dtype(state, cfg, name)
     check_orientation(state, tuple(param.shape), name=name)  # equal work frames, another parameter shape
+
+
+def check_state(state: State, grad: Array, param: Array, cfg: BaseConfig, *, name: str | None = None) -> None:
+    """``ValueError`` naming the parameter unless ``state`` belongs to ``cfg``'s optimizer and holds, for a
+    parameter of ``param``'s shape and orientation, ``P`` (``m x m``), ``Q`` (``n x n``) and the moments of the
+    family's shapes in its work frame (``m x n``, ``m <= n``), and ``G`` has ``W``'s shape: the checks of
+    :func:`check_inputs` that read no value (no finiteness scan, no dtype rule); nothing is changed."""
+    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg, name=name)
 
 
 def _check_form(
