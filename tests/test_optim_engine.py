@@ -181,7 +181,7 @@ def test_engine_equals_step_for_any_shapes_and_hyperparameters(rows, cols, copie
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_engine_equals_step_on_cupy(name: str, weight_decay: float) -> None:
     """On a CUDA device: the engine (the CuPy direction kernels over flat groups, cuBLAS batched GEMMs, stacked
-    cuSOLVER refreshes) against per-parameter ``ar.step`` (the fused per-parameter kernels), float32, to rounding;
+    cuSOLVER refreshes) against per-parameter ``ar.step`` (the reference in CuPy's array ops), float32, to rounding;
     with and without weight decay (the default configuration's kernels).
 
     The stacked decompositions are other cuSOLVER routines than the single ones, so the bases agree to the
@@ -595,9 +595,10 @@ def test_chunk_table_covers_every_entry_once() -> None:
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05], ids=["no-decay", "decay"])
 def test_cupy_group_kernels_step_in_place_and_skip_on_a_non_finite_gradient(weight_decay: float) -> None:
     """On a CUDA device: AdamW's groups (float32 and float64) stepped by the CUDA group kernels (one launch per
-    group over the members' own memory) equal per-parameter ``ar.step`` (its fused kernels, the same entry
-    arithmetic with ``--fmad=false``; rtol 1e-5 / 1e-12 as for every CuPy comparison); then a NaN in the float64
-    group's gradients: the verdict is read after the launches, which it gated, so nothing changed anywhere."""
+    group over the members' own memory) equal per-parameter ``ar.step`` (the reference, the same entry
+    arithmetic; the kernels compiled with ``--fmad=false``; rtol 1e-5 / 1e-12 as for every CuPy comparison); then
+    a NaN in the float64 group's gradients: the verdict is read after the launches, which it gated, so nothing
+    changed anywhere."""
     cp = _load_backend("cupy")
     cfg = ar.make_config("adamw", weight_decay=weight_decay)
     rng = np.random.default_rng(3)
