@@ -1,8 +1,7 @@
 """PyTorch adapter: ``torch.optim.Optimizer`` classes over the array-API core.
 
-The adapter owns no math.  For every parameter with a gradient, one call of
-:meth:`CoreOptimizer.step` does exactly what the core's eager driver
-:func:`adadiag_ref.step` does, on the parameter's own tensors and device::
+For every parameter with a gradient, one call of :meth:`CoreOptimizer.step` does exactly what the core's eager
+driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device, bit for bit::
 
     check_inputs(S, G, cfg, W)                    # all parameters first: an error leaves every state untouched
     if refresh_due(t - 1):  S <- refresh_basis(S, G, cfg, name=NAME)   # P, Q <- canonical_svd(G)
@@ -11,9 +10,12 @@ The adapter owns no math.  For every parameter with a gradient, one call of
                                                   # bit-identical to update(), moments overwritten in place
 
 The core resolves the torch namespace itself (``array_api_compat``); nothing is
-copied to NumPy.  ``update_in_place`` is the reference's arithmetic in torch ops; on a step without refresh the
-Adam family's float32/float64 CPU parameters take the group kernels (numba on zero-copy views of the very
-tensors, bit-identical to the torch ops: :meth:`CoreOptimizer.routes`).
+copied to NumPy.  ``update_in_place`` is the reference's arithmetic in torch ops.  The adapter still has executors
+of its own, which compute the same formulas in the same order (:meth:`CoreOptimizer.routes` says which runs): on a
+step without refresh the Adam family's float32/float64 CPU parameters take the group kernels (numba over the very
+tensors' memory), a ``foreach`` group the multi-tensor chain (``torch._foreach_*``), CUDA parameters with CuPy
+installed the CUDA group kernels.  Moving them into the engine (:class:`adadiag_ref.Engine`) is the open part of
+issue 44.
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -1311,9 +1313,8 @@ class _LargeLane(_LaneMembers):
 
     * unrotated: a kernel call per guided piece (:func:`~adadiag_ref.optim.families.adam.group_route.step_at`,
       :func:`~adadiag_ref.optim.families.adam.torch_route.split_rows`) writes ``M``, ``V`` and ``W`` of all of them
-      in place in one pass (the per-parameter torch CPU route's kernel,
-      :func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_in_place_flat`): the calls do not depend on the
-      number of parameters;
+      in place in one pass (:func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_in_place_flat` over
+      each span): the calls do not depend on the number of parameters;
     * rotated (a step without refresh), one after the other, each while its ``G~`` is still in cache: ``G~ = P^T G
       Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
       (:func:`~adadiag_ref.optim.families.adam.group_route.moments_at`, the per-parameter route's arithmetic

@@ -262,9 +262,9 @@ def test_foreach_serves_every_entrywise_family(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch):
-    """A parameter of more than 16384 entries takes the per-parameter torch CPU route (its cache-sized blocks)
-    inside a group-route step; the small ones take the group kernels; bit for bit the reference, and a NaN in the
-    large one's gradient still changes nothing."""
+    """A parameter of more than 16384 entries takes the large lane (its guided pieces) inside a group-route step;
+    the small ones take the group kernels; bit for bit the reference, and a NaN in the large one's gradient still
+    changes nothing."""
     from adadiag_ref.optim.families.adam import group_route
 
     calls = []

@@ -133,7 +133,7 @@ def test_multi_step_on_torch_stacks_and_refreshes_as_one():
 
 @pytest.mark.parametrize("name", ["adadiag", "adamw", "adafacdiag_pp"])
 def test_update_in_place_on_numpy_stack(name):
-    """``update_in_place`` (the Adam family's numba in-place route must decline the stack) equals ``update``."""
+    """``update_in_place`` of a stack equals ``update``."""
     cfg = ar.make_config(name, batch_dims=1, **OPTIONS)
     w0, grads = _stream((3,), (4, 6))
     state = ar.refresh_basis(ar.init(w0, cfg), grads[0], cfg)

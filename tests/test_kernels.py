@@ -466,8 +466,9 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
 @pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_torch_route_kernels_equal_the_reference_formulas(dtype: type, decay: bool) -> None:
-    """The torch CPU route's one-pass kernels (the unrotated step in place; the rotated moments into new arrays with
-    ``U~`` over ``G~``) equal the reference's formulas with the correctly rounded root, bit for bit."""
+    """The one-pass kernels of the torch adapter's large lane and of the engine's fused route (the unrotated step in
+    place; the rotated moments into new arrays with ``U~`` over ``G~``) equal the reference's formulas with the
+    correctly rounded root, bit for bit."""
     rng = np.random.default_rng(1)
     n = 101
     W, g, M = (rng.standard_normal(n).astype(dtype) for _ in range(3))
