@@ -837,3 +837,46 @@ def test_a_small_rotation_phase_is_one_call_per_block(monkeypatch: pytest.Monkey
     engine = ar.Engine(params, cfg)
     engine.step([np.full(p.shape, 0.5, np.float32) for p in params], params)
     assert jobs and set(jobs) == {2}  # two blocks (8 x 8: five matrices; 8 x 20: three), per phase
+
+
+# ----------------------------------------------------------------------------- CPU torch tensors: the group kernels
+
+
+@pytest.mark.skipif(not _kernels_available(), reason="numba is not installed")
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", ENTRYWISE)
+def test_engine_over_cpu_torch_tensors_runs_the_group_kernels(name: str, dtype: Any) -> None:
+    """An engine over CPU torch tensors steps an unrotated group in place by the numba group kernels (the tensors'
+    memory by ``data_ptr()``), and writes a rotated group's tail so: the reference's arithmetic, so ``ar.step``'s
+    bits on the same tensors for every unrotated parameter, to rounding for the rotated ones (the engine's batched
+    GEMMs, ``bmm``, round otherwise than ``mm``); a NaN then raises with nothing changed.  ``max_basis_dim=4``
+    leaves the larger matrices unrotated, so that a rotated optimizer has members of both kinds."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config(name, update_freq=3, weight_decay=0.1, max_basis_dim=4)
+    host_params, stream = _stream(SHAPES, dtype, steps=5)
+    params = [_torch(p) for p in host_params]
+    engine = ar.Engine(params, cfg)
+    routes = engine.routes()
+    unrotated = [i for i, s in enumerate(SHAPES) if not ar.layout_for(s, cfg).rotate_left]
+    rotated = [i for i in range(len(SHAPES)) if i not in unrotated]
+    assert unrotated and (name == "adamw" or rotated)
+    assert all("engine_step over the members' own memory" in routes[i].entrywise for i in unrotated), routes
+    assert all("engine_tail over the members' own memory" in routes[i].entrywise for i in rotated), routes
+    singles = [_torch(p) for p in host_params]
+    states = [ar.init(w, cfg) for w in singles]
+    for k, grads in enumerate(stream):
+        returned = engine.step([_torch(g) for g in grads], params)
+        assert all(r is p for r, p in zip(returned, params, strict=True))  # in place
+        pairs = [ar.step(s, _torch(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    for i, (w, want) in enumerate(zip(params, singles, strict=True)):
+        _assert_close(w, want, i in unrotated, dtype)
+        _assert_states(engine.state(i), states[i], i in unrotated, dtype)
+    before = _snapshot(engine, params)
+    bad = [torch.ones_like(p) for p in params]
+    bad[unrotated[0]].view(-1)[5] = float("nan")
+    message = rf"1 NaN or Inf entry in the gradient of parameter \(shape \({SHAPES[unrotated[0]][0]}, "
+    with pytest.raises(ValueError, match=message):
+        engine.step(bad, params)
+    for x, y in zip(before, _snapshot(engine, params), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -51,12 +51,12 @@ has a fused update route that applies (numba on NumPy, the CuPy kernels on CuPy:
 matrix: moments, direction and tail in one kernel, the same per-entry arithmetic.
 
 Where its family has *group kernels* for the backend and dtype (:class:`~adadiag_ref.optim.families.registry.
-GroupKernels`: the Adam family's numba kernels on NumPy, its CUDA kernels on CuPy), such a group is stepped in
-place instead, by :meth:`Engine.step` with ``in_place=True`` (the default): the kernels walk the members' own
-arrays by address, so nothing is gathered and nothing written back; one call counts the gradients' NaN and Inf
-(the check), one call writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where the
-gathering path makes 16 (+1).  On a device the step's launch takes the verdict as a device flag and writes nothing
-where it is false, so the one read-back still comes after everything is queued.
+GroupKernels`: the Adam family's numba kernels on NumPy and CPU torch tensors, its CUDA kernels on CuPy), such a
+group is stepped in place instead, by :meth:`Engine.step` with ``in_place=True`` (the default): the kernels walk
+the members' own arrays by address, so nothing is gathered and nothing written back; one call counts the gradients'
+NaN and Inf (the check), one call writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where
+the gathering path makes 16 (+1).  On a device the step's launch takes the verdict as a device flag and writes
+nothing where it is false, so the one read-back still comes after everything is queued.
 The same per-entry arithmetic, so the same bits.  A step whose arrays the kernels do not take (a strided view, an
 array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
 handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
@@ -374,10 +374,10 @@ class Engine:
     Built once (``adadiag_ref/optim/engine.py``'s module docstring has the whole design): the parameters grouped by
     (family, state dtype, parameter dtype, device, kind, steps taken); an entrywise family's group keeps one flat
     array per moment field and steps all of its parameters at once (one gather, batched GEMMs per work shape, the
-    direction and the tail once; with the family's group kernels, NumPy and CuPy, a group without rotation is
-    stepped in place through its members' addresses and a rotated group's tail written so, nothing gathered but
-    the rotated gradients); Adafactor and Hfac step one ``batch_dims`` stack per parameter shape on a device
-    backend, per parameter on the CPU; the step counter is a host int per group.
+    direction and the tail once; with the family's group kernels, NumPy, CPU torch and CuPy, a group without
+    rotation is stepped in place through its members' addresses and a rotated group's tail written so, nothing
+    gathered but the rotated gradients); Adafactor and Hfac step one ``batch_dims`` stack per parameter shape on a
+    device backend, per parameter on the CPU; the step counter is a host int per group.
 
     * :meth:`step` ``(grads, params, *, lr=None, check=True, in_place=None)``: one step of every parameter,
       written into ``params`` (in place; JAX: returned); with ``check`` one value read back for all gradients,
@@ -455,6 +455,10 @@ class Engine:
         self._param_dtypes = [p.dtype for p in params]
         self._family = family = family_of(cfg)
         self._immutable = is_jax_namespace(xp)
+        # NumPy, or torch with every parameter on the CPU: no device to wait on (the verdict is read first)
+        self._host = is_numpy_namespace(xp) or (
+            is_torch_namespace(xp) and all(getattr(creation_device(p), "type", None) == "cpu" for p in params)
+        )
         self._native = _native_concatenate(xp)
         kind = "flat" if family.entrywise else "per-parameter"
         grouped: dict[tuple[Any, ...], list[int]] = {}
@@ -883,7 +887,6 @@ class Engine:
         """One step under ``cfg`` (the engine's, or a step's :func:`~adadiag_ref.config.step_config` of it),
         committed: the new parameters (views of the groups' flat results, per member, or the very arrays a group's
         kernels wrote).  The group kernels, built for the engine's config, run only under it."""
-        xp = self.xp
         eta = learning_rate(cfg, lr)
         kernels_apply = in_place and cfg is self._cfg
         direct = [self._prepare(group, grads, params, eta) if kernels_apply else None for group in self._flat]
@@ -896,11 +899,13 @@ class Engine:
         checked = [f for f in flats if f is not None] + [g for stacks in stacked for g in stacks]
         counts = [self._kernels_of(g).nonfinite(d) for g, d in zip(self._flat, direct, strict=True)
                   if d is not None and not g.blocks and check]  # fmt: skip
-        verdict_first = check and (any(due) or is_numpy_namespace(xp))
-        if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); on NumPy no device to wait on
+        verdict_first = check and (any(due) or self._host)
+        if (
+            verdict_first
+        ):  # before any decomposition (LAPACK never sees NaN or Inf); in host memory no device to wait on
             self._raise_unless(self._verdict(checked, counts), grads)
         bases, refreshed, fresh_states = self._refresh(grads, due)
-        quiet = check and not verdict_first and not is_numpy_namespace(xp)
+        quiet = check and not verdict_first and not self._host
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
             pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg)
         verdict: Any = None

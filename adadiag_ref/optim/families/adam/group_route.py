@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from array_api_compat import is_numpy_namespace
+from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from .... import _kernels
 from ...._kernels import delta_entry, ema_entry, is_host_number, prange, scalar
@@ -308,18 +308,20 @@ def prepare_members(eta: Any, params_at: Callable[[], Any], grads_at: Callable[[
 
 
 class NumpyGroup:
-    """:class:`~adadiag_ref.optim.families.registry.GroupKernels` of the Adam family on NumPy (numba): one kernel
-    call reads every member's ``G`` and ``W`` and the flat ``M``, ``V`` and writes ``W``, ``M``, ``V`` (seven
-    array passes per entry, the bound), one more call counts the gradients' NaN and Inf (one pass).  The
-    arithmetic is :func:`~.numba_route._adam_entry` and :func:`~adadiag_ref._kernels.delta_entry` with
-    :func:`~.numba_route.kernel_scalars`: the bits of the functional fused update plus ``W + delta``.
+    """:class:`~adadiag_ref.optim.families.registry.GroupKernels` of the Adam family in host memory (numba), over
+    NumPy arrays or, with ``tensors``, CPU torch tensors (their memory by ``data_ptr()``; the engine's flat moments
+    and direction as zero-copy NumPy views): one kernel call reads every member's ``G`` and ``W`` and the flat
+    ``M``, ``V`` and writes ``W``, ``M``, ``V`` (seven array passes per entry, the bound), one more call counts the
+    gradients' NaN and Inf (one pass).  The arithmetic is :func:`~.numba_route._adam_entry` and
+    :func:`~adadiag_ref._kernels.delta_entry` with :func:`~.numba_route.kernel_scalars`: the bits of the reference
+    update plus ``W + delta``.
 
     The parameters' address table is kept while the same arrays come back (held by weak references: a model's
     parameters are the same arrays every step); the gradients' is made per step, by a numba call per array
     (0.2 us, against 1.5 us for ``ndarray.ctypes.data``)."""
 
-    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int]) -> None:
-        self.cfg, self.dtype = cfg, np.dtype(dtype)
+    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int], tensors: bool = False) -> None:
+        self.cfg, self.dtype, self.tensors = cfg, np.dtype(dtype), tensors
         self.chunks = chunk_table(sizes)
         self.sizes = sizes
         self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
@@ -332,9 +334,15 @@ class NumpyGroup:
         self.tail_name = f"{__name__}.engine_tail over the members' own memory ({kind}): W <- W - eta (D + lambda W)"
 
     def _table(self, arrays: Sequence[Any]) -> np.ndarray | None:
-        """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (the engine has
-        checked their dtypes and shapes against the group's)."""
+        """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (with ``tensors``: a
+        dense CPU torch tensor; the engine has checked their dtypes and shapes against the group's)."""
         out = np.empty(len(arrays), dtype=np.int64)
+        if self.tensors:
+            for k, a in enumerate(arrays):
+                if not _dense_host_tensor(a):
+                    return None
+                out[k] = a.data_ptr()
+            return out
         for k, a in enumerate(arrays):
             if type(a) is not np.ndarray:
                 return None
@@ -353,7 +361,7 @@ class NumpyGroup:
             if w_at is not None and not disjoint(w_at.tolist(), self.sizes, self.dtype.itemsize):
                 w_at = None
             self._params = None if w_at is None else ([weakref.ref(p) for p in params], w_at)
-        if w_at is None or not all(p.flags.writeable for p in params):
+        if w_at is None or not (self.tensors or all(p.flags.writeable for p in params)):
             return None
         return w_at
 
@@ -371,22 +379,54 @@ class NumpyGroup:
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
         kernel = engine_step_parallel if self.parallel else engine_step
-        kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, moments["M"], moments["V"], *sc)
+        kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, _host(moments["M"]), _host(moments["V"]), *sc)
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         if proceed is not None:
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         kernel = engine_tail_parallel if self.parallel else engine_tail
-        kernel(prepared.w_at, self.chunks, self.offsets, direction, neg_lr, wd, decays(self.cfg))
+        kernel(prepared.w_at, self.chunks, self.offsets, _host(direction), neg_lr, wd, decays(self.cfg))
+
+
+def _dense_host_tensor(a: Any) -> bool:
+    """Whether ``a`` is a plain dense CPU torch tensor (no subclass such as a DTensor, no lazy negation or
+    conjugation), whose memory the kernels may walk from ``data_ptr()``."""
+    import torch
+
+    return (
+        type(a) in (torch.Tensor, torch.nn.Parameter)
+        and a.device.type == "cpu"
+        and a.layout == torch.strided
+        and a.is_contiguous()
+        and not a.is_neg()
+        and not a.is_conj()
+    )
+
+
+def _host(a: Any) -> Any:
+    """A NumPy array as it is; a CPU torch tensor (the engine's own flat arrays) as a zero-copy NumPy view."""
+    return a if isinstance(a, np.ndarray) else a.detach().numpy()
+
+
+def _host_dtype(dtype: Any, device: Any, xp: Namespace) -> tuple[Any, bool] | None:
+    """``(NumPy dtype, tensors)`` of a group the kernels can step in host memory: NumPy float32/float64 arrays,
+    or CPU torch float32/float64 tensors (``tensors``); ``None`` otherwise."""
+    if is_numpy_namespace(xp):
+        return (dtype, False) if dtype in (np.float32, np.float64) else None
+    if is_torch_namespace(xp) and getattr(device, "type", None) == "cpu":
+        import torch
+
+        found = {torch.float32: np.float32, torch.float64: np.float64}.get(dtype)
+        return None if found is None else (found, True)
+    return None
 
 
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Namespace) -> NumpyGroup | None:
-    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory on NumPy: a
-    :class:`NumpyGroup` when numba is installed, ``cfg.kernels`` is not ``"reference"``, ``xp`` is NumPy's and
-    ``dtype`` float32 or float64; else ``None``."""
-    if not AVAILABLE or not is_numpy_namespace(xp) or dtype not in (np.float32, np.float64):
+    """The Adam family's :attr:`~adadiag_ref.optim.families.registry.Routes.group` factory in host memory: a
+    :class:`NumpyGroup` when numba is installed, ``cfg.kernels`` is not ``"reference"`` and the group's arrays are
+    NumPy or CPU torch float32/float64; else ``None``."""
+    found = _host_dtype(dtype, device, xp) if AVAILABLE else None
+    if found is None or not _kernels.selected(cfg, np, np.empty(1, dtype=found[0])):
         return None
-    if not _kernels.selected(cfg, xp, np.empty(1, dtype=dtype)):
-        return None
-    return NumpyGroup(cfg, dtype, sizes)
+    return NumpyGroup(cfg, found[0], sizes, tensors=found[1])
