@@ -35,9 +35,11 @@ One step of a flat group (:meth:`Engine.step`), whatever the number of its param
 1. ``G`` and ``W`` gathered into flat arrays by one concatenation each (of reshape views): into the group's
    scratch, allocated on first use, where the backend's ``concatenate`` writes into ``out=`` (NumPy, CuPy, torch), a new
    array of ``xp.concat`` otherwise (``array_api_strict``, JAX: no such call); cast to the state dtype once;
-2. per rotation block, ``G~ = P^T G Q`` as batched GEMMs over the block's stack (``matmul`` on stacks; on a
-   refresh step set to its exact structure, :func:`~adadiag_ref.optim.core.refresh_step_structure`, per
-   matrix), and ``G~`` of the group assembled by one concatenation;
+2. per rotation block, ``G~ = P^T G Q`` as batched GEMMs over the block's stack (``matmul`` on stacks on a
+   device; in host memory one GEMM per matrix, as :func:`~adadiag_ref.optim.rotation.rotate` calls it, so the
+   reference's bits: NumPy's BLAS per matrix, ``torch.mm``; on a refresh step set to its exact structure,
+   :func:`~adadiag_ref.optim.core.refresh_step_structure`, per matrix), and ``G~`` of the group assembled by one
+   concatenation;
 3. ``U~, M_t, V_t`` by the group's direction route, once over the flat group, with the step's coefficients
    computed on the host from the counter (:func:`~adadiag_ref.optim.schedules.host_step`);
 4. per block, ``P U~ Q^T`` by batched GEMMs; the directions assembled by one concatenation;
@@ -300,8 +302,9 @@ def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Arr
     return _product(P, u, out) if Q is None else _product(_product(P, u), _transpose(Q), out)
 
 
-def _bases_part(bases: tuple[Array, Array | None], part: slice) -> tuple[Array, Array | None]:
-    """A block's ``(P, Q)`` stacks cut to the matrices ``part`` (the whole stacks for ``slice(None)``)."""
+def _bases_part(bases: tuple[Array, Array | None], part: slice | int) -> tuple[Array, Array | None]:
+    """A block's ``(P, Q)`` stacks cut to the matrices ``part`` (the whole stacks for ``slice(None)``; one matrix's
+    bases for an index)."""
     if part == slice(None):
         return bases
     P, Q = bases
@@ -771,7 +774,8 @@ class Engine:
                 member = self._flat[number].members[position]
                 block = self._flat[number].blocks[member.block] if member.block is not None else None
                 k = block.matrices if block is not None else 1
-                how = "numpy.matmul per matrix into BLAS" if numpy else "xp.matmul on the stack"
+                how = ("numpy.matmul per matrix into BLAS" if numpy else "torch.mm per matrix" if self._host
+                       else "xp.matmul on the stack")  # fmt: skip
                 rotate = f"batched GEMM: G~ = P^T G{' Q' if lay.rotate_right else ''} over {k} {lay.rows} x {lay.cols} matrices ({how})"  # noqa: E501
                 unrotate = f"batched GEMM: P U~{' Q^T' if lay.rotate_right else ''} over the same {k} matrices ({how})"
             else:
@@ -1204,6 +1208,9 @@ class Engine:
         pieces = []
         for b, block in enumerate(group.blocks):
             stack = xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b))
+            if self._host:  # CPU torch: per matrix (mm, as rotation.rotate calls it: ar.step's bits), no launches
+                pieces += [xp.reshape(product(b, block, stack[i], None, i), (-1,)) for i in range(block.matrices)]
+                continue
             pieces.append(xp.reshape(product(b, block, stack, None, slice(None)), (-1,)))
         if group.unrotated_start < group.size:
             pieces.append(flat[group.unrotated_start :])
@@ -1216,7 +1223,7 @@ class Engine:
         its exact structure, matrix by matrix), then the unrotated entries as they are."""
         xp = self.xp
 
-        def rotate(b: int, block: _Block, stack: Array, out: Array | None, part: slice) -> Array:
+        def rotate(b: int, block: _Block, stack: Array, out: Array | None, part: slice | int) -> Array:
             flags = refreshed.get((number, b), False)
             if flags is not True and flags is not False:
                 flags = flags[part]  # one flag per matrix
