@@ -880,3 +880,24 @@ def test_engine_over_cpu_torch_tensors_runs_the_group_kernels(name: str, dtype: 
         engine.step(bad, params)
     for x, y in zip(before, _snapshot(engine, params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not _kernels_available(), reason="numba is not installed")
+def test_engine_follows_a_cpu_torch_parameter_whose_storage_was_replaced() -> None:
+    """A torch tensor keeps its Python identity when its storage is replaced (``p.data = ...``): the group kernels
+    read its address again at every step, so the step writes the new storage, as ``ar.step`` on it would."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config("adamw", weight_decay=0.1)
+    params = [torch.nn.Parameter(torch.randn(6, 5, dtype=torch.float64)) for _ in range(3)]
+    engine = ar.Engine(params, cfg)
+    grads = [torch.randn(6, 5, dtype=torch.float64) for _ in params]
+    engine.step(grads, params)
+    old = params[1].data
+    params[1].data = old.clone() + 1.0  # new memory, the same Parameter object
+    want = params[1].detach().clone()
+    state = engine.state(1)
+    expected, _ = ar.step(state, grads[1], cfg, want, count=1)
+    kept = old.clone()
+    engine.step(grads, params)
+    assert torch.equal(params[1].detach(), expected)
+    assert torch.equal(old, kept)  # the replaced storage is not written

@@ -353,7 +353,8 @@ class NumpyGroup:
         return out
 
     def _param_table(self, params: Sequence[Any]) -> np.ndarray | None:
-        kept = self._params
+        # a NumPy array's memory never moves; a torch tensor's may (``p.data = ...``, ``set_``): read every step
+        kept = None if self.tensors else self._params
         if kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True)):
             w_at: np.ndarray | None = kept[1]
         else:
