@@ -901,3 +901,34 @@ def test_engine_follows_a_cpu_torch_parameter_whose_storage_was_replaced() -> No
     engine.step(grads, params)
     assert torch.equal(params[1].detach(), expected)
     assert torch.equal(old, kept)  # the replaced storage is not written
+
+
+@pytest.mark.skipif(not _kernels_available(), reason="numba is not installed")
+def test_engine_over_cpu_torch_tensors_cuts_its_kernels_over_torchs_threads_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU torch tensors the group kernels' chunk table is cut into guided pieces over ``torch.get_num_threads()``
+    threads (``torch_route.split_rows``, here forced on small tensors): the same bits on 1 and on 3 threads."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.optim.families.adam import torch_route
+
+    monkeypatch.setattr(torch_route, "SPLIT_MIN_SIZE", 333)
+    cuts: list[int] = []
+    real_cuts = torch_route.guided_cuts
+    monkeypatch.setattr(torch_route, "guided_cuts", lambda *a: cuts.append(1) or real_cuts(*a))
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            gen = torch.Generator().manual_seed(5)
+            params = [torch.randn(s, generator=gen, dtype=torch.float32) for s in [(30, 70), (2001,), (9, 4)]]
+            grads = [[torch.randn(p.shape, generator=gen, dtype=torch.float32) for p in params] for _ in range(4)]
+            engine = ar.Engine(params, ar.make_config("adamw", weight_decay=0.1))
+            for g in grads:
+                engine.step(g, params)
+            results[n] = [p.clone() for p in params] + [engine.state(i).V.clone() for i in range(len(params))]
+    finally:
+        torch.set_num_threads(threads)
+    assert cuts  # the 3-thread run was cut into pieces
+    assert all(torch.equal(a, b) for a, b in zip(results[1], results[3], strict=True))

@@ -60,6 +60,7 @@ from .numba_route import (
     adam_step_in_place_flat,
     kernel_scalars,
 )
+from .torch_route import split_rows
 
 __all__ = [
     "AVAILABLE",
@@ -328,7 +329,8 @@ class NumpyGroup:
         self.parallel = sum(sizes) >= _kernels.PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
         self.like = np.empty(1, dtype=self.dtype)
         self._params: tuple[list[weakref.ref[Any]], np.ndarray] | None = None
-        kind = "parallel on numba's pool" if self.parallel else "serial"
+        kind = ("guided pieces over torch's threads" if tensors
+                else "parallel on numba's pool" if self.parallel else "serial")  # fmt: skip
         self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
                      f"{sum(sizes)} entries, {kind}): moments and W in place, no gather")  # fmt: skip
         self.tail_name = f"{__name__}.engine_tail over the members' own memory ({kind}): W <- W - eta (D + lambda W)"
@@ -370,24 +372,32 @@ class NumpyGroup:
         return prepare_members(eta, lambda: self._param_table(params),
                                None if grads is None else lambda: self._table(grads))  # fmt: skip
 
+    def _run(self, serial: Any, parallel: Any, before: tuple[Any, ...], after: tuple[Any, ...]) -> list[Any]:
+        """``kernel(*before, chunks, *after)`` over the group's chunk table: with ``tensors`` cut into guided
+        pieces over ``torch.get_num_threads()`` threads of the caller's (:func:`.torch_route.split_rows`: numba's
+        pool next to torch's spinning OpenMP threads ran slower), else on numba's pool where it does not spin, else
+        serially; each call's result.  Each entry is computed alike whatever the cut: the same bits."""
+        if self.tensors:
+            return split_rows(serial, before, self.chunks, after, self.dtype)
+        return [(parallel if self.parallel else serial)(*before, self.chunks, *after)]
+
     def nonfinite(self, prepared: Prepared) -> int:
-        kernel = nonfinite_at_parallel if self.parallel else nonfinite_at
-        return int(kernel(prepared.g_at, self.chunks, self.like))
+        return sum(int(n) for n in self._run(nonfinite_at, nonfinite_at_parallel, (prepared.g_at,), (self.like,)))
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         if proceed is not None:  # the engine reads the verdict first on NumPy
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
-        kernel = engine_step_parallel if self.parallel else engine_step
-        kernel(prepared.w_at, prepared.g_at, self.chunks, self.offsets, _host(moments["M"]), _host(moments["V"]), *sc)
+        self._run(engine_step, engine_step_parallel, (prepared.w_at, prepared.g_at),
+                  (self.offsets, _host(moments["M"]), _host(moments["V"]), *sc))  # fmt: skip
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         if proceed is not None:
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
-        kernel = engine_tail_parallel if self.parallel else engine_tail
-        kernel(prepared.w_at, self.chunks, self.offsets, _host(direction), neg_lr, wd, decays(self.cfg))
+        self._run(engine_tail, engine_tail_parallel, (prepared.w_at,),
+                  (self.offsets, _host(direction), neg_lr, wd, decays(self.cfg)))  # fmt: skip
 
 
 def _dense_host_tensor(a: Any) -> bool:
