@@ -36,6 +36,7 @@ __all__ = [
     "is_float64",
     "namespace",
     "native_module",
+    "plain_cpu_tensor",
     "require_linalg",
     "sqrt",
     "sqrt_each",
@@ -155,25 +156,29 @@ def _numpy_root(x: Any, out: Any) -> Any:
     return result
 
 
+def plain_cpu_tensor(x: Any) -> bool:
+    """Whether ``x`` is a plain strided float32/float64 CPU torch tensor (no subclass such as a DTensor, no lazily
+    negated or conjugated view): one whose memory NumPy and the numba kernels may read as it is."""
+    import torch
+
+    return (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.layout == torch.strided
+        and not x.is_neg()
+        and not x.is_conj()
+    )
+
+
 def _numpy_may_root(*tensors: Any) -> bool:
-    """Whether NumPy may take the root of these torch tensors (``None`` entries aside): each a plain dense
-    float32/float64 CPU tensor, no autograd graph to record, no lazily negated or conjugated view, and no graph
-    being traced."""
+    """Whether NumPy may take the root of these torch tensors (``None`` entries aside): each a
+    :func:`plain_cpu_tensor` with no autograd graph to record, and no graph being traced."""
     import torch
 
     grad = torch.is_grad_enabled()
     for x in tensors:
-        if x is None:
-            continue
-        if (
-            type(x) not in (torch.Tensor, torch.nn.Parameter)
-            or x.device.type != "cpu"
-            or x.dtype not in (torch.float32, torch.float64)
-            or x.layout != torch.strided
-            or (x.requires_grad and grad)
-            or x.is_neg()
-            or x.is_conj()
-        ):
+        if x is not None and (not plain_cpu_tensor(x) or (x.requires_grad and grad)):
             return False
     return not torch.compiler.is_compiling()
 

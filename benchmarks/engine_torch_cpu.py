@@ -18,28 +18,13 @@ The CHANGELOG (issue 44) quotes a run: AdamW 805 ms before the engine ran its gr
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 import adadiag_ref as ar
 from adadiag_ref.memory import LLAMA_CONFIGS, llama_parameters
+from adadiag_ref.perf.bench import median_time
 from adadiag_ref.perf.params import is_rotated
-
-
-def median_step(step: Callable[[], Any], reps: int) -> float:
-    """Seconds of the median of ``reps`` calls, after two warm-up calls."""
-    step()
-    step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -55,18 +40,18 @@ def main() -> None:
     grads = [torch.randn(s.shape, generator=gen) for s in specs]
 
     engine = ar.Engine(params, ar.make_config("adamw", lr=1e-3, update_freq=None))
-    t_engine = median_step(lambda: engine.step(grads, params), args.reps)
+    t_engine = median_time(lambda: engine.step(grads, params), args.reps, warmup=2)
     leaves = [torch.nn.Parameter(p.clone()) for p in params]
     for leaf, g in zip(leaves, grads, strict=True):
         leaf.grad = g
     fused = torch.optim.AdamW(leaves, lr=1e-3, weight_decay=0.0, fused=True)
-    t_fused = median_step(fused.step, args.reps)
+    t_fused = median_time(fused.step, args.reps, warmup=2)
 
     rotated = [i for i, s in enumerate(specs) if is_rotated(s, "paper")]
     blocks = [params[i] for i in rotated]
     block_grads = [grads[i] for i in rotated]
     adadiag = ar.Engine(blocks, ar.make_config("adadiag", lr=1e-3, update_freq=None))
-    t_adadiag = median_step(lambda: adadiag.step(block_grads, blocks), max(3, args.reps // 2))
+    t_adadiag = median_time(lambda: adadiag.step(block_grads, blocks), max(3, args.reps // 2), warmup=2)
 
     print(f"{args.model}, float32, {args.threads} torch threads, median of {args.reps} steps")
     print(f"ar.Engine AdamW (every parameter)      {t_engine * 1e3:8.1f} ms")

@@ -120,19 +120,29 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> str:
     return lines[0]
 
 
-def routed_replay(name: str, w0: Any, grads: Any, **kw: Any) -> np.ndarray:
-    """``ar.replay``'s trajectory through the engine's per-parameter step (the refresh when due, then
-    ``routed_update``: the families' routes, which the reference never takes), as one NumPy array."""
+def routed_step(state: Any, g: Any, cfg: Any, w: Any, k: int, count: int | None) -> tuple[Any, Any]:
+    """Step ``k + 1`` (``k`` steps taken) by the engine's per-parameter step: the refresh when due, then
+    ``routed_update`` (the families' routes, which the reference never takes); ``count`` its host counter (``None``:
+    the state's).  Returns ``(W_{k+1}, state)``."""
     import adadiag_ref as ar
+    from adadiag_ref.optim import namespace
     from adadiag_ref.optim.engine import routed_update
+
+    refreshed = ar.refresh_due(k, cfg)
+    if refreshed:
+        state = ar.refresh_basis(state, g, cfg)
+    delta, state = routed_update(state, g, cfg, w, None, refreshed, count, namespace(g, w))
+    return w + delta, state
+
+
+def routed_replay(name: str, w0: Any, grads: Any, **kw: Any) -> np.ndarray:
+    """``ar.replay``'s trajectory through the engine's per-parameter step (:func:`routed_step`), as one NumPy
+    array."""
+    import adadiag_ref as ar
 
     cfg = ar.make_config(name, **kw)
     state, w, out = ar.init(w0, cfg), w0, []
     for k, g in enumerate(grads):
-        refreshed = ar.refresh_due(k, cfg)
-        if refreshed:
-            state = ar.refresh_basis(state, g, cfg)
-        delta, state = routed_update(state, g, cfg, w, None, refreshed, k, np)
-        w = w + delta
+        w, state = routed_step(state, g, cfg, w, k, k)
         out.append(w)
     return np.stack(out)

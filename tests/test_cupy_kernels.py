@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from _cuda_c import ElementwiseKernel, ReductionKernel, Unsupported
 from array_api_compat import is_numpy_namespace
-from conftest import _load_backend, to_np
+from conftest import _load_backend, routed_step, to_np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +35,7 @@ from adadiag_ref import _kernels
 from adadiag_ref._kernels import cupy_kernels as ck
 from adadiag_ref._xp import namespace
 from adadiag_ref.optim.core import prepare_step
-from adadiag_ref.optim.engine import routed_direction, routed_update
+from adadiag_ref.optim.engine import routed_direction
 from adadiag_ref.optim.families import FAMILIES
 from adadiag_ref.optim.families.adafactor import cupy_route as adafactor_route
 from adadiag_ref.optim.families.adam import cupy_route as adam_route
@@ -667,11 +667,7 @@ def _trajectory(
         elif kernels == "reference":
             w, state = ar.step(state, g, cfg, w, count=count)
         else:  # the routes run in the engine only: its per-parameter step
-            refreshed = ar.refresh_due(k, cfg)
-            if refreshed:
-                state = ar.refresh_basis(state, g, cfg)
-            delta, state = routed_update(state, g, cfg, w, None, refreshed, count, namespace(g, w))
-            w = w + delta
+            w, state = routed_step(state, g, cfg, w, k, count)
     return w, state
 
 

@@ -92,6 +92,19 @@ def _assert_states(got: Any, want: Any, exact: bool, dtype: Any, rtol: float | N
             _assert_close(a, b, exact, dtype, rtol)
 
 
+def _in_lockstep(engine: Any, params: list, host_params: list, stream: list, cfg: Any, convert: Any) -> tuple:
+    """Every step of ``stream`` by ``engine`` (in place into ``params``) and by per-parameter ``ar.step`` from the
+    same ``host_params``; returns the reference's parameters and states."""
+    singles = [convert(p) for p in host_params]
+    states = [ar.init(w, cfg) for w in singles]
+    for k, grads in enumerate(stream):
+        returned = engine.step([convert(g) for g in grads], params)
+        assert all(r is p for r, p in zip(returned, params, strict=True))  # in place
+        pairs = [ar.step(s, convert(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    return singles, states
+
+
 # ----------------------------------------------------------------------------- the results of ar.step
 
 
@@ -107,13 +120,7 @@ def test_engine_equals_step_per_parameter(name: str, dtype: Any, backend: str) -
     host_params, stream = _stream(SHAPES, dtype, steps=5)
     engine_params = [convert(p) for p in host_params]
     engine = ar.Engine(engine_params, cfg)
-    singles = [convert(p) for p in host_params]
-    states = [ar.init(w, cfg) for w in singles]
-    for k, grads in enumerate(stream):
-        returned = engine.step([convert(g) for g in grads], engine_params)
-        assert all(r is p for r, p in zip(returned, engine_params, strict=True))  # in place
-        pairs = [ar.step(s, convert(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
-        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    singles, states = _in_lockstep(engine, engine_params, host_params, stream, cfg, convert)
     # bit for bit on array_api_strict and CPU torch (the reference's arithmetic on both sides; in host memory the
     # engine's GEMMs are per matrix, as rotation.rotate's) and for the Adam family on NumPy, whose numba kernels
     # compute each entry with the reference's expressions in its order (and NumPy's matmul over a stack calls BLAS
@@ -862,13 +869,7 @@ def test_engine_over_cpu_torch_tensors_runs_the_group_kernels(name: str, dtype: 
     assert unrotated and (name == "adamw" or rotated)
     assert all("engine_step over the members' own memory" in routes[i].entrywise for i in unrotated), routes
     assert all("engine_tail over the members' own memory" in routes[i].entrywise for i in rotated), routes
-    singles = [_torch(p) for p in host_params]
-    states = [ar.init(w, cfg) for w in singles]
-    for k, grads in enumerate(stream):
-        returned = engine.step([_torch(g) for g in grads], params)
-        assert all(r is p for r, p in zip(returned, params, strict=True))  # in place
-        pairs = [ar.step(s, _torch(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
-        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+    singles, states = _in_lockstep(engine, params, host_params, stream, cfg, _torch)
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
         _assert_close(w, want, True, dtype)
         _assert_states(engine.state(i), states[i], True, dtype)

@@ -257,18 +257,15 @@ def _native_concatenate(xp: Namespace) -> Callable[..., Any] | None:
     return concatenate
 
 
-def _in_host_memory(xp: Namespace, state: State) -> bool:
-    """Whether a per-parameter group's arrays are NumPy's or torch CPU tensors: such a group keeps one
-    :func:`routed_update` per parameter rather than stacks.  On the CPU there are no launches
-    to save, a stack costs copies of ``G`` and ``W``, and NumPy's fused numba update kernels take single
-    matrices only (LLaMA-60M's 16 block matrices, float32: Adafactor 61 ms per parameter against 127 ms
-    stacked on NumPy, 62 against 84 ms on torch CPU)."""
+def _in_host_memory(xp: Namespace, array: Array) -> bool:
+    """Whether ``array`` is NumPy's or a torch CPU tensor: no device to wait on or launch for.  The engine then
+    reads its verdict first, rotates one matrix at a time (the reference's products), and a per-parameter group
+    keeps one :func:`routed_update` per parameter rather than stacks: a stack costs copies of ``G`` and ``W``,
+    and NumPy's fused numba update kernels take single matrices only (LLaMA-60M's 16 block matrices, float32:
+    Adafactor 61 ms per parameter against 127 ms stacked on NumPy, 62 against 84 ms on torch CPU)."""
     if is_numpy_namespace(xp):
         return True
-    if is_torch_namespace(xp):
-        array = next(v for v in (state.param_shape, state.count, *state) if hasattr(v, "shape"))
-        return bool(getattr(creation_device(array), "type", None) == "cpu")
-    return False
+    return is_torch_namespace(xp) and getattr(creation_device(array), "type", None) == "cpu"
 
 
 def _flattened(moments: Mapping[str, Array | None], xp: Namespace) -> dict[str, Array | None]:
@@ -458,10 +455,7 @@ class Engine:
         self._param_dtypes = [p.dtype for p in params]
         self._family = family = family_of(cfg)
         self._immutable = is_jax_namespace(xp)
-        # NumPy, or torch with every parameter on the CPU: no device to wait on (the verdict is read first)
-        self._host = is_numpy_namespace(xp) or (
-            is_torch_namespace(xp) and all(getattr(creation_device(p), "type", None) == "cpu" for p in params)
-        )
+        self._host = all(_in_host_memory(xp, p) for p in params)
         self._native = _native_concatenate(xp)
         kind = "flat" if family.entrywise else "per-parameter"
         grouped: dict[tuple[Any, ...], list[int]] = {}
@@ -512,7 +506,10 @@ class Engine:
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i in indices:
             by_shape.setdefault(self._shapes[i], []).append(i)
-        host = _in_host_memory(self.xp, states[indices[0]])
+        state = states[indices[0]]
+        host = _in_host_memory(
+            self.xp, next(v for v in (state.param_shape, state.count, *state) if hasattr(v, "shape"))
+        )
         for shape, members in by_shape.items():
             one = len(members) == 1 or host
             stacks = [[i] for i in members] if one else [members]

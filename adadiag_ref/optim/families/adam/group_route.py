@@ -49,7 +49,7 @@ from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from .... import _kernels
 from ...._kernels import delta_entry, ema_entry, is_host_number, prange, scalar
-from ...._xp import Namespace
+from ...._xp import Namespace, float_dtype_name, plain_cpu_tensor
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
@@ -341,7 +341,7 @@ class NumpyGroup:
         out = np.empty(len(arrays), dtype=np.int64)
         if self.tensors:
             for k, a in enumerate(arrays):
-                if not _dense_host_tensor(a):
+                if not (plain_cpu_tensor(a) and a.is_contiguous()):
                     return None
                 out[k] = a.data_ptr()
             return out
@@ -400,21 +400,6 @@ class NumpyGroup:
                   (self.offsets, _host(direction), neg_lr, wd, decays(self.cfg)))  # fmt: skip
 
 
-def _dense_host_tensor(a: Any) -> bool:
-    """Whether ``a`` is a plain dense CPU torch tensor (no subclass such as a DTensor, no lazy negation or
-    conjugation), whose memory the kernels may walk from ``data_ptr()``."""
-    import torch
-
-    return (
-        type(a) in (torch.Tensor, torch.nn.Parameter)
-        and a.device.type == "cpu"
-        and a.layout == torch.strided
-        and a.is_contiguous()
-        and not a.is_neg()
-        and not a.is_conj()
-    )
-
-
 def _host(a: Any) -> Any:
     """A NumPy array as it is; a CPU torch tensor (the engine's own flat arrays) as a zero-copy NumPy view."""
     return a if isinstance(a, np.ndarray) else a.detach().numpy()
@@ -423,14 +408,14 @@ def _host(a: Any) -> Any:
 def _host_dtype(dtype: Any, device: Any, xp: Namespace) -> tuple[Any, bool] | None:
     """``(NumPy dtype, tensors)`` of a group the kernels can step in host memory: NumPy float32/float64 arrays,
     or CPU torch float32/float64 tensors (``tensors``); ``None`` otherwise."""
-    if is_numpy_namespace(xp):
-        return (dtype, False) if dtype in (np.float32, np.float64) else None
-    if is_torch_namespace(xp) and getattr(device, "type", None) == "cpu":
-        import torch
-
-        found = {torch.float32: np.float32, torch.float64: np.float64}.get(dtype)
-        return None if found is None else (found, True)
-    return None
+    tensors = is_torch_namespace(xp) and getattr(device, "type", None) == "cpu"
+    if not (tensors or is_numpy_namespace(xp)):
+        return None
+    try:
+        name = float_dtype_name(dtype, xp)
+    except ValueError:
+        return None
+    return (np.dtype(name), tensors) if name in ("float32", "float64") else None
 
 
 def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp: Namespace) -> NumpyGroup | None:

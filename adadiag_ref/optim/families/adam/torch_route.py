@@ -1,5 +1,6 @@
-"""Threads for the torch adapter's CPU group kernels: a chunk table's rows cut into guided pieces that this
-thread and persistent helper threads take as they finish (:func:`split_rows`; the numba kernels release the GIL).
+"""Threads for the group kernels over CPU torch tensors (the torch adapter's lanes, the engine's
+:class:`~.group_route.NumpyGroup`): a chunk table's rows cut into guided pieces that this thread and persistent
+helper threads take as they finish (:func:`split_rows`; the numba kernels release the GIL).
 
 numba's thread pool is never used here: next to torch's OpenMP threads, which spin after each parallel region, it
 ran slower than one thread.  Every entry is computed by the same code whatever the cut, so the bits do not depend
