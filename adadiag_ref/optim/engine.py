@@ -98,9 +98,11 @@ engine runs one config for all of its parameters.
 The engine is the only code that runs the families' fast routes (:class:`~adadiag_ref.optim.families.Routes`):
 the reference (:func:`~adadiag_ref.update`, :func:`~adadiag_ref.step`) never tries one.  Results: per parameter
 those of :func:`~adadiag_ref.step` with the same count, bit for bit where the engine takes the reference
-arithmetic (``kernels="reference"``, and any backend without kernels, e.g. ``array_api_strict`` and CPU torch) or
-a fused route (the Adam family's update and group kernels: the same formulas in the same order); to rounding
-where a direction kernel sums in another order (Adafactor's and Hfac's factored statistics on NumPy and CuPy).
+arithmetic (``kernels="reference"``, and any backend without kernels, e.g. ``array_api_strict``) or a fused route
+(the Adam family's update and group kernels, on NumPy and CPU torch: the same formulas in the same order, and in
+host memory one GEMM per matrix); to rounding where a direction kernel sums in another order (Adafactor's and
+Hfac's factored statistics on NumPy and CuPy), and on a device, where batched GEMMs and stacked decompositions
+round otherwise than single ones.
 """
 
 from __future__ import annotations
@@ -901,9 +903,7 @@ class Engine:
         counts = [self._kernels_of(g).nonfinite(d) for g, d in zip(self._flat, direct, strict=True)
                   if d is not None and not g.blocks and check]  # fmt: skip
         verdict_first = check and (any(due) or self._host)
-        if (
-            verdict_first
-        ):  # before any decomposition (LAPACK never sees NaN or Inf); in host memory no device to wait on
+        if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); in host memory, no device
             self._raise_unless(self._verdict(checked, counts), grads)
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not self._host
@@ -1278,12 +1278,20 @@ def routed_direction(state: State, g_rot: Array, t: Any, cfg: BaseConfig, xp: Na
 
 
 def routed_update(
-    state: State, grad: Array, cfg: BaseConfig, param: Array, lr: Any, refreshed: Any, count: int, xp: Namespace
+    state: State,
+    grad: Array,
+    cfg: BaseConfig,
+    param: Array,
+    lr: Any,
+    refreshed: Any,
+    count: int | None,
+    xp: Namespace,
 ) -> tuple[Array, State]:
     """:func:`~adadiag_ref.update` of one parameter (or one ``batch_dims`` stack) with the family's routes tried
     first: its first fused update route that applies to a single matrix (moments, direction and tail in one
     call), else :func:`routed_direction` and the reference's rotation and tail.  The same formulas, so the same
-    bits, except a direction kernel, which agrees to rounding (``Routes``)."""
+    bits, except a direction kernel, which agrees to rounding (``Routes``).  ``count``: the host counter, as in
+    :func:`~adadiag_ref.update` (``None``: the state's)."""
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp, count)
     layout, family = step_in.layout, family_of(cfg)
     eta = learning_rate(cfg, lr)
