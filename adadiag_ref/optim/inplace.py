@@ -92,5 +92,5 @@ def update_in_place(
     delta, new = update_prepared(state, step_in, cfg, param, lr, xp)
     param += delta
     moments = family_of(cfg).moment_fields
-    commit({k: getattr(state, k) for k in moments}, {k: getattr(new, k) for k in moments}, adopt=False)
+    commit({k: getattr(state, k) for k in moments}, {k: getattr(new, k) for k in moments})
     return state._replace(count=new.count)

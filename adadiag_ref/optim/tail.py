@@ -55,15 +55,11 @@ def decayed_step(direction: Array, w: Array, eta: Any, cfg: BaseConfig, *, owned
     return direction
 
 
-def commit(targets: dict[str, Array | None], values: dict[str, Array | None], *, adopt: bool) -> None:
-    """Write each new value into its target buffer (the last step of ``update_in_place``; nothing here can fail on
-    buffers of matching shape and dtype).  ``adopt``: a torch tensor takes the new value's storage
-    (``Tensor.set_``: the same tensor object, O(1), no copy pass); otherwise the entries are copied."""
+def commit(targets: dict[str, Array | None], values: dict[str, Array | None]) -> None:
+    """Copy each new value into its target buffer (the last step of ``update_in_place``; nothing here can fail on
+    buffers of matching shape and dtype)."""
     for name, target in targets.items():
         value = values.get(name)
         if target is None or value is None or value is target:
             continue
-        if adopt:
-            target.set_(value)
-        else:
-            target[...] = value
+        target[...] = value

@@ -385,7 +385,7 @@ class NumpyGroup:
         return sum(int(n) for n in self._run(nonfinite_at, nonfinite_at_parallel, (prepared.g_at,), (self.like,)))
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        if proceed is not None:  # the engine reads the verdict first on NumPy
+        if proceed is not None:  # the engine reads the verdict first in host memory
             raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
