@@ -103,4 +103,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str
             results[f"{wrapper}/{fault}"] = run_case(rank, wrapper, fault)
             torch.save(results, os.path.join(out_dir, f"agree{rank}.pt"))  # what finished, even if a later case hangs
     finally:
+        # every rank's collectives done before any rank tears its process group down (a gloo rank destroyed while
+        # its peer still had work in flight aborted: "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
