@@ -9,13 +9,17 @@ driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device,
                                                   # W += delta, delta = -eta_t (P U~ Q^T + lambda W_t);
                                                   # bit-identical to update(), moments overwritten in place
 
-The core resolves the torch namespace itself (``array_api_compat``); nothing is
-copied to NumPy.  ``update_in_place`` is the reference's arithmetic in torch ops.  The adapter still has executors
-of its own, which compute the same formulas in the same order (:meth:`CoreOptimizer.routes` says which runs): on a
-step without refresh the Adam family's float32/float64 CPU parameters take the group kernels (numba over the very
-tensors' memory), a ``foreach`` group the multi-tensor chain (``torch._foreach_*``), CUDA parameters with CuPy
-installed the CUDA group kernels.  Moving them into the engine (:class:`adadiag_ref.Engine`) is the open part of
-issue 44.
+The core resolves the torch namespace itself (``array_api_compat``); nothing is copied to NumPy.  Who computes a
+parameter's step (:meth:`CoreOptimizer.routes` says it per parameter):
+
+* a parameter in host memory (a plain CPU tensor; ``foreach`` off, the CPU's default) is stepped by its param
+  group's :class:`adadiag_ref.Engine` (one per group, kept between steps, refresh steps included): its group kernels
+  over the tensors' own memory (numba), one ``torch.mm`` per rotated matrix, ``ar.step``'s bits.  The engine holds
+  the moments and bases, and ``optimizer.state[p]``'s tensors are views of its arrays, written in place;
+* a ``foreach`` group (the default on CUDA): the multi-tensor chain (``torch._foreach_*``), CUDA parameters with
+  CuPy installed the CUDA group kernels; FSDP2's sharded parameters their own route (:mod:`._sharded`); any other
+  parameter ``update_in_place`` (the reference's arithmetic in torch ops).  Moving the device routes into the
+  engine is the open part of issue 44.
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -75,9 +79,8 @@ from adadiag_ref.optim import (
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 
-# the executors issue 44 moves into the engine: the group kernels the CPU lanes and the CUDA launch call
-from adadiag_ref.optim.families.adam import cupy_group, group_route, torch_route
-from adadiag_ref.optim.families.adam.numba_route import kernel_scalars
+# the executor issue 44 still has to move into the engine: the CUDA launch's group kernels
+from adadiag_ref.optim.families.adam import cupy_group
 
 from . import _sharded
 
@@ -203,7 +206,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             is written as ``torch._foreach_*`` calls; another entrywise family's direction function runs once over
             the concatenation of the group's ``G~`` and moments.  ``None`` (default): on when every parameter of
             the group with a gradient is on a device with foreach kernels (CUDA), off on the CPU, where the default
-            route is the faster one (the group kernels: :meth:`routes`, docs/adapters.md).  ``True`` forces it on
+            route is the faster one (the group's engine: :meth:`routes`, docs/adapters.md).  ``True`` forces it on
             the CPU too, where it is bit-identical to ``False``.  Adafactor and Hfac (factored moments, not
             entrywise) ignore it (their per-parameter route).  A group may set it; ``load_state_dict`` keeps this
             optimizer's choice (the state is the same either way).
@@ -289,7 +292,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
-        self._host_plan: _HostPlan | None = None  # the routes resolved once (:meth:`_resolve_routes`)
+        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its CPU parameters (_engine_of)
         self._group_kernels: dict[tuple[Any, ...], Any] = {}  # CUDA group kernels per batch (:func:`_launch_group`)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
@@ -324,7 +327,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._warned_eager_under_compile = False
         self._configs = {}
         self._frames = {}
-        self._host_plan = None
+        self._engines = {}
         self._group_kernels = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
@@ -342,7 +345,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
-        self._host_plan = None  # a new group: the routes are resolved again
         self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
     # ------------------------------------------------------------------ config
@@ -389,9 +391,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
             _foreach_traced(_step_on_host_outside_graph(self, True))
             return loss
-        agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
-        if not self._host_route_step():
-            self._step_on_host(deferred=False, agreed=agreed)
+        self._step_on_host(deferred=False, agreed=self._agreed())  # the ranks agree before any other exchange
         return loss
 
     def _update_in_graph(self) -> bool:
@@ -466,8 +466,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             if not self._warned_eager_under_compile:
                 self._warned_eager_under_compile = True
                 warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
-            if not self._host_route_step():
-                self._step_on_host(deferred=False, agreed=agreed)
+            self._step_on_host(deferred=False, agreed=agreed)
             return []
         work = []
         for group_index, group in enumerate(self.param_groups):
@@ -489,7 +488,9 @@ class CoreOptimizer(torch.optim.Optimizer):
                 if fresh:
                     flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index))
+                engine = not (foreach or sharded) and _in_host_memory(p)
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index,
+                                  engine))  # fmt: skip
         self._check_shapes(work)
         # a step of existing multi-tensor states without refresh reads its finiteness verdict after its work is
         # queued (the device never waits for the host's check), and commits only then; any other step reads it
@@ -498,18 +499,31 @@ class CoreOptimizer(torch.optim.Optimizer):
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         queued = not deferred and bool(work) and not any(due)
         queued = queued and all(item.foreach and not item.fresh for item in work)
-        verdict = self._finiteness(work) if queued and not agreed else None
+        if self._split() and any(due):  # the bases decomposed once over the ranks: that step per parameter
+            work = [item._replace(engine=False) for item in work]
+        engines = self._engines_for(work, counts)
+        off_engine = [item for item in work if not item.engine]
+        verdict = self._finiteness(off_engine) if queued and not agreed else None
         if verdict is None:
             if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
-                self._raise_if_nonfinite(work, self._finiteness(work))
+                self._raise_if_nonfinite(off_engine, self._finiteness(off_engine))
+                for held, items in engines:
+                    if not bool(held.engine.finite([item.grad for item in items])):
+                        self._raise_first_nonfinite(items)
             if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
                 for item in work:
                     self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
                 return []
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
-        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d]))
+        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine]))
         batches: dict[tuple[Any, ...], list[_Batched]] = {}
+        for held, items in engines:
+            for item in items:
+                self._commit(item, {})  # a fresh state enters self.state
+            held.step(items)
         for item, is_due, count in zip(work, due, counts, strict=True):
+            if item.engine:
+                continue
             # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
             # moments in place, so only the counter and new bases need writing back, into the same tensor objects
             state = to_core_state(item.flat, item.cfg)
@@ -569,190 +583,125 @@ class CoreOptimizer(torch.optim.Optimizer):
                 self._commit_batch(commit, batch)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
-        plan = self._host_plan
-        if plan is None or plan.lanes is not None or any(item.fresh for item in work):
-            # states may be new or have new storage (Tensor.set_): the group kernels' addresses are resolved again
-            # next step; a decision without group kernels (foreach, another family, bfloat16) names no address
-            self._host_plan = None
         return plans
 
-    # ------------------------------------------------------------------ routes resolved once
+    def _split(self) -> bool:
+        """Whether a refresh is split over the ranks (``split_refresh`` under more than one rank)."""
+        dist = torch.distributed
+        return (
+            self.split_refresh
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
 
-    def _resolve_routes(self) -> _HostPlan:
-        """Decide, once, which code steps each parameter (:class:`_HostPlan`); :meth:`step` and :meth:`routes`
-        both read this decision.  Kept until something it depends on changes (:meth:`_HostPlan.still_valid`;
-        ``add_param_group``, ``load_state_dict`` and any step through the per-parameter route drop it)."""
-        xp = torch_namespace()
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        split = self.split_refresh and distributed and torch.distributed.get_world_size() > 1
-        snapshots: list[tuple[Any, ...]] = []
-        routes: dict[str, dict[str, str]] = {}
-        lanes_by_key: dict[tuple[int, torch.dtype], _Lane] = {}
-        idle: list[torch.Tensor] = []
-        large_lanes: dict[tuple[int, torch.dtype], _LargeLane] = {}
-        eligible = True
-        for group_index, group in enumerate(self.param_groups):
-            cfg = self._build_config(group)
-            snapshots.append(_snapshot(group))
-            foreach = _foreach_on(group, cfg)
-            names = group.get("param_names")
-            for index, p in enumerate(group["params"]):
-                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
-                if p.grad is None:
-                    idle.append(p)
-                    routes[label] = {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
-                    continue
-                flat = self.state.get(p) or {}
-                layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
-                rotated = layout is None or layout.rotate_left or layout.rotate_right
-                sharded = _sharded.is_sharded(p)
-                reason = _host_route_refusal(p, flat, cfg, foreach, sharded, layout, xp)
-                if sharded:
-                    moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-                elif (
-                    foreach
-                    and family_of(cfg) is ADAM_FAMILY
-                    and layout is not None
-                    and _addressable(p, flat, layout, rotated, xp)
-                    and _group_launcher(cfg, p.dtype, p.device) is not None
-                ):
-                    moments = (
-                        "CUDA group kernel (cupy_group, by address: one launch for the step's unrotated parameters "
-                        "of the group, W, M, V in place"
-                        + (
-                            "; for its rotated ones one launch for M, V and U~ over G~, the GEMMs per parameter, one "
-                            "launch for the tail W <- W - eta (D + lambda W)"
-                            if rotated
-                            else ""
-                        )
-                        + "; foreach multi-tensor on a refresh step or a gradient of another dtype or not dense)"
-                    )
-                elif foreach and family_of(cfg) is ADAM_FAMILY:
-                    moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
-                elif foreach:
-                    moments = (
-                        "flat multi-tensor (one torch.cat per array, the family's direction once over it, "
-                        "torch._foreach_* tail)"
-                    )
-                elif reason is None:
-                    moments = "numba group kernels (CPU; one call per kernel for the group and dtype)"
-                else:
-                    moments = "per parameter: update_in_place (the reference's arithmetic, copied into the state)"
-                if not rotated:
-                    refresh = "none (no basis)"
-                elif sharded:
-                    refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
-                elif split:
-                    refresh = "split over ranks (owner per matrix, bases broadcast)"
-                else:
-                    refresh = "batched stack (ar.refresh_bases per config and shape), per-parameter route that step"
-                routes[label] = {
-                    "refresh": refresh,
-                    "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
-                    "moments": moments,
-                    **({} if reason is None else {"why_not_group_kernels": reason}),
-                }
-                if reason is not None:
-                    eligible = False
-                    continue
-                assert layout is not None
-                if p.numel() > _GROUP_MAX_ENTRIES:
-                    routes[label]["moments"] = (
-                        f"large-parameter group kernel (more than {_GROUP_MAX_ENTRIES} entries; "
-                        + (
-                            "rotated: G~ into the lane's buffer, M, V in place and U~ by one numba call, D into the "
-                            "second buffer, one call for the tail, both on the calling thread"
-                            if rotated
-                            else "numba calls over guided pieces of all of them, as many whatever their number, "
-                            "one pass each"
-                        )
-                        + ")"
-                    )
-                    large = large_lanes.setdefault((group_index, p.dtype), _LargeLane(group_index, cfg, p.dtype))
-                    large.add(p, flat, layout, _where(names, index, group_index))
-                    continue
-                lane = lanes_by_key.setdefault((group_index, p.dtype), _Lane(group_index, cfg, p.dtype))
-                lane.add(p, flat, layout, _where(names, index, group_index))
-        finished: list[Any] = [lane.finish() for lane in lanes_by_key.values()] if eligible else []
-        finished += [lane.finish() for lane in large_lanes.values()] if eligible else []
-        lanes = [lane for lane in finished if lane is not None]
-        if len(lanes) != len(finished) or not lanes:
-            for entry in routes.values():
-                if entry["moments"].startswith(("numba group", "large-parameter group")):
-                    entry["moments"] = (
-                        "per parameter: update_in_place (the reference's arithmetic, copied into the state)"
-                    )
-                    entry["why_not_group_kernels"] = "another parameter of the step cannot take the group kernels"
-        return _HostPlan(snapshots, routes, lanes or None, idle)
+    def _engines_for(self, work: list[_Work], counts: list[int]) -> list[tuple[_GroupEngine, list[_Work]]]:
+        """Per param group, the engine that steps its parameters in host memory (``item.engine``) and those
+        items: the one kept when it still holds them, else one built over their states (the state dicts then hold
+        views of its arrays; their values are unchanged)."""
+        by_group: dict[int, list[tuple[_Work, int]]] = {}
+        for item, count in zip(work, counts, strict=True):
+            if item.engine:
+                by_group.setdefault(item.group_index, []).append((item, count))
+        engines = []
+        for group_index, members in by_group.items():
+            items, group_counts = [item for item, _ in members], [count for _, count in members]
+            held = self._engines.get(group_index)
+            if held is None or not held.holds(items, group_counts):
+                held = self._engines[group_index] = _GroupEngine(items, group_counts)
+            engines.append((held, items))
+        return engines
+
+    def _engine_of(self, group_index: int) -> _GroupEngine | None:
+        """The engine the group's parameters with a gradient in host memory would step through now: the one kept
+        when it still holds them, else one built over their states (new ones where they have none) but not kept."""
+        group = self.param_groups[group_index]
+        cfg = self._build_config(group)
+        if _foreach_on(group, cfg):
+            return None
+        names = group.get("param_names")
+        items = []
+        for index, p in enumerate(group["params"]):
+            if p.grad is None or not _in_host_memory(p) or _sharded.is_sharded(p):
+                continue
+            flat = self.state.get(p) or from_core_state(ar.init(p.detach(), cfg))
+            label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+            items.append(_Work(p, p.grad, flat, False, cfg, group["lr"], "", label, False, group_index, True))
+        if not items:
+            return None
+        counts = [int(item.flat["step"]) for item in items]
+        held = self._engines.get(group_index)
+        if held is not None and held.holds(items, counts):
+            return held
+        return _GroupEngine([item._replace(flat=dict(item.flat)) for item in items], counts)
 
     def routes(self) -> dict[str, dict[str, str]]:
         """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
-        given them, else ``"param_groups[i].params[j]"``): a mapping with
+        given them, else ``"param_groups[i].params[j]"``), for the gradients present now: a mapping with
 
-        * ``"refresh"``: the basis refresh (``"batched stack ..."``, ``"sharded owner ..."``, ``"split over
-          ranks ..."``, ``"none (no basis)"``); a refresh step runs every parameter through the per-parameter
-          route;
-        * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T`` (``"GEMM ..."`` or ``"none"``);
-        * ``"moments"``: moments, direction and tail of a step without refresh: ``"numba group kernels ..."``
-          (the default CPU route, :mod:`adadiag_ref.optim.families.adam.group_route`), ``"foreach
-          multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or ``"sharded ..."``;
-        * ``"why_not_group_kernels"`` (only where the default CPU route does not take the parameter): why.
+        * ``"refresh"``: the basis refresh;
+        * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T``;
+        * ``"moments"``: moments, direction and tail of a step;
+        * ``"engine"`` (a parameter in host memory): its group in the param group's :class:`adadiag_ref.Engine`.
 
-        Read from the very decision :meth:`step` uses (resolved once and cached, :class:`_HostPlan`), for the
-        gradients present now: a parameter without a gradient is skipped.  The group kernels run only when every
-        parameter with a gradient qualifies (otherwise the whole step takes the per-parameter routes, and the
-        entries say so).
+        A parameter in host memory (the CPU; not FSDP2's, not a ``foreach`` group) is stepped by its param group's
+        engine, and its entries are that engine's :meth:`adadiag_ref.Engine.routes`; the others say
+        ``"foreach multi-tensor ..."``, ``"CUDA group kernel ..."``, ``"per parameter: update_in_place ..."`` or
+        ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
-        plan = self._host_plan
-        if plan is None or not plan.still_valid(self):
-            plan = self._host_plan = self._resolve_routes()
-        return {label: dict(entry) for label, entry in plan.routes.items()}
+        out: dict[str, dict[str, str]] = {}
+        for group_index, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            labels = [str(names[i]) if names else f"param_groups[{group_index}].params[{i}]"
+                      for i in range(len(group["params"]))]  # fmt: skip
+            held = self._engine_of(group_index)
+            by_engine = dict(zip(held.params_ids(), held.engine.routes().values(), strict=True)) if held else {}
+            for label, p in zip(labels, group["params"], strict=True):
+                if id(p) in by_engine:
+                    route = by_engine[id(p)]
+                    out[label] = {"refresh": route.refresh, "rotate": route.rotate, "moments": route.entrywise,
+                                  "engine": route.group}  # fmt: skip
+                else:
+                    out[label] = self._route_off_engine(p, group)
+        return out
 
-    def _refresh_due_somewhere(self) -> bool:
-        """Whether the first parameter with a state and a gradient of some rotating group is due for a refresh (a
-        cheap look before resolving the routes: a refresh step takes the per-parameter route anyway)."""
-        for group in self.param_groups:
-            cfg = self._build_config(group)
-            if not cfg.sides:
-                continue
-            for p in group["params"]:
-                flat = self.state.get(p)
-                if flat and p.grad is not None:
-                    if ar.refresh_due(int(flat["step"]), cfg):
-                        return True
-                    break
-        return False
-
-    def _host_route_step(self) -> bool:
-        """A step through the group kernels (:mod:`adadiag_ref.optim.families.adam.group_route`) when the cached
-        decision (:meth:`_resolve_routes`) puts every parameter with a gradient there and no refresh is due;
-        ``False``, having changed nothing, otherwise (the caller then takes :meth:`_step_on_host`).
-
-        The same checks as the per-parameter route, in the same order of effects: every gradient is validated
-        (dtype, shape, layout; finiteness counted exactly by the first kernel, which writes only scratch) before
-        the first write, and a non-finite gradient raises ``ValueError`` naming the parameter with nothing changed.
-        """
-        plan = self._host_plan
-        if plan is None and self._refresh_due_somewhere():
-            return False  # a refresh step takes the per-parameter route: resolve after it, not before
-        if plan is None or not plan.still_valid(self):
-            plan = self._host_plan = self._resolve_routes()
-        if plan.lanes is None:
-            return False
-        xp = torch_namespace()
-        ready = []
-        for lane in plan.lanes:  # phase 1: validation and scratch only
-            group = self.param_groups[lane.group_index]
-            step_in = lane.prepare(group, xp)
-            if step_in is None:
-                return False
-            ready.append(step_in)
-        for lane, step_in in zip(plan.lanes, ready, strict=True):
-            if (where := lane.failure(step_in)) is not None:
-                raise ValueError(f"gradient of {where}; no parameter and no optimizer state was changed")
-        for lane, step_in in _large_lanes_first(plan.lanes, ready):  # phase 2: the writes
-            lane.apply(step_in)
-        return True
+    def _route_off_engine(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, str]:
+        """:meth:`routes`' entry of a parameter that no engine steps."""
+        if p.grad is None:
+            return {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
+        cfg = self._build_config(group)
+        layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
+        rotated = layout is None or layout.rotate_left or layout.rotate_right
+        sharded = _sharded.is_sharded(p)
+        flat = self.state.get(p) or {}
+        if sharded:
+            moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
+        elif family_of(cfg) is ADAM_FAMILY and layout is not None and _addressable(p, flat, layout, rotated,
+                torch_namespace()) and _group_launcher(cfg, p.dtype, p.device) is not None:  # fmt: skip
+            moments = (
+                "CUDA group kernel (cupy_group, by address: one launch for the step's unrotated parameters of the "
+                "group, W, M, V in place"
+                + ("; for its rotated ones one launch for M, V and U~ over G~, the GEMMs per parameter, one launch "
+                   "for the tail W <- W - eta (D + lambda W)" if rotated else "")
+                + "; foreach multi-tensor on a refresh step or a gradient of another dtype or not dense)"
+            )  # fmt: skip
+        elif _foreach_on(group, cfg) and family_of(cfg) is ADAM_FAMILY:
+            moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
+        elif _foreach_on(group, cfg):
+            moments = ("flat multi-tensor (one torch.cat per array, the family's direction once over it, "
+                       "torch._foreach_* tail)")  # fmt: skip
+        else:
+            moments = "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)"
+        if not rotated:
+            refresh = "none (no basis)"
+        elif sharded:
+            refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
+        elif self._split():
+            refresh = "split over ranks (owner per matrix, bases broadcast)"
+        else:
+            refresh = "batched stack (ar.refresh_bases per config and shape)"
+        return {"refresh": refresh, "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
+                "moments": moments}  # fmt: skip
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -790,7 +739,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
-        order, reductions = _finiteness_sums([item.grad for item in work], [item.foreach for item in work])
+        order, reductions = _finiteness_sums(
+            [item.grad for item in work], [item.foreach or item.engine for item in work]
+        )
         return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
 
     def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> bool:
@@ -803,9 +754,14 @@ class CoreOptimizer(torch.optim.Optimizer):
         order, finite = verdict
         if bool(finite.all()):
             return True
-        suspects = [work[order[int(i)]] for i in torch.nonzero(~finite).flatten()]
+        return self._raise_first_nonfinite([work[order[int(i)]] for i in torch.nonzero(~finite).flatten()])
+
+    @staticmethod
+    def _raise_first_nonfinite(suspects: list[_Work]) -> bool:
+        """``ValueError`` naming the first of ``suspects`` whose gradient holds NaN or Inf (tested exactly);
+        ``False`` when none does (finite entries whose sum overflowed)."""
         bad = next((item for item in suspects if not _sharded.all_finite(item.grad)), None)
-        if bad is None:  # finite entries whose sum overflowed
+        if bad is None:
             return False
         raise ValueError(
             f"gradient of {bad.where} contains NaN or Inf at step {int(bad.flat['step']) + 1}; "
@@ -924,7 +880,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p in loaded:
                     self.state[p] = loaded[p]
-        self._host_plan = None  # new state tensors: the routes are resolved again
+        self._engines = {}  # new state tensors: the engines are built again, holding them
 
 
 _EAGER_UNDER_COMPILE = (
@@ -945,486 +901,6 @@ _step_on_host_outside_graph = torch.compiler.disable(
 """:meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
 
 
-def _order(x: torch.Tensor) -> tuple[int, ...]:
-    """The strides of the dimensions longer than 1: two dense tensors of one shape with equal orders hold entry
-    ``(i, j)`` at the same offset (the strides of length-1 dimensions are arbitrary)."""
-    return tuple(s for s, n in zip(x.stride(), x.shape, strict=True) if n > 1)
-
-
-def _snapshot(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A group's hyperparameters but ``lr`` (read at every step) as comparable values: a cached route decision
-    holds while the snapshot is equal."""
-    return tuple((k, _hashable(_number(v))) for k, v in group.items() if k not in ("params", "lr", "param_names"))
-
-
-def _host_route_refusal(
-    p: torch.Tensor,
-    flat: Mapping[str, torch.Tensor],
-    cfg: BaseConfig,
-    foreach: bool,
-    sharded: bool,
-    layout: Layout | None,
-    xp: Any,
-) -> str | None:
-    """Why the group kernels cannot step ``p`` (a clause), or ``None`` when they can."""
-    if not flat:
-        return "no state yet (the first step creates it through the per-parameter route)"
-    if sharded:
-        return "a sharded (DTensor) parameter"
-    if foreach:
-        return "the group's foreach route"
-    if family_of(cfg) is not ADAM_FAMILY:
-        return f"family {family_of(cfg).name!r} has no group kernels"
-    if cfg.kernels == "reference":
-        return "kernels='reference'"
-    if not group_route.AVAILABLE:
-        return "numba is not installed"
-    if layout is None:
-        return "batch_dims > 0"
-    if (
-        p.device.type != "cpu"
-        or p.dtype not in (torch.float32, torch.float64)
-        or type(p) not in (torch.Tensor, torch.nn.Parameter)
-    ):
-        return f"a {p.dtype} tensor on {p.device} (the kernels take plain float32/float64 CPU tensors)"
-    if not p.is_contiguous():
-        return "a non-contiguous parameter"
-    try:
-        state = to_core_state(flat, cfg)
-    except ValueError:
-        return "a state of another optimizer"
-    M, V = state.M, state.V
-    if (
-        M.dtype != p.dtype
-        or V.dtype != p.dtype
-        or any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in (M, V))
-    ):
-        return f"state dtype {M.dtype} differs from the parameter's {p.dtype}"
-    try:
-        check_state(state, p, p, cfg)
-    except ValueError:
-        return "a state whose shapes do not fit the parameter"
-    if state.P is None and state.Q is None:
-        if any(_order(from_work(x, layout, xp)) != _order(p) for x in (M, V)):
-            return "moments not in the parameter's memory order"
-    elif _order(M) != _order(V) or not (M.is_contiguous() or M.mT.is_contiguous()):
-        return "moments not dense in one memory order"
-    return None
-
-
-class _LaneStep(NamedTuple):
-    """One lane's step after validation: what :meth:`_Lane.apply` writes from."""
-
-    taken: int  # the steps taken (the host counters' value)
-    bad: Any  # NaN/Inf count per member
-    scalars: tuple[Any, ...]  # b1, c1, b2, c2, eps, -eta, lambda, decay
-    grads: list[torch.Tensor]  # the gradients (negated under maximize): kept alive while the kernels read them
-    g_at: Any  # their addresses
-
-
-_GEMM_ALIGNMENT = 64
-"""Bytes: the alignment of torch's CPU allocations, kept by the group route's GEMM buffers (:class:`_Lane`)."""
-
-
-class _Rotation(NamedTuple):
-    """One rotated member's GEMMs, the core's :func:`~adadiag_ref.optim.rotation.rotate` and ``unrotate`` written
-    out as the very ``torch.mm`` calls they make (``a @ b`` of 2-D operands is ``mm``; the same operands, the
-    same bits), the last product of each into persistent buffers (``out=``): ``G~`` (later ``U~``) and ``D`` keep
-    fixed addresses, in the memory order of ``M`` and of ``W`` (both the parameter's).  A two-sided member's first
-    product goes into ``between`` when it is given (:class:`_LargeLane`: every buffer exists before the step's
-    first write), else into a fresh tensor."""
-
-    matrix: tuple[int, int]  # the parameter as a matrix (to_work's reshape, before its transposition)
-    transposed: bool
-    P: torch.Tensor | None
-    Q: torch.Tensor | None
-    g_out: torch.Tensor  # G~'s memory: (m, n) C-order, or (n, m) C-order for a transposed work frame
-    d_out: torch.Tensor  # D's memory, likewise
-    between: torch.Tensor | None = None  # the first product of a two-sided member, g_out's shape
-
-    def _first(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.mm(a, b) if self.between is None else torch.mm(a, b, out=self.between)
-
-    def rotate(self, grad: torch.Tensor) -> None:
-        """``G~ = P^T G Q`` (:func:`~adadiag_ref.optim.rotation.rotate`) into ``g_out``."""
-        P, Q, x = self.P, self.Q, grad.view(self.matrix)
-        if self.transposed:  # (Q^T G^T P)^T: x is G^T
-            if Q is None:
-                torch.mm(x, P, out=self.g_out)  # type: ignore[arg-type]
-            else:
-                torch.mm(Q.mT, x if P is None else self._first(x, P), out=self.g_out)
-        elif Q is None:
-            torch.mm(P.mT, x, out=self.g_out)  # type: ignore[union-attr]
-        else:
-            torch.mm(x if P is None else self._first(P.mT, x), Q, out=self.g_out)
-
-    def unrotate(self) -> None:
-        """``D = P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) of ``U~`` in ``g_out``, into ``d_out``."""
-        P, Q, u = self.P, self.Q, self.g_out
-        if self.transposed:  # u is U~^T
-            if Q is None:
-                torch.mm(u, P.mT, out=self.d_out)  # type: ignore[union-attr]
-            else:
-                torch.mm(Q, u if P is None else self._first(u, P.mT), out=self.d_out)
-        elif Q is None:
-            torch.mm(P, u, out=self.d_out)  # type: ignore[arg-type]
-        else:
-            torch.mm(u if P is None else self._first(P, u), Q.mT, out=self.d_out)
-
-
-def _aligned_rows(rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` rows of ``size`` entries, each starting at a :data:`_GEMM_ALIGNMENT`-byte boundary (a view into
-    one allocation); ``size`` a multiple of the alignment in entries."""
-    align = max(1, _GEMM_ALIGNMENT // torch.empty(0, dtype=dtype).element_size())
-    block = torch.empty(rows * size + align, dtype=dtype)
-    skip = (-block.data_ptr() // block.element_size()) % align  # the first boundary
-    return block[skip : skip + rows * size].view(rows, size)
-
-
-def _rotation_into(
-    p: torch.Tensor,
-    flat: Mapping[str, torch.Tensor],
-    layout: Layout,
-    g_memory: torch.Tensor,
-    d_memory: torch.Tensor,
-    between_memory: torch.Tensor | None = None,
-) -> _Rotation | None:
-    """``p``'s :class:`_Rotation`, its outputs at the start of the 1-D ``g_memory`` and ``d_memory`` (and of
-    ``between_memory``); ``None`` when ``G~`` would not lie in ``M``'s memory order or ``D`` in ``W``'s."""
-    m, n, size = layout.rows, layout.cols, p.numel()
-    shape = (n, m) if layout.transposed else (m, n)
-    g_out, d_out = (x[:size].view(shape) for x in (g_memory, d_memory))
-    g_work, d_work = (x.mT if layout.transposed else x for x in (g_out, d_out))
-    if _order(g_work) != _order(flat["M"]) or _order(d_work) != _order(to_work(p, layout, torch_namespace())):
-        return None
-    between = None if between_memory is None or flat.get("Q") is None else between_memory[:size].view(shape)
-    matrix = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-    return _Rotation(matrix, layout.transposed, flat.get("P"), flat.get("Q"), g_out, d_out, between)
-
-
-class _LaneMembers:
-    """What both lanes (:class:`_Lane`, :class:`_LargeLane`) fix of their members: the parameters of one group and
-    dtype, unrotated first, their state tensors, host step counters and kernel addresses, and the check that all of
-    these still hold (:meth:`still_valid`).  A subclass's ``finish`` calls :meth:`_fix_members` and adds its
-    buffers, including ``rotations`` (one :class:`_Rotation` per rotated member)."""
-
-    rotations: list[_Rotation]
-
-    def __init__(self, group_index: int, cfg: BaseConfig, dtype: torch.dtype) -> None:
-        self.group_index, self.cfg, self.dtype = group_index, cfg, dtype
-        self.members: list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] = []
-
-    def add(self, p: torch.Tensor, flat: dict[str, torch.Tensor], layout: Layout, where: str) -> None:
-        self.members.append((p, flat, layout, where))
-
-    def _fix_members(self) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], Layout, str]] | None:
-        """The members sorted (unrotated first, stable), their tensors and addresses fixed on ``self``; ``None``
-        when a counter is not a host int32 tensor (the kernels advance them in place)."""
-        members = sorted(self.members, key=lambda m: "P" in m[1] or "Q" in m[1])
-        self.params = [m[0] for m in members]
-        self.flats = [m[1] for m in members]
-        self.wheres = [m[3] for m in members]
-        self.n_unrot = sum(1 for m in members if "P" not in m[1] and "Q" not in m[1])
-        self.counters = [f["step"] for f in self.flats]
-        if any(c.dtype != torch.int32 or c.device.type != "cpu" or type(c) is not torch.Tensor for c in self.counters):
-            return None
-        self.c_at = group_route.addresses(self.counters)
-        self.counts = numpy.zeros(len(self.counters), dtype=numpy.int32)
-        self.moments = [f["M"] for f in self.flats]
-        self.seconds = [f["V"] for f in self.flats]
-        self.w_at = group_route.addresses(self.params)
-        self.m_at = group_route.addresses(self.moments)
-        self.v_at = group_route.addresses(self.seconds)
-        return members
-
-    def _step_inputs(self, group: Mapping[str, Any]) -> tuple[int, list[torch.Tensor], Any] | None:
-        """:func:`_lane_inputs` of the members; ``None`` also when a refresh is due for the rotated ones (that step
-        takes the per-parameter route)."""
-        inputs = _lane_inputs(self.params, self.dtype, self.c_at, self.counts, group)
-        if inputs is None or (self.rotations and ar.refresh_due(inputs[0], self.cfg)):
-            return None
-        return inputs
-
-    def still_valid(self) -> bool:
-        """The tensors still own the memory the addresses point to (``p.data = ...`` or ``Tensor.set_`` change it),
-        the state dicts still hold the tensors the addresses were taken of (a replaced state tensor, a loaded
-        state), and the rotated members' bases are the ones their GEMMs use: the kernels never write memory a
-        tensor gave up."""
-        return (
-            numpy.array_equal(group_route.addresses(self.params), self.w_at)
-            and all(
-                f.get("M") is m and f.get("V") is v and f.get("step") is c
-                for f, m, v, c in zip(self.flats, self.moments, self.seconds, self.counters, strict=True)
-            )
-            and numpy.array_equal(group_route.addresses(self.moments), self.m_at)  # storage moved (Tensor.set_)
-            and numpy.array_equal(group_route.addresses(self.seconds), self.v_at)
-            and all(
-                f.get("P") is r.P and f.get("Q") is r.Q
-                for f, r in zip(self.flats[self.n_unrot :], self.rotations, strict=True)
-            )
-        )
-
-
-class _Lane(_LaneMembers):
-    """The parameters of one group and dtype that the group kernels step, with everything fixed between steps:
-    the tensors, their kernel addresses, sizes and offsets into one flat scratch (``V_t``, and the rotated members'
-    ``M_t``),
-    unrotated members first, and the rotated members' GEMM buffers (:class:`_Rotation`)."""
-
-    def finish(self) -> _Lane | None:
-        """Fix the lane's buffers and addresses; ``None`` when a counter is not a host int32 tensor or a rotated
-        member's moments are not in the order its GEMM outputs take (then the per-parameter route)."""
-        members = self._fix_members()
-        if members is None:
-            return None
-        k = self.n_unrot
-        sizes = [p.numel() for p in self.params]
-        split = int(sum(sizes[:k]))
-        total = int(sum(sizes))
-        self.scratch = torch.empty((2, total), dtype=self.dtype)  # V_t, and M_t of the rotated members
-        # G~ (later U~) and D of the rotated members, each at a 64-byte boundary as a fresh tensor is: BLAS may
-        # round otherwise on operands at other alignments (measured: a GEMM of a 7 x 5 float64 operand 280 bytes
-        # into a buffer differed in the last bit from the same GEMM of a fresh copy)
-        align = max(1, _GEMM_ALIGNMENT // self.scratch.element_size())
-        starts = []
-        offset = 0
-        for size in sizes[k:]:
-            starts.append(offset)
-            offset += -(-size // align) * align
-        self.rot_scratch = _aligned_rows(2, offset, self.dtype)
-        self.rotations = []
-        for (p, flat, layout, _), start in zip(members[k:], starts, strict=True):
-            rotation = _rotation_into(p, flat, layout, *(self.rot_scratch[j, start:] for j in (0, 1)))
-            if rotation is None:
-                return None
-            self.rotations.append(rotation)
-        self.sizes = numpy.array(sizes, dtype=numpy.int64)
-        self.offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64)
-        self.rot_offsets = self.offsets[k:] - split
-        self.u_at = group_route.addresses([r.g_out for r in self.rotations])
-        self.d_at = group_route.addresses([r.d_out for r in self.rotations])
-        self.x_tail = self.u_at  # the second-moment kernel reads G~ there
-        self.vt, self.mt = self.scratch.numpy()
-        self.split = split
-        self.bad = numpy.zeros(len(sizes), dtype=numpy.int64)
-        return self
-
-    def prepare(self, group: Mapping[str, Any], xp: Any) -> _LaneStep | None:
-        """Validate this step's gradients, rotate, run the first kernel (scratch only); ``None``: not this route."""
-        inputs = self._step_inputs(group)
-        if inputs is None:
-            return None
-        count, grads, lr = inputs
-        k = self.n_unrot
-        for g, rotation in zip(grads[k:], self.rotations, strict=True):
-            rotation.rotate(g)
-        scalars = _lane_scalars(self.cfg, count, lr, self.dtype)
-        g_at = group_route.addresses(grads)
-        x_at = numpy.concatenate([g_at[:k], self.x_tail]) if k < len(grads) else g_at
-        group_route.second_moment(g_at, x_at, self.v_at, self.sizes, self.offsets, scalars[2], scalars[3], self.vt,
-                                  self.bad)  # fmt: skip
-        return _LaneStep(count, self.bad, scalars, grads, g_at)
-
-    def failure(self, step_in: _LaneStep) -> str | None:
-        """``"parameter ... contains NaN or Inf at step t"`` for the first member with a non-finite gradient."""
-        if not step_in.bad.any():
-            return None
-        return f"{self.wheres[int(step_in.bad.argmax())]} contains NaN or Inf at step {step_in.taken + 1}"
-
-    def apply(self, step_in: _LaneStep) -> None:
-        """The writes: the rotated members' directions and GEMMs, then ``W``, ``M``, ``V``."""
-        b1, c1, _, _, eps, neg_lr, wd, decay = step_in.scalars
-        k, split = self.n_unrot, self.split
-        if k < len(self.params):
-            vt, mt = self.vt[split:], self.mt[split:]
-            sizes, offsets = self.sizes[k:], self.rot_offsets
-            group_route.direction_rotated(self.m_at[k:], self.u_at, sizes, offsets, b1, c1, eps, vt, mt)
-            for rotation in self.rotations:
-                rotation.unrotate()
-            group_route.apply_rotated(self.w_at[k:], self.d_at, self.m_at[k:], self.v_at[k:], sizes, offsets,
-                                      neg_lr, wd, decay, mt, vt)  # fmt: skip
-        if k:
-            group_route.apply_unrotated(self.w_at[:k], step_in.g_at[:k], self.m_at[:k], self.v_at[:k],
-                                        self.sizes[:k], self.offsets[:k], b1, c1, eps, neg_lr, wd, decay,
-                                        self.vt)  # fmt: skip
-        group_route.advance_counters(self.c_at, self.counts)
-
-
-def _lane_inputs(
-    params: list[torch.Tensor], dtype: torch.dtype, c_at: Any, counts: Any, group: Mapping[str, Any]
-) -> tuple[int, list[torch.Tensor], Any] | None:
-    """A lane's step inputs, ``(count, gradients, lr)``: the gradients validated (plain dense CPU tensors of the
-    lane's dtype and the parameters' shapes; negated under ``maximize``), the host counters read (all equal), the
-    learning rate checked; ``None`` when the lane's kernels cannot take the step."""
-    grads = []
-    for p in params:
-        g = p.grad
-        if (
-            g is None
-            or g.layout is not torch.strided
-            or g.dtype != dtype
-            or not g.is_cpu
-            or g.shape != p.shape
-            or not g.is_contiguous()
-            or type(g) is not torch.Tensor
-            or g.is_neg()
-        ):
-            return None
-        grads.append(g)
-    if not group_route.read_counters(c_at, counts):
-        return None
-    lr = _number(group["lr"])
-    if not _finite_at_least(lr, 0.0):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if group["maximize"]:
-        grads = list(torch._foreach_neg(grads))
-    return int(counts[0]), grads, lr
-
-
-def _lane_scalars(cfg: BaseConfig, count: int, lr: Any, dtype: torch.dtype) -> tuple[Any, ...]:
-    """``b1, c1, b2, c2, eps, -eta, lambda, decay`` of step ``count + 1`` for the kernels, ``b_t`` as
-    :func:`_host_betas` computes them (the per-parameter route's bits)."""
-    b1, b2, _, _ = _host_betas(cfg, torch.tensor(count, dtype=torch.int32), dtype)
-    return kernel_scalars(b1, b2, cfg, learning_rate(cfg, lr), torch.empty(0, dtype=dtype).numpy().dtype)
-
-
-class _LargeStep(NamedTuple):
-    """One large lane's step after validation: what :meth:`_LargeLane.apply` writes from."""
-
-    taken: int  # the steps taken (the host counters' value)
-    bad: int  # NaN/Inf entries of all the gradients
-    scalars: tuple[Any, ...]
-    grads: list[torch.Tensor]  # kept alive while the kernels read them
-    g_at: Any
-
-
-_THREADS_AFTER_GEMM: int | None = 1
-"""Threads for a rotated member's kernels in :class:`_LargeLane` (``None``: ``torch.get_num_threads()``).  One:
-after each multi-threaded ``torch.mm`` torch's OpenMP workers spin for a while before they sleep, and a helper
-thread of ours shares a core with one of them.  Measured on LLaMA-60M's first 4 blocks, 2 threads, 11 interleaved
-rounds: the moments 21.3 ms split over two threads against 16.2 ms on the calling thread alone, the tail 8.4
-against 4.3 ms (``benchmarks/cpu_adapter_vs_peers.py``, docs/performance.md)."""
-
-
-class _LargeLane(_LaneMembers):
-    """The large parameters of a group and dtype (more than :data:`_GROUP_MAX_ENTRIES` entries).  One read pass
-    counts all their gradients' NaN and Inf (:func:`~adadiag_ref.optim.families.adam.group_route.nonfinite_at`),
-    before any write.
-
-    * unrotated: a kernel call per guided piece (:func:`~adadiag_ref.optim.families.adam.group_route.step_at`,
-      :func:`~adadiag_ref.optim.families.adam.torch_route.split_rows`) writes ``M``, ``V`` and ``W`` of all of them
-      in place in one pass (:func:`~adadiag_ref.optim.families.adam.numba_route.adam_step_in_place_flat` over
-      each span): the calls do not depend on the number of parameters;
-    * rotated (a step without refresh), one after the other, each while its ``G~`` is still in cache: ``G~ = P^T G
-      Q`` into the lane's buffer (:class:`_Rotation`), ``M``, ``V`` in place and ``U~`` over ``G~``
-      (:func:`~adadiag_ref.optim.families.adam.group_route.moments_at`, the per-parameter route's arithmetic
-      without its two new moment tensors), ``D = P U~ Q^T`` into the second buffer, ``W <- W + (-eta) (D + lambda
-      W)`` (:func:`~adadiag_ref.optim.families.adam.group_route.engine_tail`), the kernels on the calling thread
-      (:data:`_THREADS_AFTER_GEMM`).  The buffers (``G~``, ``D`` and a two-sided member's first product, each as
-      large as the largest member) are made once, so nothing is allocated and nothing can fail after the first
-      write."""
-
-    def finish(self) -> _LargeLane | None:
-        """Fix the addresses, the chunk tables and the rotated members' buffers; ``None`` when a counter is not a
-        host int32 tensor or a rotated member's moments are not in the order of its GEMM outputs."""
-        members = self._fix_members()
-        if members is None:
-            return None
-        k = self.n_unrot
-        sizes = [p.numel() for p in self.params]
-        self.all_rows = group_route.chunk_table(sizes)  # the finiteness pass over every gradient
-        self.rows = group_route.chunk_table(sizes[:k])  # the unrotated step
-        self.like = torch.empty(0, dtype=self.dtype).numpy()  # the kernels' dtype
-        self.rotations: list[_Rotation] = []
-        self.member_rows: list[Any] = []
-        if k < len(members):
-            align = max(1, _GEMM_ALIGNMENT // self.like.itemsize)
-            largest = -(-max(sizes[k:]) // align) * align
-            two_sided = any("Q" in m[1] for m in members[k:])
-            self.buffers = buffers = _aligned_rows(3 if two_sided else 2, largest, self.dtype)  # kept: u_at
-            self.u_at = group_route.addresses([buffers[0]])
-            self.direction = buffers[1].numpy()
-            self.at_zero = numpy.zeros(1, dtype=numpy.int64)  # the one member's offset into the direction buffer
-            for p, flat, layout, _ in members[k:]:
-                rotation = _rotation_into(p, flat, layout, buffers[0], buffers[1], buffers[2] if two_sided else None)
-                if rotation is None:
-                    return None
-                self.rotations.append(rotation)
-            self.member_rows = [group_route.chunk_table([size]) for size in sizes[k:]]
-        return self
-
-    def prepare(self, group: Mapping[str, Any], xp: Any) -> _LargeStep | None:
-        inputs = self._step_inputs(group)
-        if inputs is None:
-            return None
-        count, grads, lr = inputs
-        g_at = group_route.addresses(grads)
-        bad = sum(
-            torch_route.split_rows(group_route.nonfinite_at, (g_at,), self.all_rows, (self.like,), self.like.dtype)
-        )
-        return _LargeStep(count, int(bad), _lane_scalars(self.cfg, count, lr, self.dtype), grads, g_at)
-
-    def failure(self, step_in: _LargeStep) -> str | None:
-        if not step_in.bad:
-            return None
-        first = next(i for i, g in enumerate(step_in.grads) if not bool(torch.isfinite(g).all()))
-        return f"{self.wheres[first]} contains NaN or Inf at step {step_in.taken + 1}"
-
-    def apply(self, step_in: _LargeStep) -> None:
-        k, dtype = self.n_unrot, self.like.dtype
-        if k:
-            torch_route.split_rows(group_route.step_at, (self.w_at, step_in.g_at, self.m_at, self.v_at),
-                                   self.rows, (*step_in.scalars, self.like), dtype)  # fmt: skip
-        b1, c1, b2, c2, eps, neg_lr, wd, decay = step_in.scalars
-        threads = _THREADS_AFTER_GEMM
-        for j, (rotation, rows) in enumerate(zip(self.rotations, self.member_rows, strict=True)):
-            i = k + j
-            rotation.rotate(step_in.grads[i])
-            torch_route.split_rows(group_route.moments_at, (self.m_at[i : i + 1], self.v_at[i : i + 1],
-                                   self.u_at), rows, (b1, c1, b2, c2, eps, self.like), dtype, threads)  # fmt: skip
-            rotation.unrotate()
-            tail = (self.at_zero, self.direction, neg_lr, wd, decay)
-            torch_route.split_rows(group_route.engine_tail, (self.w_at[i : i + 1],), rows, tail, dtype, threads)
-        group_route.advance_counters(self.c_at, self.counts)
-
-
-_GROUP_MAX_ENTRIES = 1 << 14
-"""Parameters with more entries leave the small lanes' group kernels for the large lanes (:class:`_LargeLane`): one
-pass over each array where the memory traffic counts, instead of the small lanes' flat scratch of ``V_t`` and its
-root; the group kernels are for the many small ones, whose cost is the calls."""
-
-
-def _large_lanes_first(lanes: list[Any], ready: list[Any]) -> list[tuple[Any, Any]]:
-    """The order of a step's writes: the large lanes first, the others after them, each kind in the plan's order
-    (the lanes write disjoint parameters, so the order changes no bit).  It was measured when a small lane's root
-    was eager ``torch.sqrt``, which ran on torch's OpenMP workers (VML's ``parallel_for`` cuts at 2048 entries)
-    that then spun beside a large lane's kernels cut between threads: on LLaMA-60M's 4-block set, ``AdamW``, 2
-    threads, median of 15 steps, 27.0-29.5 ms with the norms' small lane first, 21.1-21.9 ms with it last.  The root
-    is taken inside the kernels now; the order is kept, as it costs nothing."""
-    pairs = list(zip(lanes, ready, strict=True))
-    return sorted(pairs, key=lambda pair: not isinstance(pair[0], _LargeLane))
-
-
-class _HostPlan:
-    """The routes of a step, resolved once (:meth:`CoreOptimizer._resolve_routes`): per parameter the mapping
-    :meth:`CoreOptimizer.routes` reports, and the group-kernel lanes (``None``: the per-parameter route)."""
-
-    def __init__(self, snapshots: list[tuple[Any, ...]], routes: dict[str, dict[str, str]],
-                 lanes: list[Any] | None, idle: list[torch.Tensor]) -> None:  # fmt: skip
-        self.snapshots, self.routes, self.lanes, self.idle = snapshots, routes, lanes, idle
-
-    def still_valid(self, opt: CoreOptimizer) -> bool:
-        """The decision holds: the same groups with the same hyperparameters (``lr`` aside), no gradient on a
-        parameter that had none (and every lane's gradients are checked at each step), the same memory."""
-        groups = opt.param_groups
-        return (
-            len(groups) == len(self.snapshots)
-            and all(_snapshot(g) == s for g, s in zip(groups, self.snapshots, strict=True))
-            and all(p.grad is None for p in self.idle)
-            and (self.lanes is None or all(lane.still_valid() for lane in self.lanes))
-        )
-
-
 class _Work(NamedTuple):
     """One parameter's share of a ``step()``."""
 
@@ -1438,6 +914,69 @@ class _Work(NamedTuple):
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
     foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
+    engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): in host memory, not foreach, not FSDP2
+
+
+class _GroupEngine:
+    """A param group's :class:`adadiag_ref.Engine` over its parameters with a gradient in host memory, built with
+    live states (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of
+    the engine's arrays, which every step writes in place, so ``state_dict()`` and a user's references stay
+    current.  Kept while the same parameters (dtypes too) have a gradient, their state dicts hold the very tensors
+    handed to them and the host counters agree; otherwise built again from the states (a copy)."""
+
+    def __init__(self, items: list[_Work], counts: list[int]) -> None:
+        cfg = items[0].cfg
+        states = [to_core_state(item.flat, cfg) for item in items]
+        self.params = [item.p for item in items]
+        self.engine = ar.Engine.from_states(states, self.params, cfg, names=[item.name for item in items],
+                                            count=counts, live=True)  # fmt: skip
+        self.dtypes = [p.dtype for p in self.params]
+        self.flats = [item.flat for item in items]
+        self.held: list[tuple[tuple[str, torch.Tensor], ...]] = []
+        for i, flat in enumerate(self.flats):
+            state = self.engine.state(i)
+            tensors = {f: getattr(state, f) for f in state._fields[1:] if f != "param_shape"}
+            flat.update({f: t for f, t in tensors.items() if t is not None})
+            self.held.append(tuple((f, t) for f, t in tensors.items() if t is not None))
+        self.counts = list(counts)
+        self.cfg = cfg  # the last config found to differ from the engine's in betas and weight_decay only
+
+    def params_ids(self) -> list[int]:
+        return [id(p) for p in self.params]
+
+    def holds(self, items: list[_Work], counts: list[int]) -> bool:
+        """Whether this engine can take the step of ``items`` (their host counters ``counts``)."""
+        if len(items) != len(self.params) or counts != self.counts or not self._takes(items[0].cfg):
+            return False
+        for item, p, dtype, flat, held in zip(items, self.params, self.dtypes, self.flats, self.held, strict=True):
+            if item.p is not p or p.dtype != dtype or item.flat is not flat:
+                return False
+            if any(flat.get(f) is not t for f, t in held):
+                return False
+        return True
+
+    def _takes(self, cfg: BaseConfig) -> bool:
+        """``cfg`` is the engine's, or differs from it only in what a step may change (betas, weight decay)."""
+        if cfg is self.engine.cfg or cfg is self.cfg:
+            return True
+        if self.engine.cfg.replace(betas=cfg.betas, weight_decay=cfg.weight_decay) != cfg:
+            return False
+        self.cfg = cfg
+        return True
+
+    def step(self, items: list[_Work]) -> None:
+        """The engine's step (no check: the optimizer validated every gradient), the host counters advanced."""
+        cfg = items[0].cfg
+        own = cfg is self.engine.cfg  # else a step's own betas and weight decay (the gathering path)
+        self.engine.step([item.grad for item in items], self.params, lr=items[0].lr, check=False,
+                         betas=None if own else cfg.betas, weight_decay=None if own else cfg.weight_decay)  # fmt: skip
+        torch._foreach_add_([flat["step"] for flat in self.flats], 1)
+        self.counts = [c + 1 for c in self.counts]
+
+
+def _in_host_memory(p: torch.Tensor) -> bool:
+    """A plain CPU tensor or parameter (not a DTensor or another subclass): its group's engine steps it."""
+    return p.device.type == "cpu" and type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _initialisation_only(work: list[_Work]) -> bool:
@@ -1574,13 +1113,11 @@ def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
 
 
 def _host_counts(work: list[_Work]) -> list[int]:
-    """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim).
-
-    With a multi-tensor group they are read together (one stack, one host view) instead of one read each."""
+    """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim)."""
     counters = [item.flat["step"] for item in work]
-    if not any(item.foreach for item in work) or any(c.device.type != "cpu" for c in counters):
+    if any(c.device.type != "cpu" or type(c) is not torch.Tensor for c in counters):
         return [int(c) for c in counters]
-    return [int(c) for c in torch.stack(counters).numpy().tolist()]
+    return torch.stack(counters).numpy().tolist() if counters else []  # one stack, one host view
 
 
 def _finiteness_sums(grads: list[torch.Tensor], multi: list[bool]) -> tuple[list[int], list[torch.Tensor]]:
@@ -1726,7 +1263,7 @@ def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tup
     Python floats: the core's host coefficients (:mod:`~adadiag_ref.optim.schedules`: float64 by Python's ``math``
     from the integer step, rounded once to ``dtype``), so every route and backend has the same floats on any CPU.
 
-    Computed once for all the lanes and batches of a step: kept for the last few
+    Computed once for all the batches of a step: kept for the last few
     ``(betas, bias_correction, count, dtype)``, all they depend on; computed afresh for betas that are not Python
     floats or a counter off the host."""
     key = None

@@ -27,7 +27,7 @@ absent its ``require_version`` (a version assertion at construction) is replaced
 ``--after-backward`` runs a multi-threaded ``torch.mm`` (untimed) right before each timed call: in training,
 ``step()`` follows a backward pass whose last multi-threaded ops leave torch's OpenMP workers spinning, which the
 pause alone hides.  ``--phases N`` then times N more rounds of ``adapter AdaDiag`` and ``GaLore`` split into their
-GEMMs, each kernel call of the adapter's large lane and the rest (medians per phase).
+GEMMs, each kernel call of the adapter's engine and the rest (medians per phase).
 
 Run: ``python benchmarks/cpu_adapter_vs_peers.py [--threads 1 2] [--rounds 15] [--refresh-rounds 3] [--phases 11]``.
 """
@@ -215,16 +215,14 @@ class PhaseClock:
 
 
 def phases(fns: dict[str, Callable[[], Any]], rounds: int, pause: float) -> dict[str, dict[str, list[float]]]:
-    """Per round, ``adapter AdaDiag``'s step split into its GEMMs (the large lane's ``_Rotation`` products), each
-    kernel call through ``torch_route.split_rows`` (by kernel) and the rest; GaLore's into its projections
-    (``torch.matmul`` in ``galore_projector``) and the rest."""
-    from adadiag_ref.adapters import pytorch as at
-
+    """Per round, ``adapter AdaDiag``'s step split into its GEMMs (the group engine's products), each kernel call
+    through ``torch_route.split_rows`` (by kernel) and the rest; GaLore's into its projections (``torch.matmul`` in
+    ``galore_projector``) and the rest."""
+    from adadiag_ref.optim import engine
     from adadiag_ref.optim.families.adam import torch_route
 
     clock = PhaseClock()
-    clock.wrap(at._Rotation, "rotate", "GEMMs")
-    clock.wrap(at._Rotation, "unrotate", "GEMMs")
+    clock.wrap(engine, "_product", "GEMMs")
     clock.wrap(torch_route, "split_rows", lambda args: "kernel " + getattr(args[0], "__name__", "?").lstrip("_"))
     contenders = {name: fns[name] for name in ("adapter AdaDiag", "GaLore") if name in fns}
     projector = sys.modules.get("galore_torch.galore_projector")

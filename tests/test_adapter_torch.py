@@ -407,17 +407,17 @@ def _count_calls(monkeypatch, module, names):
 ROUTE_SHAPES = [(130, 300), (300, 130), (5, 7), (7, 5), (6, 2, 2), (7,)]
 
 
-ROUTE_KERNELS = ["second_moment", "apply_unrotated", "direction_rotated", "apply_rotated", "step_at", "moments_at"]
-"""The group kernels of the adapter's CPU lanes (``optim/families/adam/group_route.py``), by module attribute."""
+ROUTE_KERNELS = ["engine_step", "engine_moments", "engine_tail"]
+"""The engine's group kernels in host memory (``optim/families/adam/group_route.py``), by module attribute."""
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
 def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name, dtype, weight_decay, monkeypatch):
-    """CPU float tensors go through the numba kernels (on NumPy views of the tensors); every trajectory and state
-    equals the ``kernels="reference"`` route (torch ops) bit for bit, refresh steps included.  The gradients are
-    large enough that a route taking another square root than the library's correctly rounded one (eager
+    """CPU float tensors go through the engine's group kernels (numba, over the tensors' memory); every trajectory
+    and state equals the ``kernels="reference"`` engine (torch ops) bit for bit, refresh steps included.  The
+    gradients are large enough that a route taking another square root than the library's correctly rounded one (eager
     ``torch.sqrt``, MKL VML's on x86 builds) would differ."""
     from adadiag_ref.optim.families.adam import group_route
 
@@ -442,19 +442,18 @@ def test_cpu_kernel_route_is_taken_and_bit_identical_to_the_reference_route(name
 @pytest.mark.parametrize("name", ["adamw", "adadiag"])
 def test_cpu_kernel_route_steps_large_parameters_in_one_pass_without_torch_sqrt(name, monkeypatch):
     """Issue 31: the large parameters' root is taken inside the numba kernels, in their one pass, with no
-    ``torch.sqrt`` call and no Python round trip per block: AdamW's large parameters all in one kernel call per
-    guided piece (``group_route.step_at``, whatever their number), a rotated one's moments in one call per piece and
-    parameter (``group_route.moments_at``); the result is the reference route's bit for bit (test above)."""
+    ``torch.sqrt`` call and no Python round trip per parameter: AdamW's parameters all in one kernel call per
+    guided piece (``group_route.engine_step``, whatever their number), a rotated group's moments likewise
+    (``group_route.engine_moments``); the result is the reference route's bit for bit (test above)."""
     from adadiag_ref.optim.families.adam import group_route, numba_route
 
-    # parameters of more than 16384 entries: smaller ones take the group kernels of the default route
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float32)) for s in [(130, 300), (20000,)]]
     opt = CLASSES[name](params, lr=1e-3, update_freq=None)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
-    calls = _count_calls(monkeypatch, numba_route, ["adam_moments_over_flat", "adam_step_in_place_flat"])
-    group_calls = _count_calls(monkeypatch, group_route, ["step_at", "moments_at"])
+    calls = _count_calls(monkeypatch, numba_route, ["adam_moments_over_flat", "adam_delta_flat"])
+    group_calls = _count_calls(monkeypatch, group_route, ["engine_step", "engine_moments"])
     roots = []
     real_sqrt = torch.sqrt
 
@@ -464,13 +463,11 @@ def test_cpu_kernel_route_steps_large_parameters_in_one_pass_without_torch_sqrt(
 
     monkeypatch.setattr(torch, "sqrt", counted_sqrt)
     opt.step()
-    if name == "adamw":
-        assert 1 <= group_calls["step_at"] <= torch.get_num_threads(), group_calls
-    else:
-        # both are rotated (the default rule rotates a vector as a 1 x n matrix): one call per guided piece of each
-        assert 2 <= group_calls["moments_at"] <= 2 * torch.get_num_threads(), group_calls
-        assert group_calls["step_at"] == 0, group_calls
-    assert calls["adam_moments_over_flat"] == calls["adam_step_in_place_flat"] == 0, calls  # not per parameter
+    # both are rotated by AdaDiag (the default rule rotates a vector as a 1 x n matrix): one group either way
+    used, unused = ("engine_step", "engine_moments") if name == "adamw" else ("engine_moments", "engine_step")
+    assert 1 <= group_calls[used] <= torch.get_num_threads(), group_calls
+    assert group_calls[unused] == 0, group_calls
+    assert calls["adam_moments_over_flat"] == calls["adam_delta_flat"] == 0, calls  # not per parameter
     assert roots == []
 
 
@@ -504,17 +501,21 @@ def test_cpu_kernel_route_keeps_the_state_tensor_objects():
     assert torch.equal(saved[0]["M"], opt.state[p]["M"])  # state_dict() references stay live, as in torch.optim
 
 
-def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch):
-    """The finiteness test reduces each gradient once (a sum); ``torch.isfinite`` only sees the 0-d sums."""
+@pytest.mark.parametrize("foreach", [False, True])
+def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, foreach):
+    """The finiteness test makes no gradient-sized temporary: the engine's kernels count NaN and Inf by address
+    (``foreach=False`` on the CPU), the multi-tensor route reduces each gradient once (a sum) and
+    ``torch.isfinite`` only sees the 0-d sums."""
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 32), (100,))]
-    opt = at.AdamW(params)
+    opt = at.AdamW(params, foreach=foreach)
     shapes = []
     original = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda x: shapes.append(tuple(x.shape)) or original(x))
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert shapes and all(len(shape) <= 1 and (not shape or shape[0] == len(params)) for shape in shapes), shapes
+    assert all(len(shape) <= 1 and (not shape or shape[0] == len(params)) for shape in shapes), shapes
+    assert bool(shapes) == foreach, shapes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

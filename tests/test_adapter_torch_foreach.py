@@ -175,12 +175,14 @@ def test_adamw_op_count_does_not_grow_with_the_number_of_parameters():
 
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
 def test_default_cpu_route_op_count_grows_only_by_the_rotations(name):
-    """The default CPU route (``foreach=False``: the group kernels, routes resolved once): the entrywise part is a
-    fixed number of calls per group (a stack of the counters, ``torch.sqrt``, one ``_foreach_add_``), whatever
-    the number of parameters; only the rotations' GEMMs are per parameter (none for AdamW).  Before the group
-    kernels AdamW made ~20 aten calls per parameter."""
+    """The default CPU route (``foreach=False``: the group's engine and its kernels, routes resolved once): the
+    entrywise part is a fixed number of calls per group (the gradients gathered, one ``_foreach_add_`` for the
+    counters), whatever the number of parameters; only the rotations' GEMMs are per parameter (none for AdamW).
+    Before the group kernels AdamW made ~20 aten calls per parameter."""
     small, large = _ops_of_one_step(name, 4, foreach=False), _ops_of_one_step(name, 32, foreach=False)
-    gemm = {"aten.mm.default", "aten.mm.out", "aten.empty.memory_format"}  # GEMMs; stack's allocation
+    # GEMMs, stack's allocation; the copies of a matrix off a fresh tensor's 64-byte alignment (these tiny shapes;
+    # engine._fresh_alignment: MKL rounds otherwise there), none for the blocks of real models
+    gemm = {"aten.mm.default", "aten.mm.out", "aten.empty.memory_format", "aten.clone.default", "aten.copy_.default"}
     fixed = lambda c: {k: v for k, v in c.ops.items() if k not in gemm}  # noqa: E731
     assert fixed(small) == fixed(large), (small.ops, large.ops)
     assert sum(fixed(large).values()) < 40, large.ops

@@ -1,9 +1,9 @@
-"""The torch adapter's routes resolved once (issue 31): the group kernels of the default CPU route, the cached
-decision and its invalidation, and ``opt.routes()``.
+"""The torch adapter's default CPU route (issues 31, 44): one :class:`adadiag_ref.Engine` per param group, its
+group kernels, the engine kept between steps and built again when what it holds changes, and ``opt.routes()``.
 
-Every trajectory is compared bit for bit with ``kernels="reference"`` (the per-parameter route on torch ops, which
-``tests/test_adapter_torch.py`` ties to the core's ``ar.step``), so a stale cached decision (old
-hyperparameters, addresses of freed memory, a parameter left out) shows as a difference.
+Every trajectory is compared bit for bit with ``kernels="reference"`` (the engine without kernels, on torch ops,
+which ``tests/test_adapter_torch.py`` ties to the core's ``ar.step``), so a stale engine (old hyperparameters,
+addresses of freed memory, a parameter left out, state tensors it no longer holds) shows as a difference.
 """
 
 from __future__ import annotations
@@ -96,15 +96,42 @@ def test_group_kernels_are_taken_and_bit_identical(name, monkeypatch):
     from adadiag_ref.optim.families.adam import group_route
 
     calls = []
-    original = group_route.second_moment
-    monkeypatch.setattr(group_route, "second_moment", lambda *a: calls.append(1) or original(*a))
+    kernel = "engine_step" if name == "adamw" else "engine_moments"
+    original = getattr(group_route, kernel)
+    monkeypatch.setattr(group_route, kernel, lambda *a: calls.append(1) or original(*a))
     runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=4)
     _steps(runs, range(9))
     _assert_same(runs)
-    assert len(calls) == (8 if name == "adamw" else 6)  # every step but t = 1 (and the refreshes t = 5, 9)
+    assert len(calls) == 9  # every step, refreshes (t = 1, 5, 9) included: one call per step (one guided piece)
     routes = runs[0][1].routes()
-    assert all(r["moments"].startswith("numba group kernels") for r in routes.values()), routes
-    assert all(r["moments"].startswith("per parameter") for r in runs[1][1].routes().values())
+    rotated = [label for label in routes if label != "param_groups[0].params[2]" or name == "adamw"]
+    assert all(routes[k]["moments"].startswith("in place: adadiag_ref.optim.families.adam.group_route")
+               for k in rotated), routes  # fmt: skip
+    assert all(r["engine"].startswith("flat group") for r in routes.values())
+    assert not any("group_route" in r["moments"] for r in runs[1][1].routes().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_state_dict_holds_the_engines_arrays_and_stays_current(name):
+    """``state[p]``'s moments and bases are views of the group engine's arrays, written in place at every step:
+    references taken once (as ``state_dict()`` returns them) keep showing the current state, refresh steps
+    included, and a replaced state tensor makes the optimizer build its engine again around it."""
+    params = _params()
+    opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=0.1, update_freq=2)
+    _steps([(params, opt)], range(2))
+    held = {(i, k): v for i, s in opt.state_dict()["state"].items() for k, v in s.items() if k != "step"}
+    reference = _params()
+    ref = at.OPTIMIZER_CLASSES[name](reference, lr=0.01, weight_decay=0.1, update_freq=2, kernels="reference")
+    _steps([(reference, ref)], range(2))
+    _steps([(params, opt), (reference, ref)], range(2, 5))  # t = 3, 5 refresh
+    for (i, k), tensor in held.items():
+        assert torch.equal(tensor, ref.state[reference[i]][k]), (i, k)
+        assert tensor is opt.state[params[i]][k]
+    engine = opt._engines[0]
+    opt.state[params[0]]["V"] = opt.state[params[0]]["V"].clone()
+    _steps([(params, opt), (reference, ref)], range(5, 7))
+    assert opt._engines[0] is not engine
+    _assert_same([(params, opt), (reference, ref)])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -181,7 +208,7 @@ def test_non_finite_gradient_on_the_group_route_changes_nothing():
     params = _params()
     opt = at.AdaDiag(params, lr=0.01, update_freq=None)
     _steps([(params, opt)], range(3))
-    assert opt.routes()["param_groups[0].params[0]"]["moments"].startswith("numba group")
+    assert "group_route" in opt.routes()["param_groups[0].params[0]"]["moments"]
     message = r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 4"
     _assert_poisoned_step_changes_nothing(params, opt, 3, (2, 1, 0), message, float("nan"))
 
@@ -192,22 +219,21 @@ def test_routes_report_each_part_per_parameter():
     assert set(opt.routes()) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert opt.routes()["0.weight"]["moments"].startswith("none")  # no gradient yet
     model(torch.randn(2, 4)).sum().backward()
-    first = opt.routes()["0.weight"]
-    assert first["moments"].startswith("per parameter") and "no state yet" in first["why_not_group_kernels"]
+    first = opt.routes()  # no state yet: the engine the first step would build
     opt.step()
     routes = opt.routes()
-    assert routes["0.weight"] == {
-        "refresh": "batched stack (ar.refresh_bases per config and shape), per-parameter route that step",
-        "rotate": "GEMM (torch.matmul per parameter)",
-        "moments": "numba group kernels (CPU; one call per kernel for the group and dtype)",
-    }
+    assert routes == first
+    assert set(routes["0.weight"]) == {"refresh", "rotate", "moments", "engine"}
+    assert routes["0.weight"]["rotate"].startswith("batched GEMM: G~ = P^T G over 1 3 x 4 matrices (torch.mm")
+    assert routes["0.weight"]["refresh"].startswith("refresh_basis per parameter")
+    assert routes["0.weight"]["engine"] == routes["1.bias"]["engine"]  # one group: every member rotated
     bf16 = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))
     opt16 = at.AdamW([bf16])
     bf16.grad = torch.randn_like(bf16)
     opt16.step()
     entry = opt16.routes()["param_groups[0].params[0]"]
-    assert entry["rotate"] == "none" and entry["refresh"] == "none (no basis)"
-    assert entry["moments"].startswith("per parameter") and "bfloat16" in entry["why_not_group_kernels"]
+    assert entry["rotate"].startswith("none") and entry["refresh"].startswith("none")
+    assert "parameters bfloat16" in entry["engine"] and "group_route" not in entry["moments"]  # no kernels
     fe = at.AdamW(_params(), foreach=True)
     for p in fe.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
@@ -261,26 +287,16 @@ def test_foreach_serves_every_entrywise_family(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_large_parameters_keep_the_torch_route_in_a_group_step(name, monkeypatch):
-    """A parameter of more than 16384 entries takes the large lane (its guided pieces) inside a group-route step;
-    the small ones take the group kernels; bit for bit the reference, and a NaN in the large one's gradient still
-    changes nothing."""
-    from adadiag_ref.optim.families.adam import group_route
-
-    calls = []
-    original = group_route.second_moment
-    monkeypatch.setattr(group_route, "second_moment", lambda *a: calls.append(1) or original(*a))
+def test_large_and_small_parameters_share_the_group_step(name):
+    """A parameter of more than the kernels' chunk (65536 entries) beside small ones: one engine group, bit for
+    bit the reference, and a NaN in the large one's gradient still changes nothing."""
     runs = []
     for kernels in ("auto", "reference"):
-        big = torch.randn(130, 300, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        big = torch.randn(300, 300, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         params = [*_params(), torch.nn.Parameter(big)]
         runs.append((params, at.OPTIMIZER_CLASSES[name](params, kernels=kernels, lr=0.01, weight_decay=0.1)))
     _steps(runs, range(4))
     _assert_same(runs)
-    assert len(calls) == 3
-    routes = runs[0][1].routes()
-    assert "more than 16384 entries" in routes["param_groups[0].params[6]"]["moments"]
-    assert routes["param_groups[0].params[0]"]["moments"].startswith("numba group kernels")
     params, opt = runs[0]
     message = r"parameter 6 of param_groups\[0\] contains NaN or Inf at step 5"
     _assert_poisoned_step_changes_nothing(params, opt, 6, (3, 4), message)
@@ -299,7 +315,7 @@ def test_moment_storage_moved_by_hand_is_followed():
     _assert_same(runs)
 
 
-LARGE_SHAPES = [(130, 300), (20000,), (170, 100), (5, 7), (7,)]  # three above 16384 entries, two below
+LARGE_SHAPES = [(130, 300), (20000,), (170, 100), (5, 7), (7,)]  # large and small: one group
 
 
 def _large_adamw_pair(dtype=torch.float32, **hyper):
@@ -328,71 +344,27 @@ def _pieces(sizes, threads):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_unrotated_parameters_share_kernel_calls_whatever_their_number(dtype, weight_decay, threads, monkeypatch):
-    """AdamW's parameters above 16384 entries (embeddings, heads, MLP matrices) are stepped together: one read
-    pass counts their gradients' NaN/Inf, then one kernel call per guided piece writes all of them in place in one
-    pass (``group_route.step_at``), whatever their number; bit for bit ``kernels="reference"``, also with the
-    rows cut between threads; a NaN in one of them changes nothing and names it."""
-    with _large_lane(monkeypatch, "step_at", threads) as calls:
+    """AdamW's parameters (embeddings, heads, MLP matrices, small ones) are stepped together: one read pass counts
+    their gradients' NaN/Inf, then one kernel call per guided piece writes all of them in place in one pass
+    (``group_route.engine_step``), whatever their number; no ``torch.sqrt`` (the root is the library's, inside the
+    kernels); bit for bit ``kernels="reference"``, also with the rows cut between threads; a NaN in one of them
+    changes nothing and names it."""
+    with _large_lane(monkeypatch, "engine_step", threads) as calls:
         runs = _large_adamw_pair(dtype, weight_decay=weight_decay)
-        _steps(runs, range(5))
+        roots = []
+        sqrt = torch.sqrt
+        monkeypatch.setattr(torch, "sqrt", lambda *a, **k: roots.append(1) or sqrt(*a, **k))
+        _steps(runs[:1], range(5))
+        monkeypatch.setattr(torch, "sqrt", sqrt)
+        _steps(runs[1:], range(5))
         _assert_same(runs)
-        sizes = [p.numel() for p in runs[0][0] if p.numel() > 16384]
-        assert 4 <= len(calls) <= 4 * _pieces(sizes, threads)  # steps 2 to 5, one call per guided piece
-        routes = list(runs[0][1].routes().values())
-        assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 3 + [
-            "numba group kernels"
-        ] * 2
+        assert roots == []
+        sizes = [p.numel() for p in runs[0][0]]
+        assert 5 <= len(calls) <= 5 * _pieces(sizes, threads)  # steps 1 to 5, one call per guided piece
+        assert len({r["engine"] for r in runs[0][1].routes().values()}) == 1  # one group
         params, opt = runs[0]
         message = r"parameter 2 of param_groups\[0\] contains NaN or Inf at step 6"
         _assert_poisoned_step_changes_nothing(params, opt, 2, (3, 4), message, float("nan"))
-
-
-def test_the_large_lane_writes_before_the_small_lane_and_no_step_calls_torch_sqrt(monkeypatch):
-    """The writes of a step: the large lane's kernels first, the small lane's after them
-    (``pytorch._large_lanes_first``); the order changes no bit (``kernels="reference"`` alongside).  Neither lane
-    calls ``torch.sqrt``: the root is the library's, taken inside the kernels (LLVM's)."""
-    from adadiag_ref.optim.families.adam import group_route
-
-    with _large_lane(monkeypatch, "step_at", 2) as calls:
-        runs = _large_adamw_pair()
-        _steps(runs, range(2))
-        large_calls_at_small = []
-        roots = []
-        small = group_route.apply_unrotated
-        sqrt = torch.sqrt
-        monkeypatch.setattr(group_route, "apply_unrotated",
-                            lambda *a: large_calls_at_small.append(len(calls)) or small(*a))  # fmt: skip
-        monkeypatch.setattr(torch, "sqrt", lambda *a, **k: roots.append(1) or sqrt(*a, **k))
-        calls.clear()
-        _steps(runs[:1], range(2, 3))
-        monkeypatch.setattr(torch, "sqrt", sqrt)
-        _steps(runs[1:], range(2, 3))
-        _assert_same(runs)
-        assert calls and large_calls_at_small == [len(calls)], (calls, large_calls_at_small)
-        assert roots == []
-
-
-def test_the_lanes_of_a_step_compute_its_coefficients_once(monkeypatch):
-    """``b_hat_1, b_hat_2`` (torch scalar ops, the per-parameter route's bits) are computed once per step for all the
-    lanes of a configuration (here a small lane and a large one), and afresh when the betas change; bit for bit
-    ``kernels="reference"`` throughout."""
-    runs = _large_adamw_pair()
-    _steps(runs, range(2))
-    assert len(runs[0][1]._host_plan.lanes) == 2
-    calls = []
-    original = at.beta_hats
-    monkeypatch.setattr(at, "beta_hats", lambda *a: calls.append(1) or original(*a))  # inside at._host_betas
-    at._HOST_BETAS.clear()  # shared by the process's optimizers: another test may have computed this step's
-    _steps(runs[:1], range(2, 3))
-    assert len(calls) == 1
-    _steps(runs[1:], range(2, 3))
-    for _, opt in runs:
-        opt.param_groups[0]["betas"] = (0.8, 0.99)
-    calls.clear()
-    _steps(runs[:1], range(3, 4))
-    assert len(calls) == 1
-    _steps(runs[1:], range(3, 4))
-    _assert_same(runs)
 
 
 @given(
@@ -478,50 +450,38 @@ def test_split_rows_raises_the_kernels_error_once_every_helper_has_stopped(monke
     assert helper_done.is_set()
 
 
-# rotated above 16384 entries: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
+# rotated: wide, tall (a transposed work frame), conv-like (reshaped), a vector (1 x n); small ones
 LARGE_ROTATED_SHAPES = [(130, 300), (300, 130), (20, 10, 9, 11), (20000,), (5, 7), (7,)]
 
 
-@pytest.mark.parametrize("after_gemm", [1, None])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
-def test_large_rotated_parameters_step_in_place_in_the_large_lane(
-    name, dtype, weight_decay, threads, after_gemm, monkeypatch
-):
-    """Rotated parameters above 16384 entries take the large-parameter lane on steps without refresh: ``G~`` and
-    ``D`` in the lane's buffers (a two-sided member's first product too), ``M`` and ``V`` written in place (their
-    storage never moves, no new moment tensors), one ``moments_at`` call per guided piece and parameter.  Bit for
-    bit ``kernels="reference"`` at every step, refresh steps (per-parameter route) included, with the kernels on the
-    calling thread (``after_gemm=1``, the default) or cut between threads; a NaN in the last of them changes
-    nothing and names it."""
-    monkeypatch.setattr(at, "_THREADS_AFTER_GEMM", after_gemm)
-    with _large_lane(monkeypatch, "moments_at", threads) as calls:
+def test_large_rotated_parameters_step_their_moments_in_place(name, dtype, weight_decay, threads, monkeypatch):
+    """A rotated group's moments: ``M`` and ``V`` written in place (their storage never moves, no new moment
+    tensors), ``U~`` over ``G~`` in the engine's scratch, one ``engine_moments`` call per guided piece of the
+    whole group.  Bit for bit ``kernels="reference"`` at every step, refresh steps included, with the rows on one
+    thread or cut between two; a NaN in one of them changes nothing and names it."""
+    with _large_lane(monkeypatch, "engine_moments", threads) as calls:
         runs = []
         for kernels in ("auto", "reference"):
             gen = torch.Generator().manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in LARGE_ROTATED_SHAPES]
-            # maximize with decay: the lane steps the negated gradients
+            # maximize with decay: the engine steps the negated gradients
             opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=weight_decay, update_freq=3,
                                              maximize=weight_decay > 0, kernels=kernels)  # fmt: skip
             runs.append((params, opt))
         params, opt = runs[0]
-        _steps(runs, range(2))  # t = 1 refreshes (the per-parameter route)
-        storage = [opt.state[p][k].data_ptr() for p in params[:4] for k in ("M", "V")]
+        _steps(runs, range(2))  # t = 1 refreshes
+        storage = [opt.state[p][k].data_ptr() for p in params for k in ("M", "V")]
         calls.clear()
         _steps(runs, range(2, 3))  # t = 3: no refresh
         _assert_same(runs)
-        parts = threads if after_gemm is None else 1
-        pieces = sum(_pieces([p.numel()], parts) for p in params[:4])
-        assert 4 <= len(calls) <= pieces, calls  # four large rotated parameters, one call per guided piece
-        assert [opt.state[p][k].data_ptr() for p in params[:4] for k in ("M", "V")] == storage  # in place
-        routes = list(opt.routes().values())
-        assert [r["moments"].split(" (")[0] for r in routes] == ["large-parameter group kernel"] * 4 + [
-            "numba group kernels"
-        ] * 2
-        assert all("rotated: G~ into the lane's buffer" in r["moments"] for r in routes[:4])
-        _steps(runs, range(3, 8))  # t = 4 refreshes, then the lane again
+        assert 1 <= len(calls) <= _pieces([p.numel() for p in params], threads), calls
+        assert [opt.state[p][k].data_ptr() for p in params for k in ("M", "V")] == storage  # in place
+        _steps(runs, range(3, 8))  # t = 4 refreshes
         _assert_same(runs)
+        assert [opt.state[p][k].data_ptr() for p in params for k in ("M", "V")] == storage
         message = r"parameter 3 of param_groups\[0\] contains NaN or Inf at step 9"
         _assert_poisoned_step_changes_nothing(params, opt, 3, (17,), message)

@@ -466,9 +466,9 @@ def test_functional_kernels_walk_a_tall_parameter_in_memory_order(name: str, opt
 @pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_torch_route_kernels_equal_the_reference_formulas(dtype: type, decay: bool) -> None:
-    """The one-pass kernels of the torch adapter's large lane and of the engine's fused route (the unrotated step in
-    place; the rotated moments into new arrays with ``U~`` over ``G~``) equal the reference's formulas with the
-    correctly rounded root, bit for bit."""
+    """The one-pass kernels of the engine's group kernels and fused route (the unrotated step in place; the rotated
+    moments in place, or into new arrays, with ``U~`` over ``G~``) equal the reference's formulas with the correctly
+    rounded root, bit for bit."""
     rng = np.random.default_rng(1)
     n = 101
     W, g, M = (rng.standard_normal(n).astype(dtype) for _ in range(3))
@@ -481,8 +481,12 @@ def test_torch_route_kernels_equal_the_reference_formulas(dtype: type, decay: bo
     w = W + neg_lr * (u + wd * W if decay else u)
 
     W1, M1, V1 = W.copy(), M.copy(), V.copy()
-    adam_kernels.adam_step_in_place_flat(W1, g, M1, V1, b1, c1, b2, c2, eps, neg_lr, wd, decay)
+    adam_kernels._adam_step_span(W1, g, M1, V1, b1, c1, b2, c2, eps, neg_lr, wd, decay)  # group_route.engine_step's
     for got, want in ((V1, v), (M1, m), (W1, w)):
+        assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+    M2, V2, GU2 = M.copy(), V.copy(), g.copy()
+    adam_kernels.adam_moments_own_flat(M2, V2, GU2, b1, c1, b2, c2, eps)  # group_route.engine_moments's
+    for got, want in ((V2, v), (M2, m), (GU2, u)):
         assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
     newM, newV, GU = np.empty_like(M), np.empty_like(V), g.copy()
     adam_kernels.adam_moments_over_flat(M, V, GU, b1, c1, b2, c2, eps, newM, newV)

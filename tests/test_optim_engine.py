@@ -350,7 +350,13 @@ def test_routes_say_which_code_runs_each_part() -> None:
     assert ar.explain_route(ar.make_config("adamw"), (20, 8)).rotate.startswith("none")
 
     numpy_route = ar.explain_route(ar.make_config("adadiag"), (8, 20))
-    assert "numba_route.direction once over the flat group (160 entries)" in numpy_route.entrywise
+    # in host memory the group kernels write a rotated group's moments in place (U~ over G~), then its tail
+    assert "in place: adadiag_ref.optim.families.adam.group_route.engine_moments over the flat M, V and G~" in (
+        numpy_route.entrywise
+    )
+    assert "(160 entries), then the tail in place: adadiag_ref.optim.families.adam.group_route.engine_tail" in (
+        numpy_route.entrywise
+    )
     assert "NumPy: LAPACK per matrix" in numpy_route.refresh
     reference = ar.explain_route(ar.make_config("adadiag", kernels="reference"), (8, 20), np.float64)
     assert "reference" in reference.entrywise and "float64" in reference.group

@@ -319,6 +319,19 @@ def _product_into(product: Callable[..., Array], b: int, block: _Block, source: 
         out[...] = made
 
 
+_ALIGNMENT = 64
+"""Bytes: the alignment of a fresh CPU torch tensor, which the host path's GEMM operands keep."""
+
+
+def _fresh_alignment(x: Array) -> Array:
+    """A CPU torch matrix (a view into a flat array) as a GEMM operand aligned as a fresh tensor is: itself when
+    its first entry lies on a :data:`_ALIGNMENT`-byte boundary, else a copy.  MKL's GEMM rounds otherwise on an
+    operand at another alignment (measured: a 6 x 4 float32 view at an 80-byte offset gave other last bits), and
+    :func:`~adadiag_ref.step`'s operands are fresh tensors; the blocks of real models (sizes multiples of 16
+    entries) are aligned, so no copy is made for them."""
+    return x if x.data_ptr() % _ALIGNMENT == 0 else x.clone()
+
+
 def _transpose(x: Array) -> Array:
     """The transposed view of every matrix of a stack (``matrix_transpose``, without the namespace look-up)."""
     return x.mT if hasattr(x, "mT") else x.swapaxes(-1, -2)
@@ -408,21 +421,30 @@ class Engine:
         names: Sequence[str | None] | None = None,
         count: int | Sequence[int] | None = None,
         xp: Namespace | None = None,
+        live: bool = False,
     ) -> Engine:
         """An engine holding existing core states (one per parameter, like ``params``: a sequence or a mapping
         with the same keys), each checked against its parameter and ``cfg`` (``ValueError``).  ``count`` (host
         ints, the steps taken): one for all, or one per parameter; ``None`` reads each state's counter once,
         here.  The states' moments and bases are copied into the engine's flat arrays (the states themselves
-        are never modified)."""
+        are never modified), except a per-parameter member's in host memory, which the engine holds as given.
+
+        ``live``: the arrays of a state handed out by :meth:`state` stay the engine's own, and every later step
+        writes them in place (new moments and bases copied into them), so a caller may hold them as its
+        per-parameter state (the torch adapter's ``optimizer.state[p]``); without it they are snapshots.  The
+        counter of a handed-out state is not advanced (the caller keeps its own).  Not for JAX (immutable)."""
         keys, params_l, names_l = _keys_of(params, names)
         if not params_l:
             raise ValueError("an engine needs at least one parameter")
         states_l = _as_ordered(states, keys, "states")
         xp = namespace(*params_l, xp=xp)
+        if live and is_jax_namespace(xp):
+            raise TypeError("JAX arrays are immutable: an engine over them cannot keep live states (live=False)")
         for key, s, p in zip(keys, states_l, params_l, strict=True):
             _check_static(s, p, p, layout_for(tuple(p.shape), cfg), cfg, name=str(key))
         engine = cls.__new__(cls)
         engine._build(keys, names_l, params_l, states_l, cfg, host_counts(count, states_l, len(states_l)), xp)
+        engine._live = live
         return engine
 
     @property
@@ -452,6 +474,7 @@ class Engine:
         xp: Namespace,
     ) -> None:
         self._cfg, self.xp = cfg, xp
+        self._live = False  # from_states(live=True): handed-out states are written in place (_commit)
         self._keys, self._names = keys, names
         self._shapes = [tuple(int(d) for d in p.shape) for p in params]
         self._param_dtypes = [p.dtype for p in params]
@@ -684,7 +707,8 @@ class Engine:
             P, Q = self._member_bases(member, block.P, block.Q)
         span = slice(member.offset, member.offset + member.size)
         moments = {f: None if v is None else work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
-        group.shared = group.kernels is not None and not group.blocks  # its next in-place step copies them first
+        # its next in-place step copies them first, unless they are live (written in place on purpose)
+        group.shared = group.kernels is not None and not self._live
         if group.counter is None or group.counter[0] != group.count:
             group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
@@ -789,9 +813,11 @@ class Engine:
                 entrywise = (f"{group.update_name} once over the flat group ({group.size} entries): moments, "
                              "direction and tail in one call (an array lr: " + entrywise + ")")  # fmt: skip
             if group.kernels is not None and group.blocks:
-                entrywise = (f"{group.direction_name} once over the flat group ({group.size} entries), then the "
-                             f"tail in place: {group.kernels.tail_name} (in_place=False, an array lr, or arrays the "
-                             f"kernels do not take: W gathered, then adadiag_ref.optim.tail.decayed_step)")  # fmt: skip
+                moments = (f"in place: {group.kernels.moments_name} ({group.size} entries)" if self._host
+                           else f"{group.direction_name} once over the flat group ({group.size} entries)")  # fmt: skip
+                entrywise = (f"{moments}, then the tail in place: {group.kernels.tail_name} (in_place=False, an "
+                             f"array lr, or arrays the kernels do not take: {group.direction_name} once over the "
+                             f"flat group, W gathered, then adadiag_ref.optim.tail.decayed_step)")  # fmt: skip
             elif group.kernels is not None:
                 entrywise = (f"in place: {group.kernels.name} (in_place=False, an array lr, or arrays the kernels "
                              f"do not take: gathered, then {entrywise})")  # fmt: skip
@@ -859,6 +885,26 @@ class Engine:
         if isinstance(params, Mapping):
             return dict(zip(self._keys, out, strict=True))
         return out
+
+    def finite(self, grads: Any) -> Any:
+        """Whether every gradient of ``grads`` (as :meth:`step` takes them) is finite, as one verdict: a group's
+        kernels count its gradients' NaN and Inf by address (one read), any other gradient is summed (a sum is NaN
+        or Inf whenever an entry is; it may also overflow on finite entries, so ``False`` is a suspicion for the
+        caller to settle exactly).  A host bool in host memory, else a 0-d device boolean (nothing read back).
+        Nothing is written: a caller stepping several engines checks them all first, then steps each with
+        ``check=False``."""
+        grads_l = _as_ordered(grads, self._keys, "grads")
+        summed: list[Array] = []
+        counts: list[Any] = []
+        for group in self._flat:
+            members = self._members(group, grads_l)
+            prepared = None if group.kernels is None else group.kernels.prepare(None, members, 0.0)
+            if prepared is None:
+                summed += members
+            else:
+                counts.append(group.kernels.nonfinite(prepared))  # type: ignore[union-attr]
+        summed += [grads_l[i] for pgroup in self._per_param for i in pgroup.indices]
+        return self._verdict(summed, counts)
 
     def _writable(self) -> Any:
         """``torch.no_grad()`` for torch (a leaf parameter that requires grad is written in place), else nothing."""
@@ -949,11 +995,16 @@ class Engine:
             if group.blocks:
                 self._kernels_of(group).tail(prepared, tails[number], proceed)
                 continue
-            if group.shared:
-                group.moments = {f: None if v is None else xp.asarray(v, copy=True) for f, v in group.moments.items()}
-                group.shared = False
             t = host_step(group.count, group.dtype, xp)
-            self._kernels_of(group).step(prepared, group.moments, t, proceed)
+            self._kernels_of(group).step(prepared, self._own_moments(group), t, proceed)
+
+    def _own_moments(self, group: _FlatGroup) -> dict[str, Array | None]:
+        """The group's flat moments, for its kernels to write in place: copied first when a snapshot of them was
+        handed out (:meth:`state`) since its last step."""
+        if group.shared:
+            group.moments = {f: None if v is None else self.xp.asarray(v, copy=True) for f, v in group.moments.items()}
+            group.shared = False
+        return group.moments
 
     def _stacked(self, stack: _Stack, arrays: list[Array]) -> Array:
         """The stack's members' ``arrays`` stacked along a new first axis (one call), or the one member's."""
@@ -1027,7 +1078,9 @@ class Engine:
         work: list[tuple[int, State]] = []
         for number, group in enumerate(self._flat):
             if due[number]:
+                shared = group.shared
                 work += [(m.index, self.state(m.index)) for m in group.members if m.block is not None]
+                group.shared = shared  # only the bases are read: no snapshot of the moments leaves the engine
         for number, pgroup in enumerate(self._per_param):
             if due[n_flat + number]:
                 rotating = [i for i in pgroup.indices if layout_for(self._shapes[i], self.cfg).rotate_left]
@@ -1086,8 +1139,16 @@ class Engine:
                 flat_params.append(None)
                 continue
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
-            g_rot = self._rotated(group, number, g, stacks, refreshed)
             t = host_step(group.count, group.dtype, xp)
+            if direct[number] is not None and self._host:  # in host memory the verdict has been read: in place
+                g_rot = self._rotated(group, number, g, stacks, refreshed, self._scratch(group, "G~"))
+                if self._kernels_of(group).moments(self._own_moments(group), g_rot, t):  # M, V; U~ over G~
+                    tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D"))
+                    moments_out.append(None)
+                    flat_params.append(None)
+                    continue
+            else:
+                g_rot = self._rotated(group, number, g, stacks, refreshed)
             if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
                 u_rot, moments = self._direction(group, g_rot, t, cfg)
                 tails[number] = self._unrotated(group, u_rot, stacks)
@@ -1175,17 +1236,36 @@ class Engine:
         u_rot, moments = found if found is not None else family.direction(state, g_row, t, cfg, xp)
         return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
-    def _per_block(self, group: _FlatGroup, flat: Array, product: Callable[..., Array]) -> Array:
+    def _per_block(
+        self, group: _FlatGroup, flat: Array, product: Callable[..., Array], into: Array | None = None
+    ) -> Array:
         """``flat`` with each rotation block's entries replaced by ``product(b, block, stack, out, part)`` of its
         stack ``(k, a, b)`` (``part``: which of the block's matrices ``stack`` holds; one batched call per block),
-        the unrotated entries as they are; ``flat`` itself without blocks.  On NumPy each matrix's last product is
-        written into its slice of one new flat array (``out``), not concatenated afterwards, and the products
-        are spread over threads with BLAS single-threaded (:func:`~adadiag_ref.optim.blas_threads.run_balanced`)."""
+        the unrotated entries as they are; ``flat`` itself without blocks.  In host memory each matrix's last
+        product is written into its slice of one flat array (``out``: ``into`` where given, the group's scratch,
+        else a new one), not concatenated afterwards; on NumPy the products are spread over threads with BLAS
+        single-threaded (:func:`~adadiag_ref.optim.blas_threads.run_balanced`), on CPU torch one ``torch.mm`` per
+        matrix (as :func:`~adadiag_ref.optim.rotation.rotate` calls it: ``ar.step``'s bits), an output off a
+        fresh tensor's alignment computed apart and copied (:func:`_fresh_alignment`)."""
         if not group.blocks:
             return flat
         xp = self.xp
+        if self._host and type(flat) is not np.ndarray:
+            result = xp.empty((group.size,), dtype=flat.dtype, device=group.device) if into is None else into
+            for b, block in enumerate(group.blocks):
+                shape = (block.matrices, block.a, block.b)
+                source = xp.reshape(flat[block.start : block.stop], shape)
+                target = xp.reshape(result[block.start : block.stop], shape)
+                for i in range(block.matrices):
+                    out = target[i]
+                    aligned = out.data_ptr() % _ALIGNMENT == 0
+                    made = product(b, block, _fresh_alignment(source[i]), out if aligned else None, i)
+                    if made is not out:
+                        out[...] = made
+            result[group.unrotated_start :] = flat[group.unrotated_start :]
+            return result
         if type(flat) is np.ndarray:
-            result = np.empty(group.size, dtype=flat.dtype)
+            result = np.empty(group.size, dtype=flat.dtype) if into is None else into
             costs = [2.0 * block.a * block.b * (min(block.a, block.b) + (max(block.a, block.b) if block.right else 0))
                      for block in group.blocks]  # P^T G (and G Q) of one matrix  # fmt: skip
             spread = spreads(sum(c * block.matrices for c, block in zip(costs, group.blocks, strict=True)))
@@ -1205,16 +1285,19 @@ class Engine:
         pieces = []
         for b, block in enumerate(group.blocks):
             stack = xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b))
-            if self._host:  # CPU torch: per matrix (mm, as rotation.rotate calls it: ar.step's bits), no launches
-                pieces += [xp.reshape(product(b, block, stack[i], None, i), (-1,)) for i in range(block.matrices)]
-                continue
             pieces.append(xp.reshape(product(b, block, stack, None, slice(None)), (-1,)))
         if group.unrotated_start < group.size:
             pieces.append(flat[group.unrotated_start :])
         return xp.concat(pieces)
 
     def _rotated(
-        self, group: _FlatGroup, number: int, g: Array, stacks: list[tuple[Any, Any]], refreshed: dict[Any, Any]
+        self,
+        group: _FlatGroup,
+        number: int,
+        g: Array,
+        stacks: list[tuple[Any, Any]],
+        refreshed: dict[Any, Any],
+        into: Array | None = None,
     ) -> Array:
         """``G~`` of the whole group, flat: per block the batched rotation of its stack (on a refresh step set to
         its exact structure, matrix by matrix), then the unrotated entries as they are."""
@@ -1231,12 +1314,21 @@ class Engine:
             work = refresh_step_structure(work, block.right, flags, xp)
             return _transpose(work) if block.transposed else work
 
-        return self._per_block(group, g, rotate)
+        return self._per_block(group, g, rotate, into)
 
-    def _unrotated(self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]]) -> Array:
+    def _unrotated(
+        self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]], into: Array | None = None
+    ) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
         return self._per_block(group, u_rot, lambda b, block, stack, out, part: _unrotate_stack(
-            stack, block, *_bases_part(stacks[b], part), out))  # fmt: skip
+            stack, block, *_bases_part(stacks[b], part), out), into)  # fmt: skip
+
+    def _scratch(self, group: _FlatGroup, which: str) -> Array:
+        """The group's flat scratch array ``which`` of its state dtype, made on first use and kept."""
+        out = group.scratch.get(which)
+        if out is None:
+            out = group.scratch[which] = self.xp.empty((group.size,), dtype=group.dtype, device=group.device)
+        return out
 
     def _commit(
         self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]], params: list[Array]
@@ -1248,21 +1340,39 @@ class Engine:
         for number, (group, moments, w_new) in enumerate(zip(self._flat, pending.moments, pending.flat_params,
                                                              strict=True)):  # fmt: skip
             if moments is not None:  # else stepped in place by its kernels
-                group.moments = {f: moments.get(f, group.moments[f]) for f in group.moments}
+                new = {f: moments.get(f, group.moments[f]) for f in group.moments}
+                group.moments = self._kept(group.moments, new)
             for b, block in enumerate(group.blocks):
                 if (number, b) in bases:
-                    block.P, block.Q = bases[(number, b)]
+                    block.P, block.Q = self._kept((block.P, block.Q), bases[(number, b)])
             group.count += 1
             for m in group.members:  # the parameters written by the kernels, or views of the flat result
                 out[m.index] = params[m.index] if w_new is None else xp.reshape(w_new[m.offset : m.offset + m.size],
                                                                                 self._shapes[m.index])  # fmt: skip
         for number, pgroup in enumerate(self._per_param):
             for s, stack in enumerate(pgroup.stacks):
-                stack.state = pending.states[(number, s)]
+                new_state = pending.states[(number, s)]
+                arrays = [f for f in new_state._fields if f not in ("count", "param_shape")]
+                kept = self._kept(tuple(getattr(stack.state, f) for f in arrays),
+                                  tuple(getattr(new_state, f) for f in arrays))  # fmt: skip
+                stack.state = new_state._replace(**dict(zip(arrays, kept, strict=True)))
             pgroup.count += 1
             for i in pgroup.indices:
                 out[i] = pending.params[i]
         return out
+
+    def _kept(self, old: Any, new: Any) -> Any:
+        """A step's new arrays (a tuple or a dict of arrays or ``None``) as the engine keeps them: ``new`` itself,
+        or, for a live engine (:meth:`from_states`), ``old`` with ``new``'s values written into it (each array
+        keeps its memory, so the states handed out stay current)."""
+        if not self._live:
+            return new
+        pairs = zip(old.values(), new.values(), strict=True) if isinstance(old, dict) else zip(old, new, strict=True)
+        with self._writable():
+            for target, value in pairs:
+                if target is not None and value is not target:
+                    target[...] = value
+        return old
 
 
 def routed_direction(state: State, g_rot: Array, t: Any, cfg: BaseConfig, xp: Namespace) -> tuple[Array, Moments]:

@@ -24,8 +24,8 @@ def _product(a: Array, b: Array, out: Array | None = None) -> Array:
     call, so the same bits, without a fresh allocation per step).  A NumPy stack (``batch_dims > 0``, operands
     ``(*B, k, l)`` of equal ``B``) is one BLAS call per matrix: ``np.matmul`` over a stack of transposed views
     (a tall parameter's work frame) takes NumPy's loop without BLAS, 20x slower.  ``out`` (NumPy, C-contiguous,
-    the product's shape and dtype): written there instead, the same BLAS calls (the engine's flat buffers);
-    ignored by other backends (the caller copies)."""
+    or a CPU torch matrix, of the product's shape and dtype): written there instead, the same BLAS calls (the
+    engine's flat buffers); ignored by other backends (the caller copies)."""
     if type(a) is np.ndarray and type(b) is np.ndarray:
         if a.ndim == 2 and b.ndim == 2:
             return buffers.matmul(a, b) if out is None else np.matmul(a, b, out=out)
@@ -35,6 +35,10 @@ def _product(a: Array, b: Array, out: Array | None = None) -> Array:
             for index in np.ndindex(*a.shape[:-2]):
                 np.matmul(a[index], b[index], out=out[index])
             return out
+    if out is not None and a.ndim == 2 and b.ndim == 2 and getattr(out, "is_cpu", False):
+        import torch  # out is a torch tensor: torch is imported
+
+        return torch.mm(a, b, out=out)  # a @ b of 2-D operands is mm: the same call, into out
     return a @ b
 
 

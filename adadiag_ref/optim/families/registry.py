@@ -71,16 +71,19 @@ class GroupKernels(Protocol):
     Attributes:
         name: the kernels of the whole step, in words (:meth:`~adadiag_ref.optim.engine.Engine.routes`).
         tail_name: the kernel of a rotated group's tail, in words.
+        moments_name: the kernel of :meth:`moments`, in words.
     """
 
     name: str
     tail_name: str
+    moments_name: str
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Any:
+    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Any:
         """This step's members (their addresses), or ``None`` when it cannot run here: an array the kernels
         cannot walk by address (not dense, or not in the memory order of the flat moments), or a learning rate
         ``eta`` they do not take (not a host number).  ``None`` sends the step to the gathering path.
-        ``grads=None``: the parameters only, for :meth:`tail`."""
+        ``grads=None``: the parameters only, for :meth:`tail`; ``params=None``: the gradients only, for
+        :meth:`nonfinite`."""
         ...
 
     def nonfinite(self, prepared: Any) -> Any:
@@ -98,6 +101,13 @@ class GroupKernels(Protocol):
         """The tail of a rotated group, in place: ``W <- W + (-eta)(D + lambda W)`` in each prepared parameter,
         ``D = P U~ Q^T`` the group's flat direction (the members' spans one after another, each in its
         parameter's memory order); ``proceed`` as in :meth:`step`."""
+        ...
+
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
+        """A rotated group's moments of step ``t`` in place, where the engine reads its verdict before any work
+        (host memory): ``M <- M_t``, ``V <- V_t`` in the flat ``moments`` and ``U~`` written over the flat ``G~``
+        (``g_rot``, the engine's own array); ``True`` when written, ``False`` having written nothing (the engine
+        then computes them into new arrays)."""
         ...
 
 

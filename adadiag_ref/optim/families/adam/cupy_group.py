@@ -276,6 +276,7 @@ class CudaGroup:
                      "one more launch")  # fmt: skip
         self.tail_name = (f"{__name__} ({type(launcher).__name__}): one launch over the members' own memory: "
                           "W <- W - eta (D + lambda W)")  # fmt: skip
+        self.moments_name = "none on a device: the moments into new arrays, committed after the read-back"
 
     def _table(self, which: str, arrays: Sequence[Any]) -> Any:
         """The members' addresses on the device, or ``None`` unless the launcher can address each (dense, on the
@@ -296,8 +297,8 @@ class CudaGroup:
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
-        return prepare_members(eta, lambda: self._table("W", params),
+    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+        return prepare_members(eta, None if params is None else lambda: self._table("W", params),
                                None if grads is None else lambda: self._table("G", grads))  # fmt: skip
 
     def _launch(self, name: str, source: str, *args: Any) -> None:
@@ -354,6 +355,11 @@ class CudaGroup:
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         self._tail(prepared, "flat", direction, proceed)
+
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
+        """``False``: on a device the engine computes a rotated group's moments into new arrays, committed after
+        its one read-back of the verdict (the kernels here gate only the writes of :meth:`step` and :meth:`tail`)."""
+        return False
 
     def tail_at(self, prepared: Prepared, directions: Sequence[Any], proceed: Any = None) -> bool:
         """:meth:`tail` with each member's direction in an array of its own (in its parameter's memory order);

@@ -1,45 +1,28 @@
-"""The Adam family's group kernels: the entrywise part of a step of *many* CPU tensors in one numba call each.
+"""The Adam family's group kernels in host memory: the entrywise part of an engine group's step in one numba call
+per kernel (or per guided piece, over torch's threads), whatever the number of parameters.
 
-The torch adapter's default CPU route (:mod:`adadiag_ref.adapters.pytorch`) steps every parameter of a group
-(one dtype, one step ``t``, no refresh due) with four kernel calls in all, whatever the
-number of parameters: the kernels receive the addresses of the parameters', gradients' and moments' memory
-(``Tensor.data_ptr()``) and their sizes, and walk them one after the other.  The arithmetic is the torch CPU
-route's (:mod:`.torch_route`), entry for entry: the same formulas (:func:`~.numba_route._second_moment_entry`,
-:func:`~adadiag_ref._kernels.ema_entry`, :func:`~adadiag_ref._kernels.delta_entry`), the same coefficients,
-``V_t`` in one flat scratch, its root the correctly rounded one taken inside the kernels (the library's,
-:func:`adadiag_ref._xp.sqrt`); so the results are those of ``update_in_place`` bit for
-bit (``tests/test_adapter_torch.py`` compares them with the core's ``ar.step``).
+:class:`NumpyGroup` is the family's :class:`~adadiag_ref.optim.families.registry.GroupKernels` for NumPy arrays and
+CPU torch tensors: the kernels receive the addresses of the parameters' and gradients' memory and walk them one
+after the other, beside the engine's flat moments; each call covers the rows ``(member, lo, hi)`` of a chunk table
+(:func:`chunk_table`), so that :func:`.torch_route.split_rows` can cut it between threads.  The arithmetic is the
+reference's entry for entry (:func:`~.numba_route._adam_step_span`, :func:`~.numba_route.adam_moments_own_flat`,
+:func:`~adadiag_ref._kernels.apply_direction_flat`), the root the correctly rounded one taken inside the kernels
+(the library's, :func:`adadiag_ref._xp.sqrt`); so the engine's results are those of ``ar.step`` bit for bit
+(``tests/test_optim_engine.py``, ``tests/test_adapter_torch.py``).
 
-The callers guarantee what the kernels cannot check: every address is that of a dense tensor of the scratch's
-dtype, with ``sizes[i]`` entries, and all arrays of one parameter lie in one memory order (the work frame's
-strides alike, :func:`adadiag_ref._kernels.alike`).
+* :func:`engine_step`: an unrotated group's whole step in place: ``M``, ``V`` in the flat moments and
+  ``W <- W + (-eta)(U + lambda W)`` in each member's memory (7 array passes per entry);
+* :func:`engine_moments`: a rotated group's ``M <- M_t``, ``V <- V_t`` in place and ``U~`` over the flat ``G~``;
+* :func:`engine_tail`: a rotated group's tail ``W <- W + (-eta)(D + lambda W)`` in each member's memory;
+* :func:`nonfinite_at`: the number of NaN or Inf entries of the members' gradients (one read, before any write).
 
-* :func:`second_moment`: ``V_t = b2 V + c2 X^2`` into the flat scratch (``X = G~``, ``G`` itself without a
-  basis) and the number of NaN or Inf entries of each gradient ``G`` (the step's finiteness check, read from
-  host memory: no pass of its own);
-* :func:`apply_unrotated`: ``M <- b1 M + c1 G``, ``V <- V_t``, ``W <- W + (-eta) (M_t / (sqrt(V_t) + eps)
-  [+ lambda W])`` in place, given ``V_t`` in the scratch;
-* :func:`direction_rotated`: ``M_t`` into the scratch's second row and ``U~ = M_t / (sqrt(V_t) + eps)``
-  over ``G~`` (this step's own GEMM output); nothing of the state written;
-* :func:`read_counters`, :func:`advance_counters`: the int32 host step counters read and advanced in place (one
-  call each instead of a stack and a ``torch._foreach_add_`` over 0-d tensors, 0.2 ms for 75 of them);
-* :func:`apply_rotated`: after the caller's GEMMs ``D = P U~ Q^T``: ``W <- W + (-eta) (D + lambda W)``,
-  ``M <- M_t``, ``V <- V_t``.
-
-The parameters above the group kernels' size (the adapter's large lane: one pass over each array, the root taken
-inside the kernels, each call over the rows of a chunk table so that ``torch_route.split_rows`` can cut it between
-threads):
-
-* :func:`nonfinite_at`: the number of NaN or Inf entries of all their gradients (one read, before any write);
-* :func:`step_at`: the unrotated ones' whole step in place;
-* :func:`moments_at`: a rotated one's ``M <- M_t``, ``V <- V_t`` in place and ``U~`` over ``G~``; its tail
-  ``W <- W + (-eta) (D + lambda W)`` is the engine's :func:`engine_tail`.
+The callers guarantee what the kernels cannot check: every address is that of a dense array of the group's dtype
+with ``sizes[i]`` entries, in the memory order of the member's span of the flat arrays.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -48,16 +31,14 @@ import numpy as np
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from .... import _kernels
-from ...._kernels import delta_entry, ema_entry, is_host_number, prange, scalar
+from ...._kernels import is_host_number, prange, scalar
 from ...._xp import Namespace, float_dtype_name, plain_cpu_tensor
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
 from .numba_route import (
     _adam_step_span,
-    _second_moment_entry,
     adam_moments_own_flat,
-    adam_step_in_place_flat,
     kernel_scalars,
 )
 from .torch_route import split_rows
@@ -66,19 +47,10 @@ __all__ = [
     "AVAILABLE",
     "NumpyGroup",
     "Prepared",
-    "addresses",
-    "advance_counters",
-    "apply_rotated",
-    "apply_unrotated",
     "chunk_table",
-    "direction_rotated",
     "disjoint",
     "engine_group",
-    "moments_at",
     "prepare_members",
-    "read_counters",
-    "second_moment",
-    "step_at",
 ]
 
 AVAILABLE = _kernels.AVAILABLE
@@ -107,79 +79,6 @@ if AVAILABLE:
     _array = numba.njit(inline="always")(_carray)
 
 
-def _second_moment(g_at, x_at, v_at, sizes, offsets, b2, c2, vt, bad):  # type: ignore[no-untyped-def]
-    for i in range(sizes.shape[0]):
-        n, o = sizes[i], offsets[i]
-        g = _array(g_at[i], n, vt)
-        count = 0
-        for k in range(n):
-            count += not np.isfinite(g[k])
-        bad[i] = count
-        x = _array(x_at[i], n, vt)
-        v = _array(v_at[i], n, vt)
-        for k in range(n):
-            vt[o + k] = _second_moment_entry(v[k], x[k], b2, c2)
-
-
-def _apply_unrotated(w_at, g_at, m_at, v_at, sizes, offsets, b1, c1, eps, neg_lr, wd, decay, vt):  # type: ignore[no-untyped-def]
-    for i in range(sizes.shape[0]):
-        n, o = sizes[i], offsets[i]
-        W = _array(w_at[i], n, vt)
-        g = _array(g_at[i], n, vt)
-        M = _array(m_at[i], n, vt)
-        V = _array(v_at[i], n, vt)
-        new_V = vt[o : o + n]
-        for k in range(n):
-            w = W[k]
-            m = ema_entry(M[k], g[k], b1, c1)
-            v = new_V[k]
-            M[k] = m
-            V[k] = v
-            W[k] = w + delta_entry(m / (math.sqrt(v) + eps), w, neg_lr, wd, decay)
-
-
-def _direction_rotated(m_at, gu_at, sizes, offsets, b1, c1, eps, vt, mt):  # type: ignore[no-untyped-def]
-    for i in range(sizes.shape[0]):
-        n, o = sizes[i], offsets[i]
-        M0 = _array(m_at[i], n, mt)
-        GU = _array(gu_at[i], n, mt)
-        new_V, new_M = vt[o : o + n], mt[o : o + n]
-        for k in range(n):
-            m = ema_entry(M0[k], GU[k], b1, c1)
-            GU[k] = m / (math.sqrt(new_V[k]) + eps)
-            new_M[k] = m
-
-
-def _apply_rotated(w_at, d_at, m_at, v_at, sizes, offsets, neg_lr, wd, decay, mt, vt):  # type: ignore[no-untyped-def]
-    for i in range(sizes.shape[0]):
-        n, o = sizes[i], offsets[i]
-        W = _array(w_at[i], n, vt)
-        D = _array(d_at[i], n, vt)
-        M = _array(m_at[i], n, vt)
-        V = _array(v_at[i], n, vt)
-        for k in range(n):
-            w = W[k]
-            W[k] = w + delta_entry(D[k], w, neg_lr, wd, decay)
-            M[k] = mt[o + k]
-            V[k] = vt[o + k]
-
-
-def _read_counters(c_at, out):  # type: ignore[no-untyped-def]
-    """``out[i]`` = the int32 counter at ``c_at[i]``; returns whether they are all equal."""
-    same = True
-    for i in range(c_at.shape[0]):
-        out[i] = _array(c_at[i], 1, out)[0]
-        same = same and out[i] == out[0]
-    return same
-
-
-def _advance_counters(c_at, like):  # type: ignore[no-untyped-def]
-    """Each int32 counter at ``c_at[i]`` += 1 (torch's ``"step"`` tensors, written in host memory)."""
-    for i in range(c_at.shape[0]):
-        c = _array(c_at[i], 1, like)
-        c[0] += 1
-
-
 def _engine_step(w_at, g_at, chunks, offsets, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
     """The engine's unrotated flat group in place: per chunk ``(member, lo, hi)`` of the members' entries,
     ``M, V <- M_t, V_t`` at the member's offset in the flat moments and ``W <- W + (-eta)(U + lambda W)`` in the
@@ -203,6 +102,15 @@ def _engine_tail(w_at, chunks, offsets, D, neg_lr, wd, decay):  # type: ignore[n
         _kernels.apply_direction_flat(_array(w_at[i], hi, D)[lo:hi], D[o + lo : o + hi], neg_lr, wd, decay)
 
 
+def _engine_moments(chunks, offsets, M, V, GU, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
+    """A rotated flat group's moments in place: per chunk ``(member, lo, hi)``, at the member's offset,
+    ``M <- M_t``, ``V <- V_t`` and ``U~`` over ``G~`` (:func:`~.numba_route.adam_moments_own_flat`, one pass)."""
+    for c in prange(chunks.shape[0]):
+        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+        o = offsets[i]
+        adam_moments_own_flat(M[o + lo : o + hi], V[o + lo : o + hi], GU[o + lo : o + hi], b1, c1, b2, c2, eps)
+
+
 def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
     """The number of NaN or Inf entries of the members' gradients (one read of each), per span the shared
     :func:`adadiag_ref._kernels._nonfinite_count_flat`."""
@@ -211,27 +119,6 @@ def _nonfinite_at(g_at, chunks, like):  # type: ignore[no-untyped-def]
         i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
         total += _kernels._nonfinite_count_flat(_array(g_at[i], hi, like)[lo:hi])
     return total
-
-
-def _step_at(w_at, g_at, m_at, v_at, chunks, b1, c1, b2, c2, eps, neg_lr, wd, decay, like):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place over the members' own memory, row by row of ``chunks``
-    (``(member, lo, hi)``), each span by :func:`~.numba_route.adam_step_in_place_flat` (one pass): one call for any
-    number of large parameters instead of one per parameter.  ``like``: any array of the members' dtype."""
-    for c in range(chunks.shape[0]):
-        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        adam_step_in_place_flat(_array(w_at[i], hi, like)[lo:hi], _array(g_at[i], hi, like)[lo:hi],
-                                _array(m_at[i], hi, like)[lo:hi], _array(v_at[i], hi, like)[lo:hi], b1, c1, b2, c2,
-                                eps, neg_lr, wd, decay)  # fmt: skip
-
-
-def _moments_at(m_at, v_at, u_at, chunks, b1, c1, b2, c2, eps, like):  # type: ignore[no-untyped-def]
-    """A rotated member's moments in place over its own memory, row by row of ``chunks`` (``(member, lo,
-    hi)``): ``V <- V_t``, ``M <- M_t`` and ``U~`` over ``G~`` at ``u_at`` (the caller's GEMM output), each span by
-    :func:`~.numba_route.adam_moments_own_flat` (one pass).  ``like``: any array of the member's dtype."""
-    for c in range(chunks.shape[0]):
-        i, lo, hi = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-        adam_moments_own_flat(_array(m_at[i], hi, like)[lo:hi], _array(v_at[i], hi, like)[lo:hi],
-                              _array(u_at[i], hi, like)[lo:hi], b1, c1, b2, c2, eps)  # fmt: skip
 
 
 def _dense_address_of(a):  # type: ignore[no-untyped-def]
@@ -243,25 +130,11 @@ if AVAILABLE:
     _dense_address: Any = numba.njit(cache=True, nogil=True)(_dense_address_of)
     engine_step, engine_step_parallel = _kernels._serial_and_parallel(_engine_step)
     engine_tail, engine_tail_parallel = _kernels._serial_and_parallel(_engine_tail)
+    engine_moments, engine_moments_parallel = _kernels._serial_and_parallel(_engine_moments)
     nonfinite_at, nonfinite_at_parallel = _kernels._serial_and_parallel(_nonfinite_at)
-    read_counters = _kernels._jit(_read_counters)
-    advance_counters = _kernels._jit(_advance_counters)
-    second_moment = _kernels._jit(_second_moment)
-    apply_unrotated = _kernels._jit(_apply_unrotated)
-    direction_rotated = _kernels._jit(_direction_rotated)
-    apply_rotated = _kernels._jit(_apply_rotated)
-    step_at = _kernels._jit(_step_at)
-    moments_at = _kernels._jit(_moments_at)
 else:  # pragma: no cover
-    second_moment = apply_unrotated = direction_rotated = apply_rotated = None
-    read_counters = advance_counters = step_at = moments_at = None
     engine_step = engine_step_parallel = nonfinite_at = nonfinite_at_parallel = _dense_address = None
-    engine_tail = engine_tail_parallel = None
-
-
-def addresses(tensors: list[Any]) -> np.ndarray:
-    """The ``data_ptr()`` of each tensor, as the kernels' int64 address array."""
-    return np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    engine_tail = engine_tail_parallel = engine_moments = engine_moments_parallel = None
 
 
 CHUNK = 1 << 16
@@ -293,14 +166,17 @@ class Prepared(NamedTuple):
     eta: Any
 
 
-def prepare_members(eta: Any, params_at: Callable[[], Any], grads_at: Callable[[], Any] | None) -> Prepared | None:
+def prepare_members(
+    eta: Any, params_at: Callable[[], Any] | None, grads_at: Callable[[], Any] | None
+) -> Prepared | None:
     """:meth:`~adadiag_ref.optim.families.registry.GroupKernels.prepare`'s steps, whatever the address tables:
-    ``None`` unless ``eta`` is a host number and ``params_at()`` (then ``grads_at()``, unless ``None``: the tail
-    only) gives a table (``None``: an array the kernels cannot walk)."""
+    ``None`` unless ``eta`` is a host number and ``params_at()`` (unless ``None``: the gradients only, for the
+    check) then ``grads_at()`` (unless ``None``: the tail only) gives a table (``None``: an array the kernels
+    cannot walk)."""
     if not is_host_number(eta):
         return None
-    w_at = params_at()
-    if w_at is None:
+    w_at = None if params_at is None else params_at()
+    if w_at is None and params_at is not None:
         return None
     if grads_at is None:
         return Prepared(w_at, None, eta)
@@ -334,6 +210,7 @@ class NumpyGroup:
         self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
                      f"{sum(sizes)} entries, {kind}): moments and W in place, no gather")  # fmt: skip
         self.tail_name = f"{__name__}.engine_tail over the members' own memory ({kind}): W <- W - eta (D + lambda W)"
+        self.moments_name = f"{__name__}.engine_moments over the flat M, V and G~ ({kind}): M_t, V_t, U~ over G~"
 
     def _table(self, arrays: Sequence[Any]) -> np.ndarray | None:
         """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (with ``tensors``: a
@@ -368,8 +245,8 @@ class NumpyGroup:
             return None
         return w_at
 
-    def prepare(self, params: Sequence[Any], grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
-        return prepare_members(eta, lambda: self._param_table(params),
+    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+        return prepare_members(eta, None if params is None else lambda: self._param_table(params),
                                None if grads is None else lambda: self._table(grads))  # fmt: skip
 
     def _run(self, serial: Any, parallel: Any, before: tuple[Any, ...], after: tuple[Any, ...]) -> list[Any]:
@@ -391,6 +268,12 @@ class NumpyGroup:
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
         self._run(engine_step, engine_step_parallel, (prepared.w_at, prepared.g_at),
                   (self.offsets, _host(moments["M"]), _host(moments["V"]), *sc))  # fmt: skip
+
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
+        arrays = (_host(moments["M"]), _host(moments["V"]), _host(g_rot))
+        self._run(engine_moments, engine_moments_parallel, (), (self.offsets, *arrays, b1, c1, b2, c2, eps))
+        return True
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         if proceed is not None:

@@ -33,7 +33,6 @@ import numpy as np
 from .... import _kernels, buffers
 from ...._kernels import (
     _inline,
-    _jit,
     _serial_and_parallel,
     alike,
     delta_entry,
@@ -150,12 +149,6 @@ def _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type
         W[k] = w + delta_entry(u, w, neg_lr, wd, decay)
 
 
-def _adam_step_in_place_flat(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay):  # type: ignore[no-untyped-def]
-    """The unrotated Adam step in place on flat views, in one pass (the group kernels' spans): each array crosses memory
-    once, and nothing of the parameter's size is allocated (:func:`_adam_step_span`)."""
-    _adam_step_span(W, g, M, V, b1, c1, b2, c2, eps, neg_lr, wd, decay)
-
-
 adam_moments_inplace, adam_moments_inplace_parallel = _serial_and_parallel(_adam_moments_rows)
 adam_direction_flat, adam_direction_flat_parallel = _serial_and_parallel(_adam_direction_flat)
 
@@ -167,9 +160,6 @@ adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_ad
 
 
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)
-
-
-adam_step_in_place_flat = _jit(_adam_step_in_place_flat)
 
 
 # ----------------------------------------------------------------------------- routes
