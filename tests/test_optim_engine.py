@@ -133,6 +133,59 @@ def test_engine_equals_step_per_parameter(name: str, dtype: Any, backend: str) -
         assert engine.count(i) == 5
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_live_engine_writes_the_states_it_handed_out(name: str, backend: str) -> None:
+    """``from_states(live=True)``: the states handed out before any step show the engine's state after five
+    (refresh steps included), equal to ``ar.step``'s: every step writes the same arrays in place.  Without
+    ``live`` they are snapshots, left as they were."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    convert = BACKENDS[backend]
+    cfg = ar.make_config(name, update_freq=2, weight_decay=0.1)
+    host_params, stream = _stream(SHAPES, np.float64, steps=5)
+    params, snapshot_params = [convert(p) for p in host_params], [convert(p) for p in host_params]
+    live = ar.Engine.from_states([ar.init(p, cfg) for p in params], params, cfg, count=0, live=True)
+    snapshot = ar.Engine.from_states([ar.init(p, cfg) for p in params], snapshot_params, cfg, count=0)
+    held = [live.state(i) for i in range(len(params))]
+    kept = [snapshot.state(i) for i in range(len(params))]
+    singles, states = _in_lockstep(live, params, host_params, stream, cfg, convert)
+    for grads in stream:
+        snapshot.step([convert(g) for g in grads], snapshot_params)
+    exact = backend == "torch" or cfg.family == "adam"  # NumPy's Adafactor and Hfac kernels sum in another order
+    for i, want in enumerate(states):
+        _assert_states(held[i]._replace(count=want.count), want, exact, np.float64)  # its counter is the caller's
+        _assert_states(kept[i], ar.init(convert(host_params[i]), cfg), True, np.float64)
+        _assert_close(params[i], singles[i], exact, np.float64)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adafactor"])
+def test_finite_reads_one_verdict_and_writes_nothing(name: str) -> None:
+    """``Engine.finite``: ``True`` for finite gradients, ``False`` for a NaN or an Inf in any one of them; nothing
+    of the engine or the parameters changes."""
+    cfg = ar.make_config(name, update_freq=2)
+    host_params, stream = _stream(SHAPES, np.float32, steps=3)
+    params = [p.copy() for p in host_params]
+    engine = ar.Engine(params, cfg)
+    assert engine.finite(stream[0]) is True
+    for index, bad in [(0, np.nan), (3, np.inf), (len(SHAPES) - 1, -np.inf)]:
+        grads = [g.copy() for g in stream[0]]
+        grads[index].reshape(-1)[-1] = bad
+        assert engine.finite(grads) is False
+    for i, p in enumerate(host_params):
+        _assert_states(engine.state(i), ar.init(p, cfg), True, np.float32)
+        np.testing.assert_array_equal(params[i], p)
+        assert engine.count(i) == 0
+
+
+def test_a_live_engine_refuses_jax() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    cfg = ar.make_config("adamw")
+    params = [jnp.zeros((3, 2))]
+    with pytest.raises(TypeError, match="immutable"):
+        ar.Engine.from_states([ar.init(p, cfg) for p in params], params, cfg, live=True)
+
+
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp", "adafactor", "hfacdiag"])
 def test_multi_step_equals_step_on_every_layout(name: str) -> None:
     """``multi_step`` (through the engine) with mappings, per-parameter counts and low-precision parameters."""

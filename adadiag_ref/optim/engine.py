@@ -427,7 +427,8 @@ class Engine:
         with the same keys), each checked against its parameter and ``cfg`` (``ValueError``).  ``count`` (host
         ints, the steps taken): one for all, or one per parameter; ``None`` reads each state's counter once,
         here.  The states' moments and bases are copied into the engine's flat arrays (the states themselves
-        are never modified), except a per-parameter member's in host memory, which the engine holds as given.
+        are never modified), except a per-parameter member's in host memory, which the engine holds as given
+        (and, ``live``, writes in place).
 
         ``live``: the arrays of a state handed out by :meth:`state` stay the engine's own, and every later step
         writes them in place (new moments and bases copied into them), so a caller may hold them as its
