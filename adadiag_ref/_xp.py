@@ -8,6 +8,7 @@ The core is written against the Python array API standard.  Public functions tak
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -159,11 +160,11 @@ def _numpy_root(x: Any, out: Any) -> Any:
 def plain_cpu_tensor(x: Any) -> bool:
     """Whether ``x`` is a plain strided float32/float64 CPU torch tensor (no subclass such as a DTensor, no lazily
     negated or conjugated view): one whose memory NumPy and the numba kernels may read as it is."""
-    import torch
-
+    torch = sys.modules.get("torch")  # x is no torch tensor unless torch is imported (and this is called per step)
     return (
-        type(x) in (torch.Tensor, torch.nn.Parameter)
-        and x.device.type == "cpu"
+        torch is not None
+        and type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.is_cpu
         and x.dtype in (torch.float32, torch.float64)
         and x.layout == torch.strided
         and not x.is_neg()

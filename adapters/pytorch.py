@@ -49,6 +49,7 @@ except ImportError as exc:  # name the extra instead of a bare "No module named 
 import dataclasses
 import functools
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -115,6 +116,13 @@ def to_core_state(flat: Mapping[str, torch.Tensor], cfg: BaseConfig) -> Any:
             f"{list(fields[1:])}): was the state dict saved by another optimizer?"
         )
     return state_type(count=flat["step"], **{name: flat.get(name) for name in fields[1:]})
+
+
+@functools.cache
+def _config_fields_of(name: str) -> frozenset[str]:
+    """The init fields of optimizer ``name``'s config a param group may set (all but ``name``, ``sides``, ``lr``)."""
+    cls = ar.OPTIMIZERS[name].config_type
+    return frozenset({f.name for f in dataclasses.fields(cls) if f.init} - {"name", "sides", "lr"} | {"momentum"})
 
 
 def _hashable(value: Any) -> Any:
@@ -314,8 +322,7 @@ class CoreOptimizer(torch.optim.Optimizer):
     @property
     def _config_fields(self) -> frozenset[str]:
         """Group entries that are core config fields (lr is passed to ``update`` at each step instead)."""
-        cls = ar.OPTIMIZERS[self.core_name].config_type
-        return frozenset({f.name for f in dataclasses.fields(cls) if f.init} - {"name", "sides", "lr"} | {"momentum"})
+        return _config_fields_of(self.core_name)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "core_name": self.core_name, "split_refresh": self.split_refresh}
@@ -391,8 +398,42 @@ class CoreOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
             _foreach_traced(_step_on_host_outside_graph(self, True))
             return loss
-        self._step_on_host(deferred=False, agreed=self._agreed())  # the ranks agree before any other exchange
+        agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
+        if not self._engines_only_step(agreed):
+            self._step_on_host(deferred=False, agreed=agreed)
         return loss
+
+    def _engines_only_step(self, agreed: bool) -> bool:
+        """The step of a model whose every parameter has a gradient and is held by its group's kept engine (the
+        steady state of CPU training), without the general path's per-parameter bookkeeping: the same checks, in
+        the same order of effects (every group validated, every gradient found finite, before the first write).
+        ``False``, having changed nothing, when anything differs (a missing gradient or state, another dtype, shape
+        or layout, a refresh split over the ranks, a non-finite gradient: :meth:`_step_on_host` then takes the step,
+        or raises its error)."""
+        jobs = []
+        for group_index, group in enumerate(self.param_groups):
+            held, params = self._engines.get(group_index), group["params"]
+            if held is None or group.get("foreach") is True:
+                return False
+            cfg = self._build_config(group)
+            grads = [p.grad for p in params]
+            if not all(g is not None and g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
+                       for g, p in zip(grads, params, strict=True)):  # fmt: skip
+                return False
+            flats = [self.state.get(p) for p in params]
+            if not held.holds_these(params, flats, cfg, held.counters.numpy().tolist()):  # the counters its own
+                return False
+            counts = held.counts
+            if self._split() and any(ar.refresh_due(count, cfg) for count in set(counts)):
+                return False
+            if group["maximize"]:
+                grads = list(torch._foreach_neg(grads))
+            jobs.append((held, grads, cfg, _number(group["lr"])))
+        if not agreed and not all(bool(held.engine.finite(grads)) for held, grads, _, _ in jobs):
+            return False
+        for held, grads, cfg, lr in jobs:
+            held.step(grads, cfg, lr)
+        return bool(jobs)
 
     def _update_in_graph(self) -> bool:
         """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route):
@@ -466,7 +507,8 @@ class CoreOptimizer(torch.optim.Optimizer):
             if not self._warned_eager_under_compile:
                 self._warned_eager_under_compile = True
                 warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
-            self._step_on_host(deferred=False, agreed=agreed)
+            if not self._engines_only_step(agreed):
+                self._step_on_host(deferred=False, agreed=agreed)
             return []
         work = []
         for group_index, group in enumerate(self.param_groups):
@@ -520,7 +562,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         for held, items in engines:
             for item in items:
                 self._commit(item, {})  # a fresh state enters self.state
-            held.step(items)
+            held.step([item.grad for item in items], items[0].cfg, items[0].lr)
         for item, is_due, count in zip(work, due, counts, strict=True):
             if item.engine:
                 continue
@@ -932,10 +974,13 @@ class _GroupEngine:
                                             count=counts, live=True)  # fmt: skip
         self.dtypes = [p.dtype for p in self.params]
         self.flats = [item.flat for item in items]
+        # the host counters as views of one int32 buffer: advanced by one addition, read by one host view
+        self.counters = torch.tensor(counts, dtype=torch.int32)
         self.held: list[tuple[tuple[str, torch.Tensor], ...]] = []
         for i, flat in enumerate(self.flats):
             state = self.engine.state(i)
             tensors = {f: getattr(state, f) for f in state._fields[1:] if f != "param_shape"}
+            tensors["step"] = self.counters[i]
             flat.update({f: t for f, t in tensors.items() if t is not None})
             self.held.append(tuple((f, t) for f, t in tensors.items() if t is not None))
         self.counts = list(counts)
@@ -946,14 +991,19 @@ class _GroupEngine:
 
     def holds(self, items: list[_Work], counts: list[int]) -> bool:
         """Whether this engine can take the step of ``items`` (their host counters ``counts``)."""
-        if len(items) != len(self.params) or counts != self.counts or not self._takes(items[0].cfg):
+        return self.holds_these([item.p for item in items], [item.flat for item in items], items[0].cfg, counts)
+
+    def holds_these(self, params: list[torch.Tensor], flats: list[Any], cfg: BaseConfig, counts: list[int]) -> bool:
+        """Whether this engine can step ``params``, whose state dicts are ``flats`` and host counters ``counts``,
+        under ``cfg``: the very parameters (same dtypes) and state dicts it was built over, each still holding the
+        tensors it handed them, the counters it keeps, and a config it takes (:meth:`_takes`)."""
+        if len(params) != len(self.params) or counts != self.counts or not self._takes(cfg):
             return False
-        for item, p, dtype, flat, held in zip(items, self.params, self.dtypes, self.flats, self.held, strict=True):
-            if item.p is not p or p.dtype != dtype or item.flat is not flat:
-                return False
-            if any(flat.get(f) is not t for f, t in held):
-                return False
-        return True
+        if not all(map(operator.is_, params, self.params)) or not all(map(operator.is_, flats, self.flats)):
+            return False
+        if any(p.dtype != dtype for p, dtype in zip(params, self.dtypes, strict=True)):
+            return False
+        return all(flat.get(f) is t for flat, held in zip(flats, self.held, strict=True) for f, t in held)
 
     def _takes(self, cfg: BaseConfig) -> bool:
         """``cfg`` is the engine's, or differs from it only in what a step may change (betas, weight decay)."""
@@ -964,13 +1014,12 @@ class _GroupEngine:
         self.cfg = cfg
         return True
 
-    def step(self, items: list[_Work]) -> None:
+    def step(self, grads: list[torch.Tensor], cfg: BaseConfig, lr: Any) -> None:
         """The engine's step (no check: the optimizer validated every gradient), the host counters advanced."""
-        cfg = items[0].cfg
         own = cfg is self.engine.cfg  # else a step's own betas and weight decay (the gathering path)
-        self.engine.step([item.grad for item in items], self.params, lr=items[0].lr, check=False,
-                         betas=None if own else cfg.betas, weight_decay=None if own else cfg.weight_decay)  # fmt: skip
-        torch._foreach_add_([flat["step"] for flat in self.flats], 1)
+        self.engine.step(grads, self.params, lr=lr, check=False, betas=None if own else cfg.betas,
+                         weight_decay=None if own else cfg.weight_decay)  # fmt: skip
+        self.counters += 1
         self.counts = [c + 1 for c in self.counts]
 
 
@@ -1114,7 +1163,11 @@ def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
 
 def _host_counts(work: list[_Work]) -> list[int]:
     """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim)."""
-    counters = [item.flat["step"] for item in work]
+    return _counts_of([item.flat["step"] for item in work])
+
+
+def _counts_of(counters: list[torch.Tensor]) -> list[int]:
+    """The values of host counters (0-d tensors), read together: one stack, one host view."""
     if any(c.device.type != "cpu" or type(c) is not torch.Tensor for c in counters):
         return [int(c) for c in counters]
     return torch.stack(counters).numpy().tolist() if counters else []  # one stack, one host view

@@ -189,6 +189,9 @@ class _Block:
         self.matrices = 0
         self.P: Array | None = None
         self.Q: Array | None = None
+        # in host memory (CPU torch): per direction, the bases it was made of and their factors as lists of matrices
+        self.factors: dict[bool, tuple[Any, Any, list[Any], list[Any]]] = {}
+        self.views: dict[int, tuple[Array, list[Array], list[bool]]] = {}  # per flat array: its matrices, aligned
 
 
 class _FlatGroup:
@@ -284,26 +287,41 @@ def _describe(fn: Callable[..., Any]) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
+def _factors(block: _Block, P: Array, Q: Array | None, back: bool) -> tuple[Array | None, Array | None]:
+    """``(L, R)`` of a block's rotation in memory order, ``X -> L X R`` (``None``: no factor on that side):
+    ``G~ = P^T G Q``, and for a tall parameter (``G^T`` in memory) ``Q^T G^T P``; ``back``: ``D = P U~ Q^T``, and
+    ``Q U~^T P^T`` for a tall one (:func:`~adadiag_ref.optim.rotation.rotate` and ``unrotate``'s products)."""
+    if back:
+        return (Q, _transpose(P)) if block.transposed else (P, None if Q is None else _transpose(Q))
+    return (None if Q is None else _transpose(Q), P) if block.transposed else (_transpose(P), Q)
+
+
+def _sandwich(x: Array, L: Array | None, R: Array | None, left_first: bool, out: Array | None = None) -> Array:
+    """``L X R`` by :func:`~adadiag_ref.optim.rotation._product`: ``(L X) R`` when ``left_first`` (a wide
+    parameter's order), else ``L (X R)`` (a tall one's); the last product into ``out`` where given."""
+    if L is None:
+        return _product(x, R, out)
+    if R is None:
+        return _product(L, x, out)
+    return _product(_product(L, x), R, out) if left_first else _product(L, _product(x, R), out)
+
+
 def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
     """``G~ = P^T G Q`` of every matrix of a block's stack ``(k, a, b)``, in memory order: ``Q^T (G P)`` for a
     tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched); the last product into
     ``out`` where given (NumPy)."""
-    if block.transposed:
-        return _product(g, P, out) if Q is None else _product(_transpose(Q), _product(g, P), out)
-    return _product(_transpose(P), g, out) if Q is None else _product(_product(_transpose(P), g), Q, out)
+    return _sandwich(g, *_factors(block, P, Q, False), not block.transposed, out)
 
 
 def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
     """``P U~ Q^T`` of every matrix of a block's stack, in memory order (:func:`~adadiag_ref.optim.rotation.
     unrotate`'s products, batched); the last product into ``out`` where given (NumPy)."""
-    if block.transposed:
-        return _product(u, _transpose(P), out) if Q is None else _product(Q, _product(u, _transpose(P)), out)
-    return _product(P, u, out) if Q is None else _product(_product(P, u), _transpose(Q), out)
+    return _sandwich(u, *_factors(block, P, Q, True), not block.transposed, out)
 
 
-def _bases_part(bases: tuple[Array, Array | None], part: slice | int) -> tuple[Array, Array | None]:
+def _bases_part(bases: tuple[Any, Any], part: slice | int) -> tuple[Array, Array | None]:
     """A block's ``(P, Q)`` stacks cut to the matrices ``part`` (the whole stacks for ``slice(None)``; one matrix's
-    bases for an index)."""
+    bases for an index, also of stacks given as sequences of matrices)."""
     if part == slice(None):
         return bases
     P, Q = bases
@@ -921,7 +939,7 @@ class Engine:
         params_l = _as_ordered(params, self._keys, "params")
         xp = self.xp
         for i, (g, p) in enumerate(zip(grads_l, params_l, strict=True)):
-            shape = tuple(int(d) for d in p.shape)
+            shape = tuple(p.shape)  # ints on every backend the engine takes (torch.Size, a tuple)
             if shape != self._shapes[i] or p.dtype != self._param_dtypes[i]:
                 raise ValueError(
                     f"parameter {self._keys[i]!r} has shape {shape} and dtype {p.dtype}; the engine was built for "
@@ -1238,7 +1256,12 @@ class Engine:
         return xp.reshape(u_rot, (-1,)), _flattened(moments, xp)
 
     def _per_block(
-        self, group: _FlatGroup, flat: Array, product: Callable[..., Array], into: Array | None = None
+        self,
+        group: _FlatGroup,
+        flat: Array,
+        product: Callable[..., Array],
+        into: Array | None = None,
+        plain: tuple[list[tuple[Any, Any]], bool] | None = None,
     ) -> Array:
         """``flat`` with each rotation block's entries replaced by ``product(b, block, stack, out, part)`` of its
         stack ``(k, a, b)`` (``part``: which of the block's matrices ``stack`` holds; one batched call per block),
@@ -1247,20 +1270,27 @@ class Engine:
         else a new one), not concatenated afterwards; on NumPy the products are spread over threads with BLAS
         single-threaded (:func:`~adadiag_ref.optim.blas_threads.run_balanced`), on CPU torch one ``torch.mm`` per
         matrix (as :func:`~adadiag_ref.optim.rotation.rotate` calls it: ``ar.step``'s bits), an output off a
-        fresh tensor's alignment computed apart and copied (:func:`_fresh_alignment`)."""
+        fresh tensor's alignment computed apart and copied (:func:`_fresh_alignment`); there ``plain`` (the
+        blocks' bases and the direction, for a product without a refresh step's structure) takes the products
+        through the blocks' factors and matrix views, made once and kept while the arrays are the same
+        (:meth:`_matrices`)."""
         if not group.blocks:
             return flat
         xp = self.xp
         if self._host and type(flat) is not np.ndarray:
             result = xp.empty((group.size,), dtype=flat.dtype, device=group.device) if into is None else into
+            kept = [id(x) for x in group.scratch.values()]  # the group's own arrays persist: their views are kept
             for b, block in enumerate(group.blocks):
-                shape = (block.matrices, block.a, block.b)
-                source = xp.reshape(flat[block.start : block.stop], shape)
-                target = xp.reshape(result[block.start : block.stop], shape)
-                for i in range(block.matrices):
-                    out = target[i]
-                    aligned = out.data_ptr() % _ALIGNMENT == 0
-                    made = product(b, block, _fresh_alignment(source[i]), out if aligned else None, i)
+                sources, _ = self._matrices(block, flat, id(flat) in kept)
+                targets, aligned = self._matrices(block, result, id(result) in kept)
+                if plain is not None:
+                    Ls, Rs = self._host_factors(block, *plain[0][b], plain[1])
+                for i, (source, out) in enumerate(zip(sources, targets, strict=True)):
+                    target = out if aligned[i] else None
+                    if plain is None:
+                        made = product(b, block, _fresh_alignment(source), target, i)
+                    else:
+                        made = _sandwich(_fresh_alignment(source), Ls[i], Rs[i], not block.transposed, target)
                     if made is not out:
                         out[...] = made
             result[group.unrotated_start :] = flat[group.unrotated_start :]
@@ -1315,14 +1345,37 @@ class Engine:
             work = refresh_step_structure(work, block.right, flags, xp)
             return _transpose(work) if block.transposed else work
 
-        return self._per_block(group, g, rotate, into)
+        structured = any((number, b) in refreshed for b in range(len(group.blocks)))  # a refresh step's G~
+        return self._per_block(group, g, rotate, into, None if structured else (stacks, False))
 
     def _unrotated(
         self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]], into: Array | None = None
     ) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
         return self._per_block(group, u_rot, lambda b, block, stack, out, part: _unrotate_stack(
-            stack, block, *_bases_part(stacks[b], part), out), into)  # fmt: skip
+            stack, block, *_bases_part(stacks[b], part), out), into, (stacks, True))  # fmt: skip
+
+    def _matrices(self, block: _Block, flat: Array, keep: bool) -> tuple[list[Array], list[bool]]:
+        """The block's matrices in ``flat`` (CPU torch) as views, and whether each lies at a fresh tensor's
+        alignment; with ``keep`` (one of the group's scratch arrays, which persist) made once and kept."""
+        kept = block.views.get(id(flat))
+        if kept is None or kept[0] is not flat:
+            views = list(self.xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b)).unbind(0))
+            kept = (flat, views, [v.data_ptr() % _ALIGNMENT == 0 for v in views])
+            if keep:
+                block.views[id(flat)] = kept
+        return kept[1], kept[2]
+
+    def _host_factors(self, block: _Block, P: Array, Q: Array | None, back: bool) -> tuple[list[Any], list[Any]]:
+        """:func:`_factors` of the block's bases ``P``, ``Q`` (stacks) as lists of matrices (``None`` entries for
+        a side without a factor), kept while the bases are the same arrays (a live engine's, written in place)."""
+        kept = block.factors.get(back)
+        if kept is None or kept[0] is not P or kept[1] is not Q:
+            L, R = _factors(block, P, Q, back)
+            none = [None] * block.matrices
+            kept = block.factors[back] = (P, Q, none if L is None else list(L.unbind(0)),
+                                          none if R is None else list(R.unbind(0)))  # fmt: skip
+        return kept[2], kept[3]
 
     def _scratch(self, group: _FlatGroup, which: str) -> Array:
         """The group's flat scratch array ``which`` of its state dtype, made on first use and kept."""

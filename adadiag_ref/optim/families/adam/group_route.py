@@ -23,6 +23,7 @@ with ``sizes[i]`` entries, in the memory order of the member's span of the flat 
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -205,6 +206,7 @@ class NumpyGroup:
         self.parallel = sum(sizes) >= _kernels.PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
         self.like = np.empty(1, dtype=self.dtype)
         self._params: tuple[list[weakref.ref[Any]], np.ndarray] | None = None
+        self._grads: tuple[list[Any], np.ndarray] | None = None  # a check's table, for the step after it
         kind = ("guided pieces over torch's threads" if tensors
                 else "parallel on numba's pool" if self.parallel else "serial")  # fmt: skip
         self.name = (f"{__name__}.engine_step over the members' own memory ({len(sizes)} arrays, "
@@ -215,13 +217,11 @@ class NumpyGroup:
     def _table(self, arrays: Sequence[Any]) -> np.ndarray | None:
         """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (with ``tensors``: a
         dense CPU torch tensor; the engine has checked their dtypes and shapes against the group's)."""
-        out = np.empty(len(arrays), dtype=np.int64)
         if self.tensors:
-            for k, a in enumerate(arrays):
-                if not (plain_cpu_tensor(a) and a.is_contiguous()):
-                    return None
-                out[k] = a.data_ptr()
-            return out
+            if not all(plain_cpu_tensor(a) and a.is_contiguous() for a in arrays):
+                return None
+            return np.array([a.data_ptr() for a in arrays], dtype=np.int64)
+        out = np.empty(len(arrays), dtype=np.int64)
         for k, a in enumerate(arrays):
             if type(a) is not np.ndarray:
                 return None
@@ -232,10 +232,14 @@ class NumpyGroup:
         return out
 
     def _param_table(self, params: Sequence[Any]) -> np.ndarray | None:
-        # a NumPy array's memory never moves; a torch tensor's may (``p.data = ...``, ``set_``): read every step
-        kept = None if self.tensors else self._params
-        if kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True)):
-            w_at: np.ndarray | None = kept[1]
+        # a NumPy array's memory never moves; a torch tensor's may (``p.data = ...``, ``set_``): its address is read
+        # every step, and the table checked again when an address changed
+        kept = self._params
+        same = kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True))
+        if same and self.tensors:
+            same = kept[1].tolist() == [p.data_ptr() for p in params]  # type: ignore[index]
+        if same:
+            w_at: np.ndarray | None = kept[1]  # type: ignore[index]
         else:
             w_at = self._table(params)
             if w_at is not None and not disjoint(w_at.tolist(), self.sizes, self.dtype.itemsize):
@@ -245,9 +249,23 @@ class NumpyGroup:
             return None
         return w_at
 
+    def _grad_table(self, grads: Sequence[Any], keep: bool) -> np.ndarray | None:
+        """:meth:`_table` of the gradients; the table of a check (``keep``) is kept for the step that follows it
+        with the very same gradients (the caller holds them in between), and dropped then."""
+        kept, self._grads = self._grads, None
+        if kept is not None and len(kept[0]) == len(grads) and all(map(operator.is_, kept[0], grads)):
+            table: np.ndarray | None = kept[1]
+        else:
+            table = self._table(grads)
+        if keep and table is not None:
+            self._grads = (list(grads), table)
+        return table
+
     def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+        if grads is None:  # a tail's members: a check's table (and the gradients it holds) is not kept past it
+            self._grads = None
         return prepare_members(eta, None if params is None else lambda: self._param_table(params),
-                               None if grads is None else lambda: self._table(grads))  # fmt: skip
+                               None if grads is None else lambda: self._grad_table(grads, params is None))  # fmt: skip
 
     def _run(self, serial: Any, parallel: Any, before: tuple[Any, ...], after: tuple[Any, ...]) -> list[Any]:
         """``kernel(*before, chunks, *after)`` over the group's chunk table: with ``tensors`` cut into guided
