@@ -302,6 +302,30 @@ def test_large_and_small_parameters_share_the_group_step(name):
     _assert_poisoned_step_changes_nothing(params, opt, 6, (3, 4), message)
 
 
+@pytest.mark.parametrize("name", ["adamw", "adadiag"])
+def test_a_counter_edited_in_place_is_followed(name):
+    """``opt.state[p]["step"]`` edited in place (the value, not the tensor object): the next step counts from it,
+    bias correction and refresh schedule included, as ``ar.step`` from a state whose count was set so."""
+    import adadiag_ref as ar
+
+    params = _params()
+    opt = at.OPTIMIZER_CLASSES[name](params, lr=0.01, weight_decay=0.1, update_freq=4)
+    cfg = opt.config()
+    weights = [p.detach().clone() for p in params]
+    states = [ar.init(w, cfg) for w in weights]
+    for k in range(7):
+        if k == 3:
+            for p in params:
+                opt.state[p]["step"].fill_(6)  # the next step is t = 7, no refresh; t = 9 refreshes
+            states = [st._replace(count=torch.tensor(6, dtype=torch.int32)) for st in states]
+        _grads(params, k)
+        opt.step()
+        for i, p in enumerate(params):
+            weights[i], states[i] = ar.step(states[i], p.grad, cfg, weights[i], lr=0.01)
+    assert all(torch.equal(p.detach(), w) for p, w in zip(params, weights, strict=True))
+    assert all(int(opt.state[p]["step"]) == 10 for p in params)
+
+
 def test_moment_storage_moved_by_hand_is_followed():
     """``Tensor.set_`` on a moment (the same tensor object, new memory): the kernels write the new memory."""
 
