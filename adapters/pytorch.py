@@ -404,20 +404,23 @@ class CoreOptimizer(torch.optim.Optimizer):
         return loss
 
     def _engines_only_step(self, agreed: bool) -> bool:
-        """The step of a model whose every parameter has a gradient and is held by its group's kept engine (the
-        steady state of CPU training), without the general path's per-parameter bookkeeping: the same checks, in
-        the same order of effects (every group validated, every gradient found finite, before the first write).
-        ``False``, having changed nothing, when anything differs (a missing gradient or state, another dtype, shape
-        or layout, a refresh split over the ranks, a non-finite gradient: :meth:`_step_on_host` then takes the step,
-        or raises its error)."""
+        """The step of a model whose every parameter with a gradient is held by its group's kept engine (the
+        steady state of CPU training, frozen parameters aside), without the general path's per-parameter
+        bookkeeping: the same checks, in the same order of effects (every group validated, every gradient found
+        finite, before the first write).  ``False``, having changed nothing, when anything differs (another set of
+        gradients, a missing or replaced state, another dtype, shape or layout, a refresh split over the ranks, a
+        non-finite gradient: :meth:`_step_on_host` then takes the step, or raises its error)."""
         jobs = []
         for group_index, group in enumerate(self.param_groups):
-            held, params = self._engines.get(group_index), group["params"]
+            params = [p for p in group["params"] if p.grad is not None]  # frozen parameters have none
+            if not params:
+                continue
+            held = self._engines.get(group_index)
             if held is None or group.get("foreach") is True:
                 return False
             cfg = self._build_config(group)
             grads = [p.grad for p in params]
-            if not all(g is not None and g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
+            if not all(g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
                        for g, p in zip(grads, params, strict=True)):  # fmt: skip
                 return False
             flats = [self.state.get(p) for p in params]

@@ -326,6 +326,24 @@ def test_a_counter_edited_in_place_is_followed(name):
     assert all(int(opt.state[p]["step"]) == 10 for p in params)
 
 
+def test_a_frozen_parameter_keeps_the_steady_path(monkeypatch):
+    """A parameter that never has a gradient (frozen) leaves the others on the engine's steady path (no general
+    step after the first), bit for bit ``kernels="reference"``, and the frozen one without state."""
+    runs = _pair("adadiag", lr=0.01, weight_decay=0.1, update_freq=3)
+    general = []
+    original = at.CoreOptimizer._step_on_host
+    monkeypatch.setattr(at.CoreOptimizer, "_step_on_host", lambda self, *a, **k: general.append(1) or original(
+        self, *a, **k))  # fmt: skip
+    for k in range(6):
+        for params, opt in runs:
+            _grads(params, k)
+            params[1].grad = None
+            opt.step()
+    assert all(params[1] not in opt.state for params, opt in runs)
+    assert len(general) == 2  # the first step of each run builds its engine; every later step is the steady one
+    _assert_same(runs)
+
+
 def test_moment_storage_moved_by_hand_is_followed():
     """``Tensor.set_`` on a moment (the same tensor object, new memory): the kernels write the new memory."""
 
