@@ -234,11 +234,11 @@ class CoreOptimizer(torch.optim.Optimizer):
     ``RuntimeError``; a non-finite gradient (named by parameter and step) or a
     mismatched shape or dtype raises ``ValueError``.  Everything is validated
     before anything is updated, so on an error no parameter and no state has
-    changed.  A ``step()`` without a basis refresh synchronises with the device
-    once (the finiteness of one sum per gradient, all tested together; only a
-    non-finite sum leads to the exact per-entry test); a refresh step also
-    copies the gradients it decomposes to the host.  With ``foreach`` the sums
-    are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
+    changed.  In host memory the groups' engines count each gradient's NaN and Inf (their kernels, by address;
+    else one sum per gradient), every engine before any writes.  Off the host a ``step()`` without a basis refresh
+    synchronises with the device once (the finiteness of one sum per gradient, all tested together; only a
+    non-finite sum leads to the exact per-entry test); a refresh step also copies the gradients it decomposes to
+    the host.  With ``foreach`` the sums are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
     device and dtype).
 
     FSDP2 (``torch.distributed.fsdp.fully_shard``: DTensor parameters, rows split over the ranks) is handled by
@@ -701,10 +701,12 @@ class CoreOptimizer(torch.optim.Optimizer):
                       for i in range(len(group["params"]))]  # fmt: skip
             held = self._engine_of(group_index)
             by_engine = dict(zip(held.params_ids(), held.engine.routes().values(), strict=True)) if held else {}
+            split = " (split over the ranks: that step per parameter)" if self._split() else ""
             for label, p in zip(labels, group["params"], strict=True):
                 if id(p) in by_engine:
                     route = by_engine[id(p)]
-                    out[label] = {"refresh": route.refresh, "rotate": route.rotate, "moments": route.entrywise,
+                    refresh = route.refresh + (split if not route.refresh.startswith("none") else "")
+                    out[label] = {"refresh": refresh, "rotate": route.rotate, "moments": route.entrywise,
                                   "engine": route.group}  # fmt: skip
                 else:
                     out[label] = self._route_off_engine(p, group)
