@@ -1200,11 +1200,14 @@ def _finiteness_sums(grads: list[torch.Tensor], multi: list[bool]) -> tuple[list
 
 
 def _exactly_finite(grads: list[torch.Tensor]) -> list[bool]:
-    """``isfinite(G).all()`` per (plain, dense) gradient: one multi-tensor sum per device and dtype, one host read,
-    and the exact per-entry test only for a non-finite sum (NaN or Inf, or finite entries whose sum overflowed)."""
+    """``isfinite(G).all()`` per (plain, dense) gradient: one multi-tensor sum per device and dtype (one
+    ``torch.sum`` per gradient on the CPU, where ``_foreach_norm`` takes a norm per tensor, 4.4x slower: 10.4
+    against 2.35 ms over the 4-block LLaMA-60M's gradients, 1 thread), one host read, and the exact per-entry test
+    only for a non-finite sum (NaN or Inf, or finite entries whose sum overflowed)."""
     if not grads:
         return []
-    order, sums = _finiteness_sums(grads, [True] * len(grads))
+    devices = _foreach_devices()
+    order, sums = _finiteness_sums(grads, [g.device.type in devices for g in grads])
     finite = [True] * len(grads)
     for i, ok in zip(order, torch.isfinite(torch.stack([s.cpu() for s in sums])).tolist(), strict=True):
         finite[i] = bool(ok) or bool(torch.isfinite(grads[i]).all())
