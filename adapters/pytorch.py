@@ -526,14 +526,14 @@ class CoreOptimizer(torch.optim.Optimizer):
                 flat: dict[str, torch.Tensor] = self.state.get(p) or {}
                 fresh = not flat
                 where = _where(names, index, group_index)
-                label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+                label = _label(names, index, group_index)
                 # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
                 sharded = _sharded.is_sharded(p)  # FSDP2: its own route (adapters/_sharded.py), never foreach
                 if fresh:
                     flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                engine = not (foreach or sharded) and _in_host_memory(p)
+                engine = not foreach and _plain_cpu_parameter(p)  # FSDP2's DTensors are not plain
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index,
                                   engine))  # fmt: skip
         self._check_shapes(work)
@@ -667,10 +667,10 @@ class CoreOptimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         items = []
         for index, p in enumerate(group["params"]):
-            if p.grad is None or not _in_host_memory(p) or _sharded.is_sharded(p):
+            if p.grad is None or not _plain_cpu_parameter(p):
                 continue
             flat = self.state.get(p) or from_core_state(ar.init(p.detach(), cfg))
-            label = str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
+            label = _label(names, index, group_index)
             items.append(_Work(p, p.grad, flat, False, cfg, group["lr"], "", label, False, group_index, True))
         if not items:
             return None
@@ -697,8 +697,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         out: dict[str, dict[str, str]] = {}
         for group_index, group in enumerate(self.param_groups):
             names = group.get("param_names")
-            labels = [str(names[i]) if names else f"param_groups[{group_index}].params[{i}]"
-                      for i in range(len(group["params"]))]  # fmt: skip
+            labels = [_label(names, i, group_index) for i in range(len(group["params"]))]
             held = self._engine_of(group_index)
             by_engine = dict(zip(held.params_ids(), held.engine.routes().values(), strict=True)) if held else {}
             split = " (split over the ranks: that step per parameter)" if self._split() else ""
@@ -786,9 +785,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
-        order, reductions = _finiteness_sums(
-            [item.grad for item in work], [item.foreach or item.engine for item in work]
-        )
+        order, reductions = _finiteness_sums([item.grad for item in work], [item.foreach for item in work])
         return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
 
     def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> bool:
@@ -1028,8 +1025,8 @@ class _GroupEngine:
         self.counts = [c + 1 for c in self.counts]
 
 
-def _in_host_memory(p: torch.Tensor) -> bool:
-    """A plain CPU tensor or parameter (not a DTensor or another subclass): its group's engine steps it."""
+def _plain_cpu_parameter(p: torch.Tensor) -> bool:
+    """A plain CPU tensor or parameter (not FSDP2's DTensor or another subclass): its group's engine steps it."""
     return p.device.type == "cpu" and type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
@@ -1045,6 +1042,12 @@ def _initialisation_only(work: list[_Work]) -> bool:
     identity basis, so the first refresh would come only at ``t = 1 + T``.  The gradients are read (one
     synchronisation per parameter) only when every ``lr`` is already 0."""
     return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
+
+
+def _label(names: Any, index: int, group_index: int) -> str:
+    """A parameter as :meth:`CoreOptimizer.routes` and the core's messages name it: ``fc.weight`` with
+    ``named_parameters()``, else ``param_groups[i].params[j]``."""
+    return str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
 
 
 def _where(names: Any, index: int, group_index: int) -> str:

@@ -319,9 +319,9 @@ def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Arr
     return _sandwich(u, *_factors(block, P, Q, True), not block.transposed, out)
 
 
-def _bases_part(bases: tuple[Any, Any], part: slice | int) -> tuple[Array, Array | None]:
+def _bases_part(bases: tuple[Array, Array | None], part: slice | int) -> tuple[Array, Array | None]:
     """A block's ``(P, Q)`` stacks cut to the matrices ``part`` (the whole stacks for ``slice(None)``; one matrix's
-    bases for an index, also of stacks given as sequences of matrices)."""
+    bases for an index)."""
     if part == slice(None):
         return bases
     P, Q = bases
