@@ -40,6 +40,8 @@ BIT_TESTS = (
     "tests/test_fused.py",
     "tests/test_engine.py",
     "tests/test_optim_engine.py",
+    "tests/test_adapter_torch.py",
+    "tests/test_adapter_torch_routes.py",
     "tests/test_golden.py",
 )
 
