@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +21,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _ranks import free_port, spawn_ranks  # noqa: E402
+
 import adadiag_ref as ar  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+DEADLINE = 300.0  # seconds for one run of the DDP ranks (observed: well under a minute on 2 cores)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
@@ -38,9 +34,7 @@ def test_ddp_ranks_bit_identical_and_equal_to_single_process(tmp_path):
     import _ddp_worker
 
     names = list(ar.OPTIMIZERS)
-    torch.multiprocessing.spawn(
-        _ddp_worker.worker, args=(_free_port(), str(tmp_path), names), nprocs=_ddp_worker.WORLD, join=True
-    )
+    spawn_ranks(_ddp_worker.worker, (free_port(), str(tmp_path), names), _ddp_worker.WORLD, DEADLINE)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(_ddp_worker.WORLD)]
     for name in names:
         for p0, p1 in zip(ranks[0][name], ranks[1][name]):
@@ -113,9 +107,7 @@ def test_split_refresh_with_a_kept_basis_gives_the_bits_of_ar_step(tmp_path):
     rank must still pass the update the owner's ``refreshed`` (False when kept, True otherwise), as ``ar.step``."""
     import _ddp_worker
 
-    torch.multiprocessing.spawn(
-        _ddp_worker.kept_basis_worker, args=(_free_port(), str(tmp_path)), nprocs=_ddp_worker.WORLD, join=True
-    )
+    spawn_ranks(_ddp_worker.kept_basis_worker, (free_port(), str(tmp_path)), _ddp_worker.WORLD, DEADLINE)
     ranks = [torch.load(tmp_path / f"kept{r}.pt") for r in range(_ddp_worker.WORLD)]
     for name in _ddp_worker.KEPT_NAMES:
         reference = _ddp_worker.kept_basis_stream(name, None)

@@ -113,11 +113,9 @@ def test_checked_again_after_deepcopy_and_added_groups():
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 def test_fsdp1_two_ranks_refused_with_the_wrapper_named(tmp_path):
     import _fsdp1_worker
-    from test_distributed import _free_port
+    from _ranks import free_port, spawn_ranks
 
-    torch.multiprocessing.spawn(
-        _fsdp1_worker.worker, args=(_free_port(), str(tmp_path)), nprocs=_fsdp1_worker.WORLD, join=True
-    )
+    spawn_ranks(_fsdp1_worker.worker, (free_port(), str(tmp_path)), _fsdp1_worker.WORLD, 300.0)
     for rank in range(_fsdp1_worker.WORLD):
         report = torch.load(tmp_path / f"fsdp1_rank{rank}.pt")
         assert any(len(shape) == 1 for shape in report["shapes"])  # the flat shards this rank holds

@@ -13,12 +13,12 @@ communication of a step without refresh is the exact byte count of the design (b
 
 from __future__ import annotations
 
-import socket
-
 import _adapter_import  # noqa: F401
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from _ranks import free_port, spawn_ranks  # noqa: E402
 
 import adadiag_ref as ar  # noqa: E402
 
@@ -26,21 +26,14 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+DEADLINE = 600.0  # seconds for one run of every optimizer (observed: under a minute for 4 ranks on 2 cores)
 
 
 def _run(tmp_path, world: int, resume: bool) -> list[dict]:
     import _fsdp2_worker
 
     names = list(ar.OPTIMIZERS)
-    torch.multiprocessing.spawn(
-        _fsdp2_worker.worker, args=(world, _free_port(), str(tmp_path), names, resume), nprocs=world, join=True
-    )
+    spawn_ranks(_fsdp2_worker.worker, (world, free_port(), str(tmp_path), names, resume), world, DEADLINE)
     return [torch.load(tmp_path / f"r{r}.pt") for r in range(world)]
 
 

@@ -27,9 +27,9 @@ WORLD, DEADLINE = 2, 120.0
 
 def test_expert_stacks_are_stepped_by_their_owner_without_traffic(tmp_path):
     import _fsdp2_stack_worker as stack
-    from test_rank_agreement import _free_port, _spawn_with_deadline
+    from _ranks import free_port, spawn_ranks
 
-    _spawn_with_deadline(stack.worker, (WORLD, _free_port(), str(tmp_path)), DEADLINE)
+    spawn_ranks(stack.worker, (WORLD, free_port(), str(tmp_path)), WORLD, DEADLINE)
     ranks = [torch.load(tmp_path / f"stack{r}.pt") for r in range(WORLD)]
     for (name, experts), _ in ranks[0].items():
         held = 0

@@ -10,14 +10,12 @@ function of the ranks' table (``_sharded.disagreement``), tested here without pr
 
 from __future__ import annotations
 
-import socket
-import time
-
 import _adapter_import  # noqa: F401
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from _ranks import free_port, spawn_ranks  # noqa: E402
 from adadiag_ref.adapters import _sharded  # noqa: E402
 
 multiprocess = [
@@ -29,26 +27,6 @@ WORLD = 2
 DEADLINE = 60.0  # seconds for both cases of a wrapper (observed: a few seconds, most of it importing torch)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _spawn_with_deadline(fn, args: tuple, deadline: float) -> None:
-    """``torch.multiprocessing.spawn`` that kills every rank and fails after ``deadline`` seconds."""
-    context = torch.multiprocessing.spawn(fn, args=args, nprocs=WORLD, join=False)
-    end = time.monotonic() + deadline
-    while not context.join(timeout=max(0.0, min(1.0, end - time.monotonic()))):
-        if time.monotonic() >= end:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(5)
-            pytest.fail(f"the ranks did not finish within {deadline:.0f} s: a rank waits in a collective (a hang)")
-
-
 @multiprocess[0]
 @multiprocess[1]
 @pytest.mark.parametrize("wrapper", ["ddp", "ddp_split", "fsdp2"])
@@ -57,7 +35,7 @@ def test_a_fault_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, wrapp
 
     faults = [*_agreement_worker.FAULTS, *([_agreement_worker.REFRESH_FAULT] if wrapper != "ddp" else [])]
     cases = [(wrapper, fault) for fault in faults]
-    _spawn_with_deadline(_agreement_worker.worker, (WORLD, _free_port(), str(tmp_path), cases), DEADLINE)
+    spawn_ranks(_agreement_worker.worker, (WORLD, free_port(), str(tmp_path), cases), WORLD, DEADLINE)
     ranks = [torch.load(tmp_path / f"agree{r}.pt") for r in range(WORLD)]
     for wrapper_, fault in cases:
         key = f"{wrapper_}/{fault}"
