@@ -3,8 +3,8 @@
 A rank that returns leaves through ``os._exit(0)``, skipping the interpreter's finalization: its results are on
 disk by then, and finalization is where torch's gloo and TCPStore threads may still be torn down.  A C++ thread
 destroyed while joinable calls ``std::terminate`` ("terminate called without an active exception", SIGABRT); CI
-saw that once in ``test_fsdp2_stacks`` after every rank had finished its work (pytorch/pytorch#179291 describes
-the same race).  A rank that raises keeps torch's handling: its traceback is the test's error.
+saw that once in ``test_fsdp2_stacks`` (both ranks; pytorch/pytorch#179291 describes such a race at
+finalization).  A rank that raises keeps torch's handling: its traceback is the test's error.
 """
 
 from __future__ import annotations
