@@ -178,6 +178,28 @@ def test_finite_reads_one_verdict_and_writes_nothing(name: str) -> None:
         assert engine.count(i) == 0
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_finite_refuses_a_gradient_of_another_shape_or_dtype_before_reading_it(backend: str) -> None:
+    """``Engine.finite`` reads a group's gradients by address: a gradient smaller than its parameter, or of another
+    dtype, must raise ``ValueError`` naming it (as :meth:`~adadiag_ref.Engine.step` does), never be read past its
+    end or as the wrong type."""
+    cfg = ar.make_config("adamw", update_freq=None)
+    shapes = [(300_000,), (7, 5)]
+    params = [np.zeros(s, np.float32) for s in shapes]
+    grads = [np.ones(s, np.float32) for s in shapes]
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        params, grads = [torch.from_numpy(p) for p in params], [torch.from_numpy(g) for g in grads]
+    engine = ar.Engine(params, cfg)
+    assert engine.finite(grads) is True
+    short = grads[0][:3]
+    wide = grads[0].double() if backend == "torch" else grads[0].astype(np.float64)
+    for bad, words in [(short, r"shape \(3,\)"), (wide, "float64")]:
+        with pytest.raises(ValueError, match=words) as error:
+            engine.finite([bad, grads[1]])
+        assert "0" in str(error.value) and "nothing was read" in str(error.value)
+
+
 def test_a_live_engine_refuses_jax() -> None:
     jnp = pytest.importorskip("jax.numpy")
     cfg = ar.make_config("adamw")

@@ -718,7 +718,13 @@ class Engine:
         if kind == "per-parameter":
             return self._member_state(self._per_param[number], i)
         group = self._flat[number]
-        member = group.members[position]
+        # its next in-place step copies the moments first, unless they are live (written in place on purpose)
+        group.shared = group.kernels is not None and not self._live
+        return self._flat_member_state(group, group.members[position])
+
+    def _flat_member_state(self, group: _FlatGroup, member: _Member) -> State:
+        """A flat group's member's state as :meth:`state` gives it, without marking its moments handed out (the
+        engine's own reads: a refresh reads only the bases)."""
         xp = self.xp
         P = Q = None
         if member.block is not None:
@@ -726,8 +732,6 @@ class Engine:
             P, Q = self._member_bases(member, block.P, block.Q)
         span = slice(member.offset, member.offset + member.size)
         moments = {f: None if v is None else work_view(v[span], member.layout, xp) for f, v in group.moments.items()}
-        # its next in-place step copies them first, unless they are live (written in place on purpose)
-        group.shared = group.kernels is not None and not self._live
         if group.counter is None or group.counter[0] != group.count:
             group.counter = (group.count, xp.asarray(group.count, dtype=xp.int32, device=group.device))
         state: State = self._family.state_type(count=group.counter[1], P=P, Q=Q, **moments,
@@ -911,8 +915,15 @@ class Engine:
         or Inf whenever an entry is; it may also overflow on finite entries, so ``False`` is a suspicion for the
         caller to settle exactly).  A host bool in host memory, else a 0-d device boolean (nothing read back).
         Nothing is written: a caller stepping several engines checks them all first, then steps each with
-        ``check=False``."""
+        ``check=False``.  A gradient of another shape or dtype than its parameter's raises ``ValueError`` naming
+        it, before any gradient is read."""
         grads_l = _as_ordered(grads, self._keys, "grads")
+        for i, g in enumerate(grads_l):  # the kernels read a group's gradients by address: their sizes first
+            if getattr(g, "dtype", None) != self._param_dtypes[i] or tuple(g.shape) != self._shapes[i]:
+                raise ValueError(
+                    f"gradient {self._keys[i]!r} has shape {tuple(g.shape)} and dtype {getattr(g, 'dtype', None)}; "
+                    f"its parameter has shape {self._shapes[i]} and dtype {self._param_dtypes[i]} (nothing was read)"
+                )
         summed: list[Array] = []
         counts: list[Any] = []
         for group in self._flat:
@@ -1097,9 +1108,7 @@ class Engine:
         work: list[tuple[int, State]] = []
         for number, group in enumerate(self._flat):
             if due[number]:
-                shared = group.shared
-                work += [(m.index, self.state(m.index)) for m in group.members if m.block is not None]
-                group.shared = shared  # only the bases are read: no snapshot of the moments leaves the engine
+                work += [(m.index, self._flat_member_state(group, m)) for m in group.members if m.block is not None]
         for number, pgroup in enumerate(self._per_param):
             if due[n_flat + number]:
                 rotating = [i for i in pgroup.indices if layout_for(self._shapes[i], self.cfg).rotate_left]
