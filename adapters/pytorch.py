@@ -975,6 +975,7 @@ class _GroupEngine:
         self.engine = ar.Engine.from_states(states, self.params, cfg, names=[item.name for item in items],
                                             count=counts, live=True)  # fmt: skip
         self.dtypes = [p.dtype for p in self.params]
+        self.shapes = [p.shape for p in self.params]
         self.flats = [item.flat for item in items]
         # the host counters as views of one int32 buffer: advanced by one addition, read by one host view
         self.counters = torch.tensor(counts, dtype=torch.int32)
@@ -997,13 +998,14 @@ class _GroupEngine:
 
     def holds_these(self, params: list[torch.Tensor], flats: list[Any], cfg: BaseConfig, counts: list[int]) -> bool:
         """Whether this engine can step ``params``, whose state dicts are ``flats`` and host counters ``counts``,
-        under ``cfg``: the very parameters (same dtypes) and state dicts it was built over, each still holding the
-        tensors it handed them, the counters it keeps, and a config it takes (:meth:`_takes`)."""
+        under ``cfg``: the very parameters (same dtypes and shapes) and state dicts it was built over, each still
+        holding the tensors it handed them, the counters it keeps, and a config it takes (:meth:`_takes`)."""
         if len(params) != len(self.params) or counts != self.counts or not self._takes(cfg):
             return False
         if not all(map(operator.is_, params, self.params)) or not all(map(operator.is_, flats, self.flats)):
             return False
-        if any(p.dtype != dtype for p, dtype in zip(params, self.dtypes, strict=True)):
+        if any(p.dtype != dtype or p.shape != shape for p, dtype, shape in zip(params, self.dtypes, self.shapes,
+                                                                              strict=True)):  # fmt: skip
             return False
         return all(flat.get(f) is t for flat, held in zip(flats, self.held, strict=True) for f, t in held)
 

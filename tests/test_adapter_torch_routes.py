@@ -180,6 +180,23 @@ def test_replaced_parameter_storage_and_state_tensors():
     _assert_same(runs)
 
 
+def test_a_parameter_resized_in_place_gets_the_adapters_error_and_keeps_its_state():
+    """``p.data = `` a tensor of another shape, on the steady path: the adapter's own error (the state was made for
+    the old shape), not the engine's, and nothing changed."""
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    opt = at.AdamW([p], lr=1e-2)
+    for _ in range(2):
+        p.grad = torch.randn(4, 3, dtype=torch.float64)
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    p.data = torch.randn(5, 3, dtype=torch.float64)
+    p.grad = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"state field 'M' has shape \(3, 4\), expected \(3, 5\)"):
+        opt.step()
+    for k, v in before.items():
+        assert torch.equal(opt.state[p][k], v), k
+
+
 def test_add_param_group_and_a_gradient_that_appears():
     def edit(params, opt, k):
         if k == 2:

@@ -922,7 +922,8 @@ class Engine:
             if getattr(g, "dtype", None) != self._param_dtypes[i] or tuple(g.shape) != self._shapes[i]:
                 raise ValueError(
                     f"gradient {self._keys[i]!r} has shape {tuple(g.shape)} and dtype {getattr(g, 'dtype', None)}; "
-                    f"its parameter has shape {self._shapes[i]} and dtype {self._param_dtypes[i]} (nothing was read)"
+                    f"the engine was built for shape {self._shapes[i]} and dtype {self._param_dtypes[i]} (nothing was "
+                    "read)"
                 )
         summed: list[Array] = []
         counts: list[Any] = []
