@@ -242,11 +242,9 @@ def _documented_modules() -> set[str]:
     return {elt.value for elt in listed.elts} | set(FAMILY_PACKAGES)  # type: ignore[attr-defined]
 
 
-ADAPTER_EXECUTORS = {
-    f"{PACKAGE}.optim.families.adam.{m}" for m in ("group_route", "cupy_group", "torch_route", "numba_route")
-}
-"""The kernel modules the torch adapter's own executors still call (its CPU lanes, its CUDA launch): the open part
-of issue 44, which moves them into the engine.  No other internal module may enter the adapters."""
+ADAPTER_EXECUTORS = {f"{PACKAGE}.optim.families.adam.cupy_group"}
+"""The kernel module the torch adapter's own executor still calls (its CUDA launch; its CPU route is the engine): the
+open part of issue 44, which moves it into the engine.  No other internal module may enter the adapters."""
 
 
 def _adapter_imports() -> list[tuple[str, str, str]]:
