@@ -200,6 +200,59 @@ def test_finite_refuses_a_gradient_of_another_shape_or_dtype_before_reading_it(b
         assert "0" in str(error.value) and "nothing was read" in str(error.value)
 
 
+def test_a_gradient_given_new_memory_between_finite_and_step_is_read_anew() -> None:
+    """The kernels keep the gradients' address table from :meth:`~adadiag_ref.Engine.finite` for the step after
+    it; a gradient tensor that got other memory in between (``g.data = ...``, ``g.set_(...)``) or lost its
+    contiguity in place must be read where it is now, never at its old address."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config("adamw", update_freq=None)
+    shapes = [(64, 64), (300,)]
+    base = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    clean = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    params = [b.clone() for b in base]
+    engine = ar.Engine(params, cfg)
+    grads = [c.clone() for c in clean]
+    grads[0][0, 0] = float("nan")
+    assert engine.finite(grads) is False
+    old = grads[0].data  # the NaN's memory stays alive (and readable) at its old address
+    grads[0].data = clean[0].clone()
+    assert engine.finite(grads) is True
+    grads[0].set_(old)  # back to the NaN's memory, then fixed by a new tensor in the same object
+    assert engine.finite(grads) is False
+    grads[0].set_(clean[0].t().contiguous().t())  # same values, new memory
+    assert engine.finite(grads) is True
+    old = grads[0].data
+    grads[0].data = (clean[0] * 2).t().contiguous().t()  # (64, 64) strided in place of the checked memory
+    engine.step(grads, params)
+    expected = ar.Engine([b.clone() for b in base], cfg)
+    want = [b.clone() for b in base]
+    expected.step([grads[0].contiguous(), grads[1]], want)
+    for got, ref in zip(params, want, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_a_parameter_restrided_over_its_own_memory_is_written_by_its_strides() -> None:
+    """A parameter's address table is kept while the same tensors come back at the same addresses; a square
+    parameter made a transposed view of its own memory (``p.data = p.data.t()``: same address, same shape) must be
+    written through its strides, as a fresh tensor of those values would be."""
+    torch = pytest.importorskip("torch")
+    cfg = ar.make_config("adamw", update_freq=None, weight_decay=0.1)
+    shapes = [(64, 64), (300,)]
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(s, dtype=torch.float64, generator=gen) for s in shapes]
+    stream = [[torch.randn(s, dtype=torch.float64, generator=gen) for s in shapes] for _ in range(2)]
+    params, twins = [b.clone() for b in base], [b.clone() for b in base]
+    engine, reference = ar.Engine(params, cfg), ar.Engine(twins, cfg)
+    engine.step(stream[0], params)
+    reference.step(stream[0], twins)
+    params[0].data = params[0].data.t()  # same memory and shape, transposed strides
+    twins = [twins[0].t().contiguous(), twins[1]]
+    engine.step(stream[1], params)
+    reference.step(stream[1], twins)
+    for got, want in zip(params, twins, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_live_engine_refuses_jax() -> None:
     jnp = pytest.importorskip("jax.numpy")
     cfg = ar.make_config("adamw")

@@ -935,7 +935,8 @@ class Engine:
             else:
                 counts.append(group.kernels.nonfinite(prepared))  # type: ignore[union-attr]
         summed += [grads_l[i] for pgroup in self._per_param for i in pgroup.indices]
-        return self._verdict(summed, counts)
+        verdict = self._verdict(summed, counts)
+        return bool(verdict) if self._host else verdict  # a CPU torch sum is a 0-d tensor: read it here
 
     def _writable(self) -> Any:
         """``torch.no_grad()`` for torch (a leaf parameter that requires grad is written in place), else nothing."""

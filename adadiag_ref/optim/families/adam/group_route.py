@@ -231,13 +231,19 @@ class NumpyGroup:
             out[k] = address
         return out
 
+    @staticmethod
+    def _same_memory(tensors: Sequence[Any], table: np.ndarray) -> bool:
+        """Whether the tensors of a kept table still lie, dense, at its addresses (``t.data = ...`` and ``set_``
+        give a tensor object other memory, or another layout over the same)."""
+        return table.tolist() == [t.data_ptr() for t in tensors] and all(t.is_contiguous() for t in tensors)
+
     def _param_table(self, params: Sequence[Any]) -> np.ndarray | None:
         # a NumPy array's memory never moves; a torch tensor's may (``p.data = ...``, ``set_``): its address is read
         # every step, and the table checked again when an address changed
         kept = self._params
         same = kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True))
         if same and self.tensors:
-            same = kept[1].tolist() == [p.data_ptr() for p in params]  # type: ignore[index]
+            same = self._same_memory(params, kept[1])  # type: ignore[index]
         if same:
             w_at: np.ndarray | None = kept[1]  # type: ignore[index]
         else:
@@ -251,9 +257,14 @@ class NumpyGroup:
 
     def _grad_table(self, grads: Sequence[Any], keep: bool) -> np.ndarray | None:
         """:meth:`_table` of the gradients; the table of a check (``keep``) is kept for the step that follows it
-        with the very same gradients (the caller holds them in between), and dropped then."""
+        with the very same gradients, still at the same addresses, and dropped then."""
         kept, self._grads = self._grads, None
-        if kept is not None and len(kept[0]) == len(grads) and all(map(operator.is_, kept[0], grads)):
+        if (
+            kept is not None
+            and len(kept[0]) == len(grads)
+            and all(map(operator.is_, kept[0], grads))
+            and (not self.tensors or self._same_memory(grads, kept[1]))
+        ):
             table: np.ndarray | None = kept[1]
         else:
             table = self._table(grads)
