@@ -918,8 +918,8 @@ class Engine:
         ``check=False``.  A gradient of another shape or dtype than its parameter's raises ``ValueError`` naming
         it, before any gradient is read."""
         grads_l = _as_ordered(grads, self._keys, "grads")
-        for i, g in enumerate(grads_l):  # the kernels read a group's gradients by address: their sizes first
-            if getattr(g, "dtype", None) != self._param_dtypes[i] or tuple(g.shape) != self._shapes[i]:
+        for i, (g, shape, dtype) in enumerate(zip(grads_l, self._shapes, self._param_dtypes, strict=True)):
+            if getattr(g, "dtype", None) != dtype or g.shape != shape:  # the kernels read by address: sizes first
                 raise ValueError(
                     f"gradient {self._keys[i]!r} has shape {tuple(g.shape)} and dtype {getattr(g, 'dtype', None)}; "
                     f"the engine was built for shape {self._shapes[i]} and dtype {self._param_dtypes[i]} (nothing was "

@@ -201,6 +201,9 @@ class NumpyGroup:
     def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int], tensors: bool = False) -> None:
         self.cfg, self.dtype, self.tensors = cfg, np.dtype(dtype), tensors
         self.chunks = chunk_table(sizes)
+        # the check scans the chunks last to first, so the step, which follows it first to last, finds the last
+        # gradients the check read still in the cache
+        self.chunks_backwards = np.ascontiguousarray(self.chunks[::-1])
         self.sizes = sizes
         self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         self.parallel = sum(sizes) >= _kernels.PARALLEL_MIN_SIZE and _kernels.pool_does_not_spin()
@@ -278,17 +281,22 @@ class NumpyGroup:
         return prepare_members(eta, None if params is None else lambda: self._param_table(params),
                                None if grads is None else lambda: self._grad_table(grads, params is None))  # fmt: skip
 
-    def _run(self, serial: Any, parallel: Any, before: tuple[Any, ...], after: tuple[Any, ...]) -> list[Any]:
-        """``kernel(*before, chunks, *after)`` over the group's chunk table: with ``tensors`` cut into guided
+    def _run(
+        self, serial: Any, parallel: Any, before: tuple[Any, ...], after: tuple[Any, ...], backwards: bool = False
+    ) -> list[Any]:
+        """``kernel(*before, chunks, *after)`` over the group's chunk table (last row first when ``backwards``:
+        the same entries, so the same results): with ``tensors`` cut into guided
         pieces over ``torch.get_num_threads()`` threads of the caller's (:func:`.torch_route.split_rows`: numba's
         pool next to torch's spinning OpenMP threads ran slower), else on numba's pool where it does not spin, else
         serially; each call's result.  Each entry is computed alike whatever the cut: the same bits."""
+        chunks = self.chunks_backwards if backwards else self.chunks
         if self.tensors:
-            return split_rows(serial, before, self.chunks, after, self.dtype)
-        return [(parallel if self.parallel else serial)(*before, self.chunks, *after)]
+            return split_rows(serial, before, chunks, after, self.dtype)
+        return [(parallel if self.parallel else serial)(*before, chunks, *after)]
 
     def nonfinite(self, prepared: Prepared) -> int:
-        return sum(int(n) for n in self._run(nonfinite_at, nonfinite_at_parallel, (prepared.g_at,), (self.like,)))
+        counts = self._run(nonfinite_at, nonfinite_at_parallel, (prepared.g_at,), (self.like,), backwards=True)
+        return sum(int(n) for n in counts)
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         if proceed is not None:  # the engine reads the verdict first in host memory
