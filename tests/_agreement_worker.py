@@ -17,6 +17,7 @@ from typing import Any
 
 import _adapter_import  # noqa: F401
 import torch
+from _ranks import process_group
 from adadiag_ref.adapters import _sharded
 from adadiag_ref.adapters.pytorch import AdaDiag
 
@@ -94,16 +95,9 @@ def run_case(rank: int, wrapper: str, fault: str) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[tuple[str, str]]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port):
         results = {}
         for wrapper, fault in cases:
             results[f"{wrapper}/{fault}"] = run_case(rank, wrapper, fault)
             torch.save(results, os.path.join(out_dir, f"agree{rank}.pt"))  # what finished, even if a later case hangs
-    finally:
-        # every rank's collectives done before any rank tears its process group down (a gloo rank destroyed while
-        # its peer still had work in flight aborted: "terminate called without an active exception")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()

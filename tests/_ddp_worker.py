@@ -12,6 +12,7 @@ import os
 
 import _adapter_import  # noqa: F401
 import torch
+from _ranks import process_group
 from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 STEPS, FREQ, WORLD = 9, 3, 2  # refreshes at t = 1, 4, 7
@@ -49,25 +50,23 @@ def reference_run(name: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _ddp_run(rank: int, name: str, split: bool) -> list[torch.Tensor]:
+    """One optimizer's DDP training on this rank: the parameters at the end (the DDP model and the optimizer are
+    freed on return, while the process group still lives)."""
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    opt = OPTIMIZER_CLASSES[name](model.parameters(), lr=0.01, weight_decay=0.1, update_freq=FREQ, split_refresh=split)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, *data(step, rank)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def worker(rank: int, port: int, out_dir: str, names: list[str]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        results = {}
-        for split in (False, True):
-            for name in names:
-                model = torch.nn.parallel.DistributedDataParallel(make_model())
-                opt = OPTIMIZER_CLASSES[name](
-                    model.parameters(), lr=0.01, weight_decay=0.1, update_freq=FREQ, split_refresh=split
-                )
-                for step in range(STEPS):
-                    opt.zero_grad()
-                    _loss(model, *data(step, rank)).backward()
-                    opt.step()
-                results[name + ("/split" if split else "")] = [p.detach().clone() for p in model.parameters()]
+    with process_group(rank, WORLD, port):
+        results = {name + ("/split" if split else ""): _ddp_run(rank, name, split)
+                   for split in (False, True) for name in names}  # fmt: skip
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 KEPT_NAMES = ["adadiag", "adadiag_pp", "adafacdiag", "hfacdiag"]
@@ -119,10 +118,6 @@ def kept_basis_stream(name: str, rank: int | None) -> list[torch.Tensor]:
 
 
 def kept_basis_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with process_group(rank, WORLD, port):
         results = {name: kept_basis_stream(name, rank) for name in KEPT_NAMES}
         torch.save(results, os.path.join(out_dir, f"kept{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ from typing import Any
 
 import _adapter_import  # noqa: F401
 import torch
+from _ranks import process_group
 from adadiag_ref.adapters import _sharded
 from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
@@ -97,14 +98,10 @@ def resumed(name: str, experts: int) -> torch.Tensor:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port):
         results = {}
         for experts in (8, 5):
             for name in NAMES:
                 results[(name, experts)] = {**sharded(name, experts), "whole": single_process(name, experts)}
         torch.save(results, os.path.join(out_dir, f"stack{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()

@@ -17,6 +17,7 @@ from typing import Any
 
 import _adapter_import  # noqa: F401
 import torch
+from _ranks import process_group
 from adadiag_ref.adapters.pytorch import OPTIMIZER_CLASSES
 
 import adadiag_ref as ar
@@ -97,12 +98,6 @@ def shards(model: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
         _, offset = compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, tuple(p.placements))
         out[n] = (int(offset[0]), p.to_local().detach().clone())
     return out
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)  # tiny matrices, more ranks than cores: one thread each avoids oversubscription
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 SAVE_AT = 2  # checkpoint after t = 2: the resumed run crosses the refreshes at t = 3 and 5
@@ -218,22 +213,28 @@ def _nan_on_one_rank(world: int, rank: int) -> dict[str, bool]:
     return {"raised": "NaN or Inf" in message and "at step 2" in message, "unchanged": unchanged}
 
 
+def _straight_run(name: str, world: int, decompositions: Counter[str]) -> tuple[Any, Any]:
+    """The uninterrupted run's shards and states, the decompositions counted (the sharded model and its optimizer
+    freed on return, while the group lives)."""
+    original = _counting_decompositions(decompositions)
+    try:
+        model = sharded_model(world)
+        opt = make_optimizer(name, model)
+        train(model, opt, range(STEPS))
+    finally:
+        ar.refresh_basis = original  # type: ignore[assignment]
+    return shards(model), local_state(opt)
+
+
 def worker(rank: int, world: int, port: int, out_dir: str, names: list[str], resume: bool) -> None:
     """Per optimizer of ``names``: the uninterrupted run's shards and states, the number of decompositions this
     rank ran in it, and with ``resume`` the same after a DCP save and load at ``SAVE_AT``; saved per rank."""
-    _init(rank, world, port)
+    torch.set_num_threads(1)  # tiny matrices, more ranks than cores: one thread each avoids oversubscription
     decompositions: Counter[str] = Counter()
-    try:
+    with process_group(rank, world, port):
         results: dict[str, Any] = {}
         for name in names:
-            original = _counting_decompositions(decompositions)
-            try:
-                model = sharded_model(world)
-                opt = make_optimizer(name, model)
-                train(model, opt, range(STEPS))
-            finally:
-                ar.refresh_basis = original  # type: ignore[assignment]
-            results[name] = {"straight": (shards(model), local_state(opt))}
+            results[name] = {"straight": _straight_run(name, world, decompositions)}
             if resume:
                 results[name]["resumed"] = _resumed_run(name, world, os.path.join(out_dir, f"checkpoint-{name}"))
                 results[name]["from_single"] = _loaded_from_single_process(name, world)
@@ -243,5 +244,3 @@ def worker(rank: int, world: int, port: int, out_dir: str, names: list[str], res
             {"runs": results, "decompositions": dict(decompositions), "traffic": traffic, "nan": nan},
             os.path.join(out_dir, f"r{rank}.pt"),
         )
-    finally:
-        torch.distributed.destroy_process_group()
