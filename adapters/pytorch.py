@@ -12,14 +12,14 @@ driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device,
 The core resolves the torch namespace itself (``array_api_compat``); nothing is copied to NumPy.  Who computes a
 parameter's step (:meth:`CoreOptimizer.routes` says it per parameter):
 
-* a parameter in host memory (a plain CPU tensor; ``foreach`` off, the CPU's default) is stepped by its param
-  group's :class:`adadiag_ref.Engine` (one per group, kept between steps, refresh steps included): its group kernels
-  over the tensors' own memory (numba), one ``torch.mm`` per rotated matrix, ``ar.step``'s bits.  The engine holds
-  the moments and bases, and ``optimizer.state[p]``'s tensors are views of its arrays, written in place;
-* a ``foreach`` group (the default on CUDA): the multi-tensor chain (``torch._foreach_*``), CUDA parameters with
-  CuPy installed the CUDA group kernels; FSDP2's sharded parameters their own route (:mod:`._sharded`); any other
-  parameter ``update_in_place`` (the reference's arithmetic in torch ops).  Moving the device routes into the
-  engine is the open part of issue 44.
+* a plain tensor on any device (``foreach`` unset, the default) is stepped by its param group's
+  :class:`adadiag_ref.Engine` (one per group, kept between steps, refresh steps included): in host memory its group
+  kernels over the tensors' own memory (numba) and one ``torch.mm`` per rotated matrix, ``ar.step``'s bits; on CUDA
+  with CuPy its CUDA group kernels, else its gathering path in torch ops.  The engine holds the moments and bases,
+  and ``optimizer.state[p]``'s tensors are views of its arrays, written in place;
+* a ``foreach=True`` group: the multi-tensor chain (``torch._foreach_*``); FSDP2's sharded parameters their own
+  route (:mod:`._sharded`); any other parameter ``update_in_place`` (the reference's arithmetic in torch ops).
+  Moving the multi-tensor chain into the engine is the open part of issue 44.
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -79,9 +79,6 @@ from adadiag_ref.optim import (
 )
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
-
-# the executor issue 44 still has to move into the engine: the CUDA launch's group kernels
-from adadiag_ref.optim.families.adam import cupy_group
 
 from . import _sharded
 
@@ -212,10 +209,9 @@ class CoreOptimizer(torch.optim.Optimizer):
             group run as a fixed number of calls (one launch each per device and dtype on CUDA) instead of a chain
             of kernels per parameter; only the rotations (GEMMs) stay per parameter.  The Adam family's arithmetic
             is written as ``torch._foreach_*`` calls; another entrywise family's direction function runs once over
-            the concatenation of the group's ``G~`` and moments.  ``None`` (default): on when every parameter of
-            the group with a gradient is on a device with foreach kernels (CUDA), off on the CPU, where the default
-            route is the faster one (the group's engine: :meth:`routes`, docs/adapters.md).  ``True`` forces it on
-            the CPU too, where it is bit-identical to ``False``.  Adafactor and Hfac (factored moments, not
+            the concatenation of the group's ``G~`` and moments.  ``None`` (default) or ``False``: off, on every
+            device: the group's engine steps it, the faster route (:meth:`routes`, docs/adapters.md); ``True``
+            turns it on (on the CPU bit-identical to ``False``).  Adafactor and Hfac (factored moments, not
             entrywise) ignore it (their per-parameter route).  A group may set it; ``load_state_dict`` keeps this
             optimizer's choice (the state is the same either way).
         name: the core optimizer name; the subclasses fix it.
@@ -260,11 +256,11 @@ class CoreOptimizer(torch.optim.Optimizer):
     optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
     correction is that of ``t = 2``).
 
-    ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything
-    a graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh
-    the Adam family's update runs in one graph (the multi-tensor route), bit-identical to the eager step and with no
-    recompile after warm-up.  With every parameter on the CPU (``foreach`` unset) the whole eager step runs outside
-    the graph instead (its group kernels are faster than the graph), with a one-time ``UserWarning``.
+    ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything a
+    graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh the
+    update of the Adam family's ``foreach=True`` groups runs in one graph (the multi-tensor route), bit-identical to the
+    eager step and with no recompile after warm-up.  Without ``foreach=True`` the whole eager step runs outside the
+    graph instead (the engines' group kernels are faster than the graph), with a one-time ``UserWarning``.
     ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
 
     Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
@@ -300,8 +296,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
         self._frames: dict[int, _Frame] = {}
-        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its CPU parameters (_engine_of)
-        self._group_kernels: dict[tuple[Any, ...], Any] = {}  # CUDA group kernels per batch (:func:`_launch_group`)
+        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engine_of)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
@@ -335,7 +330,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._configs = {}
         self._frames = {}
         self._engines = {}
-        self._group_kernels = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
         self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
@@ -440,16 +434,11 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def _update_in_graph(self) -> bool:
         """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route):
-        when a parameter with a gradient is off the CPU, or a group sets ``foreach=True``.  Otherwise (every
-        parameter on the CPU, ``foreach`` unset or False) the whole step runs as the eager one does, outside the
-        graph: there the default route's group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the compiled
-        multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower."""
-        for group in self.param_groups:
-            if group.get("foreach") is True:
-                return True
-            if any(p.grad is not None and p.device.type != "cpu" for p in group["params"]):
-                return True
-        return False
+        when a group sets ``foreach=True``.  Otherwise the whole step runs as the eager one does, through the groups'
+        engines, outside the graph: on the CPU their group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the
+        compiled multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower,
+        and a compiled step keeps the eager step's bits on every device."""
+        return any(group.get("foreach") is True for group in self.param_groups)
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
@@ -506,7 +495,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         """
         if agreed is None:
             agreed = self._agreed()
-        if deferred and not self._update_in_graph():  # the CPU's eager route is faster than the graph: eager bits
+        if deferred and not self._update_in_graph():  # the engines' eager step is faster than the graph: eager bits
             if not self._warned_eager_under_compile:
                 self._warned_eager_under_compile = True
                 warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
@@ -518,7 +507,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             cfg = self._build_config(group)
             lr = _number(group["lr"])
             names = group.get("param_names")
-            foreach = _foreach_on(group, cfg) or (deferred and family_of(cfg) is ADAM_FAMILY)
+            foreach = _foreach_on(group, cfg)
             for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -533,7 +522,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 if fresh:
                     flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                engine = not foreach and _plain_cpu_parameter(p)  # FSDP2's DTensors are not plain
+                engine = not foreach and _plain_parameter(p)  # FSDP2's DTensors are not plain
                 work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index,
                                   engine))  # fmt: skip
         self._check_shapes(work)
@@ -594,24 +583,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         frames: dict[int, _Frame] = {}
         plans = []
         commits: list[tuple[Callable[[], None], list[_Batched]]] = []
-        launched: list[tuple[Callable[[], None], list[_Batched]]] = []  # by the CUDA group kernels, gated
-        gate = None  # on the device: every gradient's sum is finite (made when a launch needs it)
         for key, batch in batches.items():
             adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
             if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
-            if adam and not deferred:  # the unrotated members in place by one launch, where the kernels take them
-                if gate is None and verdict is not None:
-                    gate = verdict[1].all()
-                taken, relaunch, batch = _launch_group(batch, key[-1], self._group_kernels, self._frames, frames,
-                                                       gate)  # fmt: skip
-                if taken:
-                    launched.append((relaunch, taken))
-                    if verdict is None:
-                        self._commit_batch(lambda: None, taken)  # written already: the counters advance
-                if not batch:
-                    continue
             if adam:
                 commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
             else:
@@ -619,11 +595,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             if verdict is None:
                 self._commit_batch(*commits.pop())
         if verdict is not None:  # every batch's work is queued: now the one synchronisation of the step
-            clean = self._raise_if_nonfinite(work, verdict)
-            for relaunch, taken in launched:
-                if not clean:  # finite gradients whose sum overflowed: the gate held the launch back
-                    relaunch()
-                self._commit_batch(lambda: None, taken)
+            self._raise_if_nonfinite(work, verdict)
             for commit, batch in commits:
                 self._commit_batch(commit, batch)
         self._frames = frames  # the views of this step's states only: nothing stale is kept alive
@@ -641,7 +613,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         )
 
     def _engines_for(self, work: list[_Work], counts: list[int]) -> list[tuple[_GroupEngine, list[_Work]]]:
-        """Per param group, the engine that steps its parameters in host memory (``item.engine``) and those
+        """Per param group, the engine that steps its plain parameters (``item.engine``) and those
         items: the one kept when it still holds them, else one built over their states (the state dicts then hold
         views of its arrays; their values are unchanged)."""
         by_group: dict[int, list[tuple[_Work, int]]] = {}
@@ -658,7 +630,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         return engines
 
     def _engine_of(self, group_index: int) -> _GroupEngine | None:
-        """The engine the group's parameters with a gradient in host memory would step through now: the one kept
+        """The engine the group's plain parameters with a gradient would step through now: the one kept
         when it still holds them, else one built over their states (new ones where they have none) but not kept."""
         group = self.param_groups[group_index]
         cfg = self._build_config(group)
@@ -667,7 +639,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         items = []
         for index, p in enumerate(group["params"]):
-            if p.grad is None or not _plain_cpu_parameter(p):
+            if p.grad is None or not _plain_parameter(p):
                 continue
             flat = self.state.get(p) or from_core_state(ar.init(p.detach(), cfg))
             label = _label(names, index, group_index)
@@ -687,11 +659,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         * ``"refresh"``: the basis refresh;
         * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T``;
         * ``"moments"``: moments, direction and tail of a step;
-        * ``"engine"`` (a parameter in host memory): its group in the param group's :class:`adadiag_ref.Engine`.
+        * ``"engine"`` (a plain parameter): its group in the param group's :class:`adadiag_ref.Engine`.
 
-        A parameter in host memory (the CPU; not FSDP2's, not a ``foreach`` group) is stepped by its param group's
+        A plain parameter (any device; not FSDP2's, not a ``foreach=True`` group) is stepped by its param group's
         engine, and its entries are that engine's :meth:`adadiag_ref.Engine.routes`; the others say
-        ``"foreach multi-tensor ..."``, ``"CUDA group kernel ..."``, ``"per parameter: update_in_place ..."`` or
+        ``"foreach multi-tensor ..."``, ``"flat multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or
         ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
         out: dict[str, dict[str, str]] = {}
@@ -719,18 +691,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
         rotated = layout is None or layout.rotate_left or layout.rotate_right
         sharded = _sharded.is_sharded(p)
-        flat = self.state.get(p) or {}
         if sharded:
             moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-        elif family_of(cfg) is ADAM_FAMILY and layout is not None and _addressable(p, flat, layout, rotated,
-                torch_namespace()) and _group_launcher(cfg, p.dtype, p.device) is not None:  # fmt: skip
-            moments = (
-                "CUDA group kernel (cupy_group, by address: one launch for the step's unrotated parameters of the "
-                "group, W, M, V in place"
-                + ("; for its rotated ones one launch for M, V and U~ over G~, the GEMMs per parameter, one launch "
-                   "for the tail W <- W - eta (D + lambda W)" if rotated else "")
-                + "; foreach multi-tensor on a refresh step or a gradient of another dtype or not dense)"
-            )  # fmt: skip
         elif _foreach_on(group, cfg) and family_of(cfg) is ADAM_FAMILY:
             moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
         elif _foreach_on(group, cfg):
@@ -788,17 +750,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         order, reductions = _finiteness_sums([item.grad for item in work], [item.foreach for item in work])
         return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
 
-    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> bool:
+    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> None:
         """Read the verdict (the one synchronisation of a step without refresh) and raise ``ValueError`` naming
-        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient.  Returns
-        whether every gradient's sum was finite (``False``: finite entries whose sum overflowed, so the device
-        gate ``all(finite)`` held back what it gates)."""
+        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient (a non-finite
+        sum of finite entries that overflowed raises nothing)."""
         if verdict is None:
-            return True
+            return
         order, finite = verdict
-        if bool(finite.all()):
-            return True
-        return self._raise_first_nonfinite([work[order[int(i)]] for i in torch.nonzero(~finite).flatten()])
+        if not bool(finite.all()):
+            self._raise_first_nonfinite([work[order[int(i)]] for i in torch.nonzero(~finite).flatten()])
 
     @staticmethod
     def _raise_first_nonfinite(suspects: list[_Work]) -> bool:
@@ -928,8 +888,8 @@ class CoreOptimizer(torch.optim.Optimizer):
 
 
 _EAGER_UNDER_COMPILE = (
-    "torch.compile(opt.step) with every parameter on the CPU runs the eager step, outside the graph: the CPU's "
-    "group kernels take 0.4x to 0.65x of the time of a compiled multi-tensor update, and give the same bits. "
+    "torch.compile(opt.step) with foreach unset runs the eager step, outside the graph: the engines' group kernels "
+    "take 0.4x to 0.65x of the time of a compiled multi-tensor update on the CPU, and give the same bits. "
     "Dynamo's call around it costs about 20 us a step (measurable on a tiny model only), so call opt.step() "
     "uncompiled there, or set foreach=True to put the update in a graph anyway (docs/adapters.md, 'torch.compile')"
 )
@@ -958,11 +918,11 @@ class _Work(NamedTuple):
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
     foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
-    engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): in host memory, not foreach, not FSDP2
+    engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): plain, not foreach=True, not FSDP2
 
 
 class _GroupEngine:
-    """A param group's :class:`adadiag_ref.Engine` over its parameters with a gradient in host memory, built with
+    """A param group's :class:`adadiag_ref.Engine` over its plain parameters with a gradient, built with
     live states (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of
     the engine's arrays, which every step writes in place, so ``state_dict()`` and a user's references stay
     current.  Kept while the same parameters (dtypes too) have a gradient, their state dicts hold the very tensors
@@ -1027,9 +987,10 @@ class _GroupEngine:
         self.counts = [c + 1 for c in self.counts]
 
 
-def _plain_cpu_parameter(p: torch.Tensor) -> bool:
-    """A plain CPU tensor or parameter (not FSDP2's DTensor or another subclass): its group's engine steps it."""
-    return p.device.type == "cpu" and type(p) in (torch.Tensor, torch.nn.Parameter)
+def _plain_parameter(p: torch.Tensor) -> bool:
+    """A plain tensor or parameter on any device (not FSDP2's DTensor or another subclass): its group's engine
+    steps it."""
+    return type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _initialisation_only(work: list[_Work]) -> bool:
@@ -1159,16 +1120,9 @@ def _foreach_devices() -> tuple[str, ...]:
 
 def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
     """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam` for the Adam family,
-    :func:`_foreach_flat` for any other entrywise family, a registered one too); ``foreach=None`` resolves to on
-    when every parameter with a gradient is on a foreach device (CUDA)."""
-    if not family_of(cfg).entrywise:
-        return False  # Adafactor and Hfac families: their per-parameter route (documented in docs/adapters.md)
-    foreach = group.get("foreach")
-    if foreach is None:
-        devices = _foreach_devices()
-        params = [p for p in group["params"] if p.grad is not None]
-        return bool(params) and all(p.device.type in devices for p in params)
-    return bool(foreach)
+    :func:`_foreach_flat` for any other entrywise family, a registered one too): only where the group sets
+    ``foreach=True``; by default (``None``, ``False``) its engine steps them, on every device."""
+    return family_of(cfg).entrywise and group.get("foreach") is True
 
 
 def _host_counts(work: list[_Work]) -> list[int]:
@@ -1286,41 +1240,6 @@ def _host_number(x: Any) -> float:
     return float(x)
 
 
-def _launcher_for(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> Any:
-    """The launcher of the Adam family's CUDA group kernels for tensors of ``dtype`` on ``device``
-    (:func:`~adadiag_ref.optim.families.adam.cupy_group.launcher_for`: a
-    :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), or ``None``: not a CUDA device, CuPy
-    not installed, ``kernels="reference"``, or not float32/float64."""
-    return cupy_group.launcher_for(cfg, dtype, device, torch_namespace())
-
-
-def _group_launcher(cfg: BaseConfig, dtype: torch.dtype, device: torch.device) -> Any:
-    """:func:`_launcher_for`'s launcher when the kernels passed their probe against the chain's own operations on
-    the device (:func:`~adadiag_ref.optim.families.adam.cupy_group.ready`, :func:`_foreach_root` as the root;
-    once per process: a failure warns once and leaves the ``torch._foreach_*`` chain to step), else ``None``."""
-    launcher = _launcher_for(cfg, dtype, device)
-    name = str(dtype).rsplit(".", 1)[-1]
-    if launcher is None or not cupy_group.ready(cfg, name, launcher, torch_namespace(), device,
-                                                sqrt=lambda v: _foreach_root([v])[0]):  # fmt: skip
-        return None
-    return launcher
-
-
-def _addressable(p: torch.Tensor, flat: Mapping[str, torch.Tensor], layout: Layout, rotated: bool, xp: Any) -> bool:
-    """Whether the group kernels can address ``p``'s step (:func:`_launch_group`): ``p`` dense; unrotated, its
-    moments dense in ``p``'s shape (entry ``j`` of ``p``'s memory is entry ``j`` of theirs; an unrotated moment is
-    kept in the work frame, which is ``p`` transposed for a tall matrix); rotated, ``M`` and ``V`` dense in one
-    memory order (``G~``'s, checked at each step)."""
-    moments = [flat.get(name) for name in ("M", "V")]
-    if not p.is_contiguous() or any(m is None for m in moments):
-        return False
-    M, V = moments
-    assert M is not None and V is not None
-    if rotated:
-        return M.stride() == V.stride() and _dense(M) is not None
-    return all(m.numel() == p.numel() and from_work(m, layout, xp).is_contiguous() for m in (M, V))
-
-
 _HOST_BETAS: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
 
 
@@ -1350,134 +1269,6 @@ def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tup
             _HOST_BETAS.clear()
         _HOST_BETAS[key] = (b1, b2, c1, c2)
     return b1, b2, c1, c2
-
-
-def _launch_group(
-    batch: list[_Batched],
-    count: int,
-    kernels: dict[tuple[Any, ...], Any],
-    cache: Mapping[int, _Frame],
-    frames: dict[int, _Frame],
-    gate: torch.Tensor | None,
-) -> tuple[list[_Batched], Callable[[], None], list[_Batched]]:
-    r"""The Adam family's step of ``batch`` (one group, device, dtype pair and step ``t``, ``count = t - 1``) on
-    CUDA by the group kernels (:mod:`~adadiag_ref.optim.families.adam.cupy_group`), launches independent of the
-    number of parameters, each entry reading and writing the tensors' own memory by address:
-
-    - the unrotated members, **one launch** (:func:`~adadiag_ref.optim.families.adam.cupy_group.step_source`,
-      ``moments="address"``)::
-
-          M_t = b1_t M + (1 - b1_t) G,   V_t = b2_t V + (1 - b2_t) G^2,   U = M_t / (sqrt(V_t) + eps)
-          W  <- W + (-eta) (U + lambda W)                      (lambda W only when lambda != 0)
-
-      7 array passes per entry;
-    - the rotated members: ``G~ = P^T G Q`` per parameter (the core's GEMMs, as :func:`_foreach_adam`), one launch
-      for ``M_t``, ``V_t`` and ``U~`` over ``G~`` in place
-      (:func:`~adadiag_ref.optim.families.adam.cupy_group.direction_source`), ``D = P U~ Q^T`` per parameter,
-      and one launch for the tail ``W <- W + (-eta)(D + lambda W)`` (``tail_source(direction="address")``).
-
-    The arithmetic of :func:`_foreach_adam` operation for operation (IEEE, ``--fmad=false``), with ``b_t`` the
-    same host numbers (:func:`_host_betas`) and the GEMMs on operands of the same layouts, so the same bits.
-    ``gate``: ``None``, or the step's finiteness verdict as a 0-d device boolean; the kernels write nothing where it
-    is false, so the verdict is read once, after the launches are queued.
-
-    Returns ``(taken, relaunch, rest)``: the members launched, the launches again without the gate (for finite
-    gradients whose sums overflowed), and the members left to :func:`_foreach_adam`: on a refresh step or a new
-    state, of another dtype than their state, or not dense in one memory order with their moments.  Nothing is
-    launched where the kernels are not available (:func:`_group_launcher`: not CUDA, no CuPy,
-    ``kernels="reference"``, a failed probe) or a learning rate is an array."""
-    first = batch[0]
-    cfg, dtype, device = first.item.cfg, first.state.M.dtype, first.item.p.device
-    key = (cfg, dtype, device)  # the launcher asked once per config, dtype and device: no work per member
-    launcher = kernels[key] if key in kernels else kernels.setdefault(key, _group_launcher(cfg, dtype, device))
-    eta = learning_rate(cfg, first.item.lr)
-    if launcher is None or isinstance(eta, torch.Tensor):
-        return [], lambda: None, batch
-    xp = torch_namespace()
-    plain: list[tuple[_Batched, torch.Tensor, torch.Tensor]] = []
-    rotated: list[tuple[_Batched, Layout, torch.Tensor, list[torch.Tensor]]] = []  # G~, and G~, M, V dense
-    rest: list[_Batched] = []
-    for entry in batch:
-        state, item = entry.state, entry.item
-        alike = item.p.dtype == dtype and item.grad.dtype == dtype and state.V.dtype == dtype
-        if entry.refreshed or entry.new_bases or item.fresh or not alike or not item.p.is_contiguous():
-            rest.append(entry)
-            continue
-        layout = layout_for(tuple(item.p.shape), cfg)
-        if state.P is None and state.Q is None:
-            m, v = (_param_frame(x, layout, cache, frames) for x in (state.M, state.V))
-            if item.grad.is_contiguous() and m.is_contiguous() and v.is_contiguous():  # entry j of W's memory
-                plain.append((entry, m, v))  # is entry j of theirs
-                continue
-        else:
-            g_rot = prepare_step(state, item.grad, cfg, item.p, False, xp, count).g_rot  # as _foreach_compute
-            dense = [_dense(x) for x in (g_rot, state.M, state.V)]
-            if g_rot.stride() == state.M.stride() == state.V.stride() and all(x is not None for x in dense):
-                rotated.append((entry, layout, g_rot, dense))  # type: ignore[arg-type]
-                continue
-        rest.append(entry)
-    b1, b2, _, _ = _host_betas(cfg, first.state.count, first.state.M.dtype)
-    launches: list[Callable[[torch.Tensor | None], None]] = []
-    if plain:
-        group = _group_of(kernels, "plain", [e.item.p for e, _, _ in plain], cfg, launcher)
-        prepared = group.prepare([e.item.p for e, _, _ in plain], [e.item.grad for e, _, _ in plain], eta)
-        tables = None if prepared is None else group.moment_tables([m for _, m, _ in plain], [v for _, _, v in plain])
-        if prepared is None or tables is None:
-            rest += [e for e, _, _ in plain]
-            plain = []
-        else:
-            launches.append(functools.partial(group.step_at, prepared, tables, b1, b2))
-    if rotated:
-        turned = _group_of(kernels, "rotated", [e.item.p for e, *_ in rotated], cfg, launcher)
-        turned_in = turned.prepare([e.item.p for e, *_ in rotated], [d[0] for *_, d in rotated], eta)
-        if turned_in is not None:
-            turned_tables = turned.moment_tables([d[1] for *_, d in rotated], [d[2] for *_, d in rotated])
-        if turned_in is None or turned_tables is None:
-            rest += [e for e, *_ in rotated]
-            rotated = []
-        else:
-
-            def rotated_step(flag: torch.Tensor | None) -> None:
-                turned.direction_at(turned_in, turned_tables, b1, b2, flag)  # U~ over G~, in G~'s memory
-                directions = []
-                for entry, layout, u, _ in rotated:
-                    d = from_work(_unrotate(u, entry.state.P, entry.state.Q, layout.transposed), layout, xp)
-                    directions.append(d if d.is_contiguous() else d.contiguous())  # W's memory order
-                if not turned.tail_at(turned_in, directions, flag):  # pragma: no cover - contiguous above
-                    raise RuntimeError("the tail kernel could not address a direction")
-
-            launches.append(rotated_step)
-
-    def run_all(flag: torch.Tensor | None = None) -> None:
-        for launch in launches:
-            launch(flag)
-
-    run_all(gate)
-    return [e for e, _, _ in plain] + [e for e, *_ in rotated], run_all, rest
-
-
-def _dense(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` or its transpose, whichever is C-contiguous (the same memory, as the kernels address it), or ``None``."""
-    if x.is_contiguous():
-        return x
-    if x.ndim == 2 and x.mT.is_contiguous():
-        return x.mT
-    return None
-
-
-def _group_of(
-    kernels: dict[tuple[Any, ...], Any], role: str, params: list[torch.Tensor], cfg: BaseConfig, launcher: Any
-) -> cupy_group.CudaGroup:
-    """The CUDA group kernels of these members (sizes, config, dtype, launcher), made once and kept."""
-    sizes = tuple(p.numel() for p in params)
-    dtype = str(params[0].dtype).rsplit(".", 1)[-1]
-    key = (role, sizes, dtype, launcher, cfg)
-    group = kernels.get(key)
-    if group is None:
-        if len(kernels) >= _CONFIG_CACHE_SIZE:
-            kernels.clear()
-        group = kernels[key] = cupy_group.CudaGroup(cfg, dtype, list(sizes), launcher)
-    return group
 
 
 def _foreach_adam(

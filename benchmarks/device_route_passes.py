@@ -1,5 +1,5 @@
-"""Array passes per entry of one non-refresh step of the torch adapter's device route, counted per op (issue 31's
-CPU target: AdamW through the device route at most 1.6x torch fused AdamW's passes in the same counting, and
+"""Array passes per entry of one non-refresh step of the torch adapter's device routes, counted per op (issue 31's
+CPU target: AdamW through the CUDA route at most 1.6x torch fused AdamW's passes in the same counting, and
 AdaDiag's entrywise part the same, plus the GEMMs).
 
 A pass is one read or one write of an array of the step's size: every aten op of the step is counted by a
@@ -9,11 +9,12 @@ count nothing.  Counted alike for:
 
 * ``torch.optim.AdamW(fused=True)`` (one ``aten._fused_adamw_``: reads ``W, G, M, V``, writes ``W, M, V``; its
   schema also marks ``G`` as written, which it is only under a ``GradScaler``: 8 counted, 7 of traffic);
-* the adapter's device route (``foreach=True``), the ``torch._foreach_*`` chain;
-* the same route through the CUDA group kernels (``cupy_group``), whose launches are counted here by a launcher
-  that records them instead of running them (this machine has no GPU): each kernel's reads and writes per entry,
-  as its CUDA source writes them (:data:`KERNEL_PASSES`), times its entries; the other aten ops of the step (the
-  finiteness sums, the GEMMs) by the dispatch mode as above.
+* the adapter's multi-tensor route (``foreach=True``), the ``torch._foreach_*`` chain;
+* the adapter's default route on CUDA with CuPy installed: its group's engine on the CUDA group kernels
+  (``cupy_group``), whose launches are counted here by a launcher that records them instead of running them (no
+  GPU needed): each kernel's reads and writes per entry, as its CUDA source writes them (:data:`KERNEL_PASSES`),
+  times its entries; the engine's other aten ops (the gathers, the direction of a rotated group, the GEMMs) by
+  the dispatch mode as above.
 
 The GEMMs (``mm``, ``bmm``, ``matmul``) are reported apart: their passes are the operands' and outputs' bytes, not
 the flops.  Nothing here is timed.  Run on demand::
@@ -39,12 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from adadiag_ref.adapters import pytorch as at
 
 from adadiag_ref.memory import LLAMA_CONFIGS, llama_parameters
+from adadiag_ref.optim.families.adam import cupy_group, group_route
 from adadiag_ref.perf.params import is_rotated
 
-KERNEL_PASSES = {"step_at": 7, "direction_at": 6, "tail_at": 3, "nonfinite": 1}
-"""Reads + writes per entry of each group kernel, from its CUDA source (``cupy_group``): ``step_at`` reads ``G, W,
-M, V`` and writes ``W, M, V``; ``direction_at`` reads ``G~, M, V`` and writes ``M, V`` and ``U~`` over ``G~``;
-``tail_at`` reads ``W, D`` and writes ``W``; ``nonfinite`` reads ``G``."""
+KERNEL_PASSES = {"step": 7, "moments": 6, "tail": 3, "nonfinite": 1}
+"""Reads + writes per entry of each group kernel, from its CUDA source (``cupy_group``): ``step`` reads ``G, W,
+M, V`` and writes ``W, M, V``; ``moments`` reads ``G~, M, V`` and writes ``M, V`` and ``U~`` over ``G~``; ``tail``
+reads ``W, D`` and writes ``W``; ``nonfinite`` reads ``G``."""
 
 GEMMS = {"aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.matmul.default"}
 
@@ -160,20 +162,22 @@ def main() -> None:
         return [torch.nn.Parameter(torch.randn(s.shape, generator=gen)) for s in specs]
 
     launcher = CountingLauncher()
-    kernels_on = [False]
-    # no probe: the launches are recorded, not run, here
-    at._group_launcher = lambda cfg, dtype, device: launcher if kernels_on[0] else None  # type: ignore[assignment]
+    # the engines over these CPU tensors take the CUDA group kernels, as over CUDA tensors with CuPy installed; no
+    # probe: the launches are recorded, not run, here
+    group_route._host_dtype = lambda *args: None  # type: ignore[assignment]
+    cupy_group.launcher_for = lambda cfg, dtype, device, xp: launcher  # type: ignore[assignment]
+    cupy_group.ready = lambda *args: True  # type: ignore[assignment]
 
-    def paper(name: str) -> Any:
+    def paper(name: str, foreach: bool | None) -> Any:
         """The paper's rule: ``name`` on the blocks' matrices, AdamW on the rest (two optimizers, one step)."""
 
         def make(params: list[torch.nn.Parameter]) -> Any:
             if name == "adamw":
-                return at.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+                return at.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=foreach)
             blocks = [p for p, r in zip(params, rotated, strict=True) if r]
             rest = [p for p, r in zip(params, rotated, strict=True) if not r]
-            opts = [at.optimizer_class(name)(blocks, lr=1e-3, weight_decay=0.1, update_freq=None, foreach=True),
-                    at.AdamW(rest, lr=1e-3, weight_decay=0.1, foreach=True)]  # fmt: skip
+            opts = [at.optimizer_class(name)(blocks, lr=1e-3, weight_decay=0.1, update_freq=None, foreach=foreach),
+                    at.AdamW(rest, lr=1e-3, weight_decay=0.1, foreach=foreach)]  # fmt: skip
             return _Both(opts)
 
         return make
@@ -181,11 +185,10 @@ def main() -> None:
     rows = [("torch AdamW(fused=True)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
              False)]  # fmt: skip
     for name in ("adamw", "adadiag"):
-        rows.append((f"adapter {name}, foreach chain", paper(name), False))
-        rows.append((f"adapter {name}, CUDA group kernels (counted, not run)", paper(name), True))
+        rows.append((f"adapter {name}, foreach chain", paper(name, True), False))
+        rows.append((f"adapter {name}, engine on the CUDA group kernels (counted, not run)", paper(name, None), True))
     results = {}
     for label, make, on in rows:
-        kernels_on[0] = on
         results[label] = _count(make, fresh(), launcher if on else None)
     fused = sum(results[rows[0][0]][::2])
     print(f"{args.model}, {args.layers} blocks, {sum(int(np.prod(s.shape)) for s in specs) / 1e6:.1f} M entries, "
@@ -195,7 +198,7 @@ def main() -> None:
     for label, (entrywise, gemm, kernels) in results.items():
         total = entrywise + kernels
         print(f"| {label} | {entrywise:.2f} | {kernels:.2f} | {total:.2f} | {total / fused:.2f} | {gemm:.2f} |")
-    print(f"group kernel launches counted (2 steps of each kernel row): {dict(launcher.launches)}")
+    print(f"group kernel launches counted (the 3 steps of each kernel row): {dict(launcher.launches)}")
     kernels = sum(results[rows[2][0]][::2])
     print(f"fused AdamW's schema marks its gradients as written (it unscales them in place under a GradScaler), so "
           f"it counts {fused:.0f} here for {fused - 1:.0f} passes of traffic; against those, the group kernels' "

@@ -13,6 +13,7 @@ nothing imports CuPy before a CuPy array arrives.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -20,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -893,30 +896,23 @@ def test_group_step_kernel_carries_the_update_kernels_arithmetic(monkeypatch: py
     monkeypatch.setattr(ck, "elementwise", lambda *source: source)
     for decay in (False, True):
         _, _, _, fused = adam_route._delta_kernel(decay)
-        for moments, at in (("flat", "i"), ("address", "j")):  # the engine's flat moments, the adapter's own
-            source = cupy_group.step_source("float32", decay, moments)
-            for line in adam_route.ADAM_ENTRY.splitlines():
-                assert not line or line in source, line
-            tail = ck.tail_expression("u", "w", decay)
-            assert f"D = {tail};" in fused and f"wp[j] = w + {tail};" in source
-            assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
-            assert f"const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];" in source
-            assert f"mp[{at}] = m; vp[{at}] = v;" in source
-            assert "if (!proceed[0]) return;" in source
-    direction = cupy_group.direction_source("float32")  # the rotated members' moments and U~, by address
+        source = cupy_group.step_source("float32", decay)
+        for line in adam_route.ADAM_ENTRY.splitlines():
+            assert not line or line in source, line
+        tail = ck.tail_expression("u", "w", decay)
+        assert f"D = {tail};" in fused and f"wp[j] = w + {tail};" in source
+        assert "const T x = reinterpret_cast<const T*>(g_at[lo])[j];" in source
+        assert "const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];" in source
+        assert "M[i] = m; V[i] = v;" in source
+        assert "if (!proceed[0]) return;" in source
+    moments = cupy_group.moments_source("float32")  # a rotated group's moments and U~ over its flat G~
     for line in adam_route.ADAM_ENTRY.splitlines():
-        assert not line or line in direction, line
-    assert "const T x = gp[j]; const T m0 = mp[j]; const T v0 = vp[j];" in direction
-    assert "mp[j] = m; vp[j] = v; gp[j] = u;" in direction
-    for decay in (False, True):  # the tail, D flat (the engine) or each member's own (the torch adapter)
+        assert not line or line in moments, line
+    assert "const T x = G[i]; const T m0 = M[i]; const T v0 = V[i];" in moments
+    assert "M[i] = m; V[i] = v; G[i] = u;" in moments
+    for decay in (False, True):  # the tail, D the group's flat direction
         tail = ck.tail_expression("D[i]", "w", decay)
         assert f"wp[j] = w + {tail};" in cupy_group.tail_source("float32", decay)
-        tail = ck.tail_expression("reinterpret_cast<const T*>(d_at[lo])[j]", "w", decay)
-        assert f"wp[j] = w + {tail};" in cupy_group.tail_source("float32", decay, "address")
-    with pytest.raises(ValueError, match="moments must be"):
-        cupy_group.step_source("float32", False, "gathered")
-    with pytest.raises(ValueError, match="direction must be"):
-        cupy_group.tail_source("float32", False, "gathered")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -930,12 +926,8 @@ def test_group_kernel_sources_compile_with_nvrtc(
     from adadiag_ref.optim.families.adam import cupy_group
 
     sources = {cupy_group._name("step", dtype, d): cupy_group.step_source(dtype, d) for d in (False, True)}
-    sources.update({cupy_group._name("step_at", dtype, d): cupy_group.step_source(dtype, d, "address")
-                    for d in (False, True)})  # fmt: skip
-    sources.update({cupy_group._name("tail_at", dtype, d): cupy_group.tail_source(dtype, d, "address")
-                    for d in (False, True)})  # fmt: skip
-    sources[cupy_group._name("direction_at", dtype)] = cupy_group.direction_source(dtype)
     sources[cupy_group._name("nonfinite", dtype)] = cupy_group.nonfinite_source(dtype)
+    sources[cupy_group._name("moments", dtype)] = cupy_group.moments_source(dtype)
     sources.update({cupy_group._name("tail", dtype, d): cupy_group.tail_source(dtype, d) for d in (False, True)})
     for name, source in sources.items():
         ptx, used = _nvrtc_ptx(source, ck.OPTIONS, arch, monkeypatch)
@@ -1151,13 +1143,14 @@ class _HostLauncher:
         function(*values)
 
 
+@pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
-def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, tmp_path: Any) -> None:
-    """The engine with the CUDA group kernels (``CudaGroup``, the CuPy and torch launchers' code) launched on the
-    host, over ``array_api_strict`` arrays: every step the bits of per-parameter ``ar.step`` (AdamW: the whole
-    step by the kernels; AdaDiag and AdaDiag++: the tail), the verdict left on the "device" and read after the
-    launches; then a NaN at a step without refresh: the launches it gated wrote nothing, and the error names the
-    parameter."""
+def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, check: bool, tmp_path: Any) -> None:
+    """The engine with the CUDA group kernels (``CudaGroup``, the CuPy and torch launchers' code) launched on the host,
+    over ``array_api_strict`` arrays: every step the bits of per-parameter ``ar.step`` (AdamW: the whole step by the
+    kernels; AdaDiag and AdaDiag++: the tail, and the moments in place where no verdict is pending: on the refresh
+    steps, and on every step without the check), the verdict left on the "device" and read after the launches; then
+    a NaN at a step without refresh: the launches it gated wrote nothing, and the error names the parameter."""
     from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
 
     xs = pytest.importorskip("array_api_strict")
@@ -1174,16 +1167,25 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, tmp_pat
         group.kernels = CudaGroup(cfg, "float32", [m.size for m in group.members], launcher)
     singles, states = [xs.asarray(p.copy()) for p in host], [ar.init(xs.asarray(p.copy()), cfg) for p in host]
     stream = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(5)]
+    moments_launched = []
     for k, grads in enumerate(stream):
-        engine.step([xs.asarray(g) for g in grads], params)
+        before = launcher.launches.count("adadiag_adam_group_moments_float32")
+        engine.step([xs.asarray(g) for g in grads], params, check=check)
+        moments_launched.append(launcher.launches.count("adadiag_adam_group_moments_float32") > before)
         pairs = [ar.step(s, xs.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
         singles, states = [w for w, _ in pairs], [s for _, s in pairs]
     kinds = {n.split("_")[3] for n in launcher.launches}  # adadiag_adam_group_<kind>...
-    assert kinds == ({"nonfinite", "step"} if name == "adamw" else {"tail"}), kinds
+    if name == "adamw":
+        assert kinds == ({"nonfinite", "step"} if check else {"step"}), kinds
+    else:  # t = 1, 4 refresh (T = 3): the verdict is read first there
+        assert kinds == {"moments", "tail"}, kinds
+        assert moments_launched == ([True, False, False, True, False] if check else [True] * 5), moments_launched
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
         np.testing.assert_array_equal(np.asarray(w._array), np.asarray(want._array))
         for field in ("M", "V"):
             np.testing.assert_array_equal(getattr(engine.state(i), field)._array, getattr(states[i], field)._array)
+    if not check:
+        return
     before = [p._array.copy() for p in params] + [engine.state(i).M._array.copy() for i in range(len(params))]
     bad = [xs.asarray(g) for g in stream[0]]
     bad[3] = xs.asarray(np.where(np.arange(20) == 4, np.nan, stream[0][3]).astype(np.float32))
@@ -1203,107 +1205,90 @@ def _torch_host_launcher(tmp_path: Any) -> _HostLauncher:
     return _HostLauncher(tmp_path, namespace(torch.zeros(())))
 
 
+@contextlib.contextmanager
+def _adapter_engines_on(launcher: Any, on: list[bool]) -> Iterator[None]:
+    """The torch adapter's engines over CPU tensors take the CUDA group kernels through ``launcher`` (compiled for
+    the host) while ``on[0]``, as they take them over CUDA tensors where CuPy is installed; else the numba kernels.
+    The kernels' probe is run afresh."""
+    from adadiag_ref.optim.families.adam import cupy_group, group_route
+
+    host_dtype = group_route._host_dtype
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cupy_group, "_READY", {})
+        patch.setattr(cupy_group, "launcher_for", lambda cfg, dtype, device, xp: launcher if on[0] else None)
+        patch.setattr(group_route, "_host_dtype", lambda *args: None if on[0] else host_dtype(*args))
+        yield
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
-def test_the_torch_adapter_steps_a_group_by_the_cuda_group_kernels(
-    name: str, dtype: str, weight_decay: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+def test_the_torch_adapters_engine_steps_a_group_by_the_cuda_group_kernels(
+    name: str, dtype: str, weight_decay: float, tmp_path: Any
 ) -> None:
-    """The torch adapter's device route (``foreach=True``) steps a group with the CUDA group kernels (the CUDA
-    sources compiled for the host, launched over CPU tensors by address): the unrotated parameters by one launch
-    (moments in their own state tensors), the rotated ones by one launch for ``M_t``, ``V_t`` and ``U~`` over
-    ``G~`` and one for the tail around the per-parameter GEMMs.  Against the multi-tensor chain it replaces, both
-    with the library's correctly rounded root (as on CUDA): the same bits, every parameter and moment at every
-    step, refresh steps included; launches independent of the number of parameters.  Then a NaN: the launches were
-    queued, gated by the device verdict, and wrote nothing, and the error names the parameter; and finite gradients
-    whose sum overflows (the verdict's suspicion) are stepped after all, as the chain steps them."""
+    """The torch adapter steps its parameters through its group's engine on every device; on CUDA with CuPy the
+    engine's groups take the CUDA group kernels (here the CUDA sources compiled for the host, launched over CPU
+    tensors by address, as ``TorchCudaLauncher`` launches them over CUDA ones).  Against the same adapter on the
+    numba kernels: the same bits, every parameter and moment at every step, refresh steps included, and
+    ``routes()`` names the CUDA kernels.  Then a NaN: the error names the parameter, and nothing changed."""
     torch = pytest.importorskip("torch")
-    from adadiag_ref.optim.families.adam import cupy_group
     from adapters import pytorch as tp
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     launcher = _torch_host_launcher(tmp_path)
-    kernels_on = [False]
-    monkeypatch.setattr(tp, "_launcher_for", lambda cfg, dt, device: launcher if kernels_on[0] else None)
-    monkeypatch.setattr(cupy_group, "_READY", {})  # the kernels' probe runs at the first step (its five launches)
     rng = np.random.default_rng(3)
-    # (6, 5): rotated by AdaDiag(PP); (9, 20) unrotated (max_basis_dim=8); (20, 9) unrotated, its moments made
-    # dense in the work frame (its transpose) after the first step, as a loaded checkpoint may hold them: entry j
-    # of its memory is not entry j of theirs, so it stays on the multi-tensor chain; (20,) and (): vectors
+    # (6, 5): rotated by AdaDiag(PP); (9, 20) and (20, 9) unrotated (max_basis_dim=8); (20,) and (): vectors
     shapes = [(6, 5), (9, 20), (20, 9), (20,), ()]
     values = [rng.standard_normal(s).astype(dtype) for s in shapes]
     stream = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(7)]
-    options = {"lr": 1e-2, "weight_decay": weight_decay, "update_freq": 3, "foreach": True}
+    options = {"lr": 1e-2, "weight_decay": weight_decay, "update_freq": 3}
     if name != "adamw":
         options["max_basis_dim"] = 8
-    sides = [] if name == "adamw" else [len(s) != 0 for s in shapes]  # AdaDiag rotates vectors too (1 x n)
-    rotated = [bool(sides) and k in (0, 3, 4) and shapes[k] != () for k in range(len(shapes))]
-
+    on = [False]
     runs = []
-    for on in (False, True):
-        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
-        runs.append((tp.optimizer_class(name)(params, **options), params, on))
+    with _adapter_engines_on(launcher, on):
+        for kernels in (False, True):
+            params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+            runs.append((tp.optimizer_class(name)(params, **options), params, kernels))
 
-    def step_both(grads: list[np.ndarray]) -> list[int]:
-        launched = []
-        for opt, params, on in runs:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = torch.from_numpy(g.copy())
-            kernels_on[0] = on
-            before = len(launcher.launches)
-            opt.step()
-            launched.append(len(launcher.launches) - before)
-        return launched
+        def step_both(grads: list[np.ndarray]) -> None:
+            for opt, params, kernels in runs:
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = torch.from_numpy(g.copy())
+                on[0] = kernels
+                opt.step()
 
-    def assert_same() -> None:
-        (ref, ref_params, _), (opt, params, _) = runs
-        for k, (q, p) in enumerate(zip(ref_params, params, strict=True)):
-            np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy(), err_msg=f"parameter {k}")
-            for field in ("M", "V", "step"):
-                np.testing.assert_array_equal(opt.state[p][field].numpy(), ref.state[q][field].numpy())
+        for grads in stream:
+            step_both(grads)
+            (ref, ref_params, _), (opt, params, _) = runs
+            for k, (q, p) in enumerate(zip(ref_params, params, strict=True)):
+                np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy(), err_msg=f"parameter {k}")
+                for field in ("M", "V", "step"):
+                    np.testing.assert_array_equal(opt.state[p][field].numpy(), ref.state[q][field].numpy())
+        on[0] = True
+        engines = [entry["engine"] + entry["moments"] for entry in runs[1][0].routes().values()]
+        assert all("cupy_group" in route for route in engines), engines
+        kinds = {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches}
+        assert kinds >= {"nonfinite", "step" + ("_decay" if weight_decay else "")}, kinds
+        if name != "adamw":
+            assert "tail" + ("_decay" if weight_decay else "") in kinds, kinds
 
-    for k, grads in enumerate(stream):
-        launched = step_both(grads)
-        refresh = name != "adamw" and k % 3 == 0  # t = 1, 4, 7: the rotated members' refresh steps
-        wanted = 5 if not k else 1 + (0 if refresh or not any(rotated) else 2)  # t = 1: the probe's launches
-        assert launched == [0, wanted], (k, launched)
-        assert_same()
-        if not k:
-            opt, params, _ = runs[1]
-            opt.state[params[2]].update({f: opt.state[params[2]][f].contiguous() for f in ("M", "V")})
-    kernels_on[0] = True
-    routes = [entry["moments"] for entry in runs[1][0].routes().values()]
-    assert [r.startswith("CUDA group kernel") for r in routes] == [True, True, False, True, True], routes
-    decay = "_decay" if weight_decay else ""
-    assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == {
-        "step" + decay, "step_at" + decay, "direction_at", "tail" + decay, "tail_at" + decay}  # fmt: skip
-
-    bad = [g.copy() for g in stream[0]]
-    bad[1].flat[4] = np.nan  # at t = 8, no refresh: the verdict is read after the launches
-    opt, params, _ = runs[1]
-    before = [p.detach().numpy().copy() for p in params] + [
-        opt.state[p][f].numpy().copy() for p in params for f in ("M", "V", "step")
-    ]
-    for opt, params, on in runs:
-        kernels_on[0] = on
+        bad = [g.copy() for g in stream[0]]
+        bad[1].flat[4] = np.nan
+        opt, params, _ = runs[1]
+        before = [p.detach().numpy().copy() for p in params] + [
+            opt.state[p][f].numpy().copy() for p in params for f in ("M", "V", "step")
+        ]
         for p, g in zip(params, bad, strict=True):
             p.grad = torch.from_numpy(g.copy())
-        count = len(launcher.launches)
         with pytest.raises(ValueError, match=r"gradient of parameter 1 of param_groups\[0\] contains NaN or Inf"):
             opt.step()
-        if on:
-            assert len(launcher.launches) > count  # queued, gated
-    after = [p.detach().numpy() for p in params] + [opt.state[p][f].numpy() for p in params for f in ("M", "V", "step")]
-    for a, b in zip(before, after, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-    huge = [g.copy() for g in stream[1]]
-    huge[1].flat[:2] = np.finfo(dtype).max / 1.5  # finite entries whose sum of |G| overflows: a suspicion, no NaN
-    with np.errstate(over="ignore", invalid="ignore"):
-        launched = step_both(huge)
-    assert launched[1] == 2 * (1 + (2 if any(rotated) else 0))  # gated, then again without the gate
-    assert_same()
+        after = [p.detach().numpy() for p in params] + [
+            opt.state[p][f].numpy() for p in params for f in ("M", "V", "step")
+        ]
+        for x, y in zip(before, after, strict=True):
+            np.testing.assert_array_equal(x, y)
 
 
 class _RaisingLauncher(_HostLauncher):
@@ -1322,38 +1307,38 @@ class _SilentLauncher(_HostLauncher):
 
 @pytest.mark.parametrize(("launcher_type", "why"), [(_RaisingLauncher, "RuntimeError: NVRTC"),
                                                     (_SilentLauncher, "step gave")])  # fmt: skip
-def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
-    launcher_type: type, why: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+def test_group_kernels_that_fail_their_probe_leave_the_engines_gathering_path_to_step(
+    launcher_type: type, why: str, tmp_path: Any
 ) -> None:
-    """Kernels that raise at their first launch, or give other bits than the chain's torch ops, are probed once
-    (its five launches over two tiny members), warn once (``RuntimeWarning`` naming the device and the reason) and are
-    not used: the routes say the chain, and the trajectory is the chain's, bit for bit."""
+    """Kernels that raise at their first launch, or give other bits than the namespace's own operations, are probed
+    once (its launches over two tiny members), warn once (``RuntimeWarning`` naming the device and the reason) and
+    are not used: the adapter's engine takes its gathering path (the reference's arithmetic), the routes say so, and
+    the trajectory is that of the adapter on the numba kernels, bit for bit."""
     torch = pytest.importorskip("torch")
-    from adadiag_ref.optim.families.adam import cupy_group
     from adapters import pytorch as tp
 
     launcher = launcher_type(tmp_path, namespace(torch.zeros(())))
     on = [False]
-    monkeypatch.setattr(cupy_group, "_READY", {})
-    monkeypatch.setattr(tp, "_launcher_for", lambda cfg, dt, device: launcher if on[0] else None)
     runs = []
-    for kernels in (False, True):
-        on[0] = kernels
-        params = [torch.nn.Parameter(torch.ones(s)) for s in [(3, 4), (5,)]]
-        opt = tp.AdaDiag(params, lr=0.1, update_freq=3, foreach=True)
-        for k in range(4):
-            for p in params:
-                p.grad = torch.full(p.shape, 0.5 + k)
-            if kernels and not k:
-                with pytest.warns(RuntimeWarning, match=f"CUDA group kernels failed their probe on cpu .*{why}"):
+    with _adapter_engines_on(launcher, on):
+        for kernels in (False, True):
+            on[0] = kernels
+            params = [torch.nn.Parameter(torch.ones(s)) for s in [(3, 4), (5,)]]
+            opt = tp.AdaDiag(params, lr=0.1, update_freq=3)
+            for k in range(4):
+                for p in params:
+                    p.grad = torch.full(p.shape, 0.5 + k)
+                if kernels and not k:
+                    with pytest.warns(RuntimeWarning, match=f"CUDA group kernels failed their probe on cpu .*{why}"):
+                        opt.step()
+                else:
                     opt.step()
-            else:
-                opt.step()
-        runs.append((params, opt))
-    assert len(launcher.launches) <= 5  # the probe's, once
+            runs.append((params, opt))
+        routes = [r["engine"] + r["moments"] for r in runs[1][1].routes().values()]
+    assert len(launcher.launches) <= 3  # the probe's, once
     (ref_params, _), (params, opt) = runs
     assert all(torch.equal(p, q) for p, q in zip(ref_params, params, strict=True))
-    assert all(r["moments"].startswith("foreach multi-tensor") for r in opt.routes().values())
+    assert not any("cupy_group" in route for route in routes), routes
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
@@ -1361,11 +1346,10 @@ def test_group_kernels_that_fail_their_probe_leave_the_chain_to_step(
 def test_the_probe_passes_the_kernels_and_refuses_launches_that_write_nothing(
     dtype: str, weight_decay: float, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``cupy_group.probe``: the five launches (the engine's flat ``step`` and ``tail``, the torch adapter's
-    ``step_at``, ``direction_at`` and ``tail_at``), compiled for the host, equal the same arithmetic in the
-    namespace's own operations (here ``array_api_strict``, as the engine's CuPy or torch arrays on a GPU);
-    ``ready`` then says yes, once.  A launcher whose launches write nothing fails the probe: one warning, ``False``,
-    and the engine's factory would give no kernels."""
+    """``cupy_group.probe``: the three launches (``step``, ``moments``, ``tail``), compiled for the host, equal
+    the same arithmetic in the namespace's own operations (here ``array_api_strict``, as the engine's CuPy or torch
+    arrays on a GPU); ``ready`` then says yes, once.  A launcher whose launches write nothing fails the probe: one
+    warning, ``False``, and the engine's factory would give no kernels."""
     from adadiag_ref.optim.families.adam import cupy_group
 
     xs = pytest.importorskip("array_api_strict")
@@ -1375,8 +1359,7 @@ def test_the_probe_passes_the_kernels_and_refuses_launches_that_write_nothing(
     launcher = _HostLauncher(tmp_path, xs)
     assert cupy_group.probe(cupy_group.CudaGroup(cfg, dtype, [1, 2], launcher), xs, None) is None
     assert {n.split("_group_")[1].rsplit("_", 1)[0] for n in launcher.launches} == {
-        f"step{'_decay' if weight_decay else ''}", f"step_at{'_decay' if weight_decay else ''}", "direction_at",
-        f"tail{'_decay' if weight_decay else ''}", f"tail_at{'_decay' if weight_decay else ''}"}  # fmt: skip
+        f"step{'_decay' if weight_decay else ''}", "moments", f"tail{'_decay' if weight_decay else ''}"}  # fmt: skip
     monkeypatch.setattr(cupy_group, "_READY", {})
     assert cupy_group.ready(cfg, dtype, launcher, xs, None)
 
@@ -1412,7 +1395,7 @@ def torch_host_launcher(tmp_path_factory: Any) -> Any:
     maximize=st.booleans(),
     max_basis_dim=st.sampled_from([8192, 4]),
 )
-def test_property_the_cuda_group_kernels_give_the_chains_bits(
+def test_property_the_cuda_group_kernels_give_the_engines_bits(
     torch_host_launcher: Any,
     shapes: list[tuple[int, ...]],
     name: str,
@@ -1425,25 +1408,25 @@ def test_property_the_cuda_group_kernels_give_the_chains_bits(
     max_basis_dim: int,
 ) -> None:
     """Any parameter shapes (0-d, vectors, wide, tall, conv-like, repeated), hyperparameters and ``maximize``: the
-    torch adapter's device route through the CUDA group kernels (compiled for the host, launched over CPU tensors)
-    gives the ``torch._foreach_*`` chain's bits at every step, refresh steps included, both with a correctly
-    rounded root; a ``max_basis_dim`` of 4 leaves the larger matrices unrotated (their own launch)."""
+    torch adapter's engine on the CUDA group kernels (compiled for the host, launched over CPU tensors) gives its
+    bits on the numba kernels at every step, refresh steps included; a ``max_basis_dim`` of 4 leaves the larger
+    matrices unrotated (a group of their own)."""
     import torch
 
     from adapters import pytorch as tp
 
     on = [False]
     options: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                               "maximize": maximize, "update_freq": 3, "foreach": True}  # fmt: skip
+                               "maximize": maximize, "update_freq": 3}  # fmt: skip
     if name != "adamw":
         options["max_basis_dim"] = max_basis_dim
     gen = torch.Generator().manual_seed(len(shapes))
     start = [torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes]
     stream = [[torch.randn(s, generator=gen, dtype=getattr(torch, dtype)) for s in shapes] for _ in range(5)]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tp, "_launcher_for", lambda cfg, dt, device: torch_host_launcher if on[0] else None)
-        runs = []
-        launched = len(torch_host_launcher.launches)
+    runs = []
+    launched = len(torch_host_launcher.launches)
+    with _adapter_engines_on(torch_host_launcher, on), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed probe would leave the kernels untested
         for kernels in (False, True):
             on[0] = kernels
             params = [torch.nn.Parameter(w.clone()) for w in start]
@@ -1453,7 +1436,7 @@ def test_property_the_cuda_group_kernels_give_the_chains_bits(
                     p.grad = g.clone()
                 opt.step()
             runs.append((params, opt))
-    assert len(torch_host_launcher.launches) >= launched + 3  # steps 2, 3 and 5 at least (4 may refresh)
+    assert len(torch_host_launcher.launches) >= launched + 5  # a launch at every step at least
     (ref_params, ref), (params, opt) = runs
     for q, p in zip(ref_params, params, strict=True):
         np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy())

@@ -242,11 +242,6 @@ def _documented_modules() -> set[str]:
     return {elt.value for elt in listed.elts} | set(FAMILY_PACKAGES)  # type: ignore[attr-defined]
 
 
-ADAPTER_EXECUTORS = {f"{PACKAGE}.optim.families.adam.cupy_group"}
-"""The kernel module the torch adapter's own executor still calls (its CUDA launch; its CPU route is the engine): the
-open part of issue 44, which moves it into the engine.  No other internal module may enter the adapters."""
-
-
 def _adapter_imports() -> list[tuple[str, str, str]]:
     """``(adapter file, module, name)`` of every ``from adadiag_ref... import name`` in ``adapters/``."""
     found = []
@@ -259,15 +254,13 @@ def _adapter_imports() -> list[tuple[str, str, str]]:
 
 def test_the_adapters_import_only_public_names() -> None:
     # the adapters are shells over the public API: every name they import is in the __all__ of a module the API
-    # reference documents (or is such a module), except the executor kernels listed above
+    # reference documents (or is such a module); no kernel module enters them (their engines run the kernels)
     import importlib
 
     public = _documented_modules()
     private = []
     for where, module, name in _adapter_imports():
         target = f"{module}.{name}"
-        if target in ADAPTER_EXECUTORS or module in ADAPTER_EXECUTORS:
-            continue
         ok = target in public or (module in public and name in getattr(importlib.import_module(module), "__all__", ()))
         if not ok:
             private.append(f"{where}: from {module} import {name}")

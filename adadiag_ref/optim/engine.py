@@ -986,7 +986,7 @@ class Engine:
         bases, refreshed, fresh_states = self._refresh(grads, due)
         quiet = check and not verdict_first and not self._host
         with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
-            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg)
+            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg, quiet)
         verdict: Any = None
         if check and not verdict_first:  # the work is queued (nothing written yet): the verdict, still on the device
             verdict = self._verdict(checked, counts)
@@ -1155,9 +1155,12 @@ class Engine:
         fresh_states: dict[int, State],
         direct: list[Any],
         cfg: BaseConfig,
+        pending_verdict: bool,
     ) -> _Pending:
         """Every group's step under ``cfg`` into new arrays (nothing of the engine or the parameters written); a
-        direct rotated group's direction is kept for its tail kernel (:meth:`_run_kernels`)."""
+        direct rotated group's direction is kept for its tail kernel (:meth:`_run_kernels`).  Where no verdict is
+        pending (``pending_verdict`` false: read already, or no check), a direct rotated group's kernels write its
+        moments in place and ``U~`` over its own ``G~``."""
         xp, family = self.xp, self._family
         eta = learning_rate(cfg, lr)
         moments_out: list[dict[str, Array | None] | None] = []
@@ -1170,7 +1173,7 @@ class Engine:
                 continue
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             t = host_step(group.count, group.dtype, xp)
-            if direct[number] is not None and self._host:  # in host memory the verdict has been read: in place
+            if direct[number] is not None and not pending_verdict:  # nothing to undo: the moments in place
                 g_rot = self._rotated(group, number, g, stacks, refreshed, self._scratch(group, "G~"))
                 if self._kernels_of(group).moments(self._own_moments(group), g_rot, t):  # M, V; U~ over G~
                     tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D"))

@@ -19,8 +19,8 @@ two device synchronisations, divided by ``inner``):
 * ``torch_adapter_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``: the torch adapter's ``opt.step()`` on CUDA;
 * ``torch_engine_adamw``: AdamW through :class:`adadiag_ref.Engine` over the torch CUDA parameters
   (``engine.step(grads, params, check=False)``: with CuPy installed, the CUDA group kernels launched on torch's
-  stream, :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), the route the adapter could
-  take on CUDA;
+  stream, :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), the engine the adapter
+  steps its groups through on CUDA, without the adapter around it;
 * ``optax_adamw``: ``optax.adamw`` jitted on the JAX GPU device; ``optax_adapter_adamw`` /
   ``optax_adapter_adadiag``: the optax adapter's ``adamw`` / ``adadiag`` (the latter through
   ``optax.transforms.partition`` with the adapter's ``adamw`` for the unrotated parameters), jitted.

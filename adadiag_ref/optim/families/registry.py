@@ -104,10 +104,10 @@ class GroupKernels(Protocol):
         ...
 
     def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
-        """A rotated group's moments of step ``t`` in place, where the engine reads its verdict before any work
-        (host memory): ``M <- M_t``, ``V <- V_t`` in the flat ``moments`` and ``U~`` written over the flat ``G~``
-        (``g_rot``, the engine's own array); ``True`` when written, ``False`` having written nothing (the engine
-        then computes them into new arrays)."""
+        """A rotated group's moments of step ``t`` in place, where no verdict is pending (the engine read it before any
+        work, in host memory or on a refresh step, or steps without the check): ``M <- M_t``, ``V <- V_t`` in the flat
+        ``moments`` and ``U~`` written over the flat ``G~`` (``g_rot``, the engine's own array); ``True`` when written,
+        ``False`` having written nothing (the engine then computes them into new arrays)."""
         ...
 
 

@@ -56,9 +56,9 @@ __all__ = [
     "CudaGroup",
     "CupyLauncher",
     "TorchCudaLauncher",
-    "direction_source",
     "engine_group",
     "launcher_for",
+    "moments_source",
     "nonfinite_source",
     "probe",
     "ready",
@@ -87,78 +87,54 @@ def _name(kind: str, dtype: str, decay: bool = False) -> str:
     return f"adadiag_adam_group_{kind}{'_decay' if decay else ''}_{dtype}"
 
 
-def step_source(dtype: str, decay: bool, moments: str = "flat") -> str:
+def step_source(dtype: str, decay: bool) -> str:
     """The CUDA source of the group step kernel for ``dtype`` (``"float32"``, ``"float64"``) and ``decay``
-    (``lambda != 0``: the reference adds ``lambda W`` only then).
-
-    ``moments``: ``"flat"``, the group's flat ``M``, ``V`` at the entry's place ``i`` (the engine's persistent
-    buffers); ``"address"``, each member's own ``M``, ``V`` through two more address tables at its place ``j``
-    (the torch adapter's per-parameter state tensors, in the parameter's memory order).  The same arithmetic."""
-    if moments not in ("flat", "address"):
-        raise ValueError(f"moments must be 'flat' or 'address', not {moments!r}")
-    flat = moments == "flat"
-    at = "i" if flat else "j"
-    body = ADAM_ENTRY + f"mp[{at}] = m; vp[{at}] = v; wp[j] = w + {ck.tail_expression('u', 'w', decay)};\n"
+    (``lambda != 0``: the reference adds ``lambda W`` only then): entry ``i`` of the group's flat ``M``, ``V`` (the
+    engine's persistent buffers), entry ``j`` of its member's ``G`` and ``W``."""
+    body = ADAM_ENTRY + f"M[i] = m; V[i] = v; wp[j] = w + {ck.tail_expression('u', 'w', decay)};\n"
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
-        f'extern "C" __global__ void {_name("step" if flat else "step_at", dtype, decay)}(\n'
+        f'extern "C" __global__ void {_name("step", dtype, decay)}(\n'
         "    const unsigned long long* w_at, const unsigned long long* g_at, const long long* starts,\n"
-        "    const int members, const long long size, "
-        + ("T* M, T* V" if flat else "const unsigned long long* m_at, const unsigned long long* v_at")
-        + ", const bool* proceed,\n"
+        "    const int members, const long long size, T* M, T* V, const bool* proceed,\n"
         "    const T b1, const T c1, const T b2, const T c2, const T eps, const T neg_lr, const T wd) {\n"
         "  if (!proceed[0]) return;  // the verdict: a non-finite gradient somewhere, nothing written\n"
         + _LOOP
         + _LOCATE
         + "    T* wp = reinterpret_cast<T*>(w_at[lo]);\n"
-        + (
-            "    T* mp = M; T* vp = V;\n"
-            if flat
-            else "    T* mp = reinterpret_cast<T*>(m_at[lo]); T* vp = reinterpret_cast<T*>(v_at[lo]);\n"
-        )
         + "    const T x = reinterpret_cast<const T*>(g_at[lo])[j];\n"
-        f"    const T m0 = mp[{at}]; const T v0 = vp[{at}]; const T w = wp[j];\n"
+        "    const T m0 = M[i]; const T v0 = V[i]; const T w = wp[j];\n"
         + "".join("    " + line + "\n" for line in body.splitlines() if line)
         + "  }\n}\n"
     )
 
 
-def direction_source(dtype: str) -> str:
-    """The CUDA source of the rotated members' moments and direction, each in its own arrays (the torch adapter's
-    per-parameter state): ``M_t``, ``V_t`` written over ``M``, ``V`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over
-    ``G~`` (a temporary of the step, in the moments' memory order), the arithmetic of :func:`step_source`."""
-    body = ADAM_ENTRY + "mp[j] = m; vp[j] = v; gp[j] = u;\n"
+def moments_source(dtype: str) -> str:
+    """The CUDA source of a rotated group's moments in place: over the group's flat arrays, ``M_t``, ``V_t`` written
+    over ``M``, ``V`` and ``U~ = M_t / (sqrt(V_t) + eps)`` over ``G~`` (the engine's own array), the arithmetic
+    of :func:`step_source`: 6 array passes per entry (read ``G~, M, V``, write ``M, V, U~``)."""
+    body = ADAM_ENTRY + "M[i] = m; V[i] = v; G[i] = u;\n"
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
-        f'extern "C" __global__ void {_name("direction_at", dtype)}(\n'
-        "    const unsigned long long* g_at, const long long* starts, const int members, const long long size,\n"
-        "    const unsigned long long* m_at, const unsigned long long* v_at, const bool* proceed,\n"
-        "    const T b1, const T c1, const T b2, const T c2, const T eps) {\n"
-        "  if (!proceed[0]) return;\n" + _LOOP + _LOCATE + "    T* gp = reinterpret_cast<T*>(g_at[lo]);\n"
-        "    T* mp = reinterpret_cast<T*>(m_at[lo]); T* vp = reinterpret_cast<T*>(v_at[lo]);\n"
-        "    const T x = gp[j]; const T m0 = mp[j]; const T v0 = vp[j];\n"
+        f'extern "C" __global__ void {_name("moments", dtype)}(\n'
+        "    T* G, T* M, T* V, const long long size, const T b1, const T c1, const T b2, const T c2, const T eps) {\n"
+        + _LOOP
+        + "    const T x = G[i]; const T m0 = M[i]; const T v0 = V[i];\n"
         + "".join("    " + line + "\n" for line in body.splitlines() if line)
         + "  }\n}\n"
     )
 
 
-def tail_source(dtype: str, decay: bool, direction: str = "flat") -> str:
-    """The CUDA source of a rotated group's tail: ``W <- W + (-eta)(D + lambda W)`` in each member's memory.
-
-    ``direction``: ``"flat"``, ``D`` the group's flat direction at the entry's place ``i`` (the engine);
-    ``"address"``, each member's own ``D`` through an address table at its place ``j`` (the torch adapter)."""
-    if direction not in ("flat", "address"):
-        raise ValueError(f"direction must be 'flat' or 'address', not {direction!r}")
-    flat = direction == "flat"
-    d = "D[i]" if flat else "reinterpret_cast<const T*>(d_at[lo])[j]"
+def tail_source(dtype: str, decay: bool) -> str:
+    """The CUDA source of a rotated group's tail: ``W <- W + (-eta)(D + lambda W)`` in each member's memory, ``D``
+    the group's flat direction at the entry's place ``i``."""
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
-        f'extern "C" __global__ void {_name("tail" if flat else "tail_at", dtype, decay)}(\n'
+        f'extern "C" __global__ void {_name("tail", dtype, decay)}(\n'
         "    const unsigned long long* w_at, const long long* starts, const int members, const long long size,\n"
-        f"    {'const T* D' if flat else 'const unsigned long long* d_at'}, const bool* proceed, const T neg_lr,\n"
-        "    const T wd) {\n"
+        "    const T* D, const bool* proceed, const T neg_lr, const T wd) {\n"
         "  if (!proceed[0]) return;\n" + _LOOP + _LOCATE + "    T* wp = reinterpret_cast<T*>(w_at[lo]);\n"
-        f"    const T w = wp[j];\n    wp[j] = w + {ck.tail_expression(d, 'w', decay)};\n"
+        f"    const T w = wp[j];\n    wp[j] = w + {ck.tail_expression('D[i]', 'w', decay)};\n"
         "  }\n}\n"
     )
 
@@ -292,7 +268,7 @@ class CudaGroup:
         key = tuple(addresses)
         kept = self._tables.get(which)
         if kept is None or kept[0] != key:
-            if which in ("W", "M", "V") and not disjoint(key, self.sizes, self.dtype.itemsize):
+            if which == "W" and not disjoint(key, self.sizes, self.dtype.itemsize):
                 return None  # arrays sharing memory: the gathering path
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
@@ -317,66 +293,37 @@ class CudaGroup:
         self._launch(_name("nonfinite", dtype), nonfinite_source(dtype), prepared.g_at, *self._members(), bad)
         return bad
 
-    def moment_tables(self, moments: Sequence[Any], seconds: Sequence[Any]) -> tuple[Any, Any] | None:
-        """The members' own ``M`` and ``V`` (one array per member, each in its parameter's memory order) as
-        address tables for :meth:`step_at`, or ``None`` unless the launcher can address each."""
-        m_at = self._table("M", moments)
-        v_at = None if m_at is None else self._table("V", seconds)
-        return None if v_at is None else (m_at, v_at)
-
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        b1_t, b2_t = beta_hats(self.cfg, t, np)
-        self._step(prepared, "flat", (moments["M"], moments["V"]), b1_t, b2_t, proceed)
+        self._step(prepared, moments, *beta_hats(self.cfg, t, np), proceed)
 
-    def step_at(self, prepared: Prepared, tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
-                proceed: Any = None) -> None:  # fmt: skip
-        """:meth:`step` with the moments in the members' own arrays (``tables`` from :meth:`moment_tables`) and
-        the step's ``b1_t``, ``b2_t`` as the caller computed them (host numbers)."""
-        self._step(prepared, "address", tables, b1_t, b2_t, proceed)
-
-    def _step(self, prepared: Prepared, moments: str, where: tuple[Any, Any], b1_t: Any, b2_t: Any,
-              proceed: Any) -> None:  # fmt: skip
+    def _step(self, prepared: Prepared, moments: Mapping[str, Any], b1_t: Any, b2_t: Any, proceed: Any) -> None:
         w_at, g_at, eta = prepared
         *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
         dtype = self.dtype.name
-        name = _name("step" if moments == "flat" else "step_at", dtype, decay)
-        self._launch(name, step_source(dtype, decay, moments), w_at, g_at, *self._members(), *where,
-                     self._flag(proceed), *sc)  # fmt: skip
-
-    def direction_at(self, prepared: Prepared, tables: tuple[Any, Any], b1_t: Any, b2_t: Any,
-                     proceed: Any = None) -> None:  # fmt: skip
-        """The prepared members' ``M_t``, ``V_t`` into their own arrays (``tables`` from :meth:`moment_tables`) and
-        ``U~`` over the prepared gradients (``G~``) in place (:func:`direction_source`)."""
-        _, g_at, _ = prepared
-        b1, c1, b2, c2, eps, *_ = kernel_scalars(b1_t, b2_t, self.cfg, 0.0, self.dtype)
-        dtype = self.dtype.name
-        self._launch(_name("direction_at", dtype), direction_source(dtype), g_at, *self._members(), *tables,
-                     self._flag(proceed), b1, c1, b2, c2, eps)  # fmt: skip
+        self._launch(_name("step", dtype, decay), step_source(dtype, decay), w_at, g_at, *self._members(),
+                     moments["M"], moments["V"], self._flag(proceed), *sc)  # fmt: skip
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
-        self._tail(prepared, "flat", direction, proceed)
-
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
-        """``False``: on a device the engine computes a rotated group's moments into new arrays, committed after
-        its one read-back of the verdict (the kernels here gate only the writes of :meth:`step` and :meth:`tail`)."""
-        return False
-
-    def tail_at(self, prepared: Prepared, directions: Sequence[Any], proceed: Any = None) -> bool:
-        """:meth:`tail` with each member's direction in an array of its own (in its parameter's memory order);
-        ``False``, having launched nothing, unless the launcher can address each."""
-        d_at = self._table("D", directions)
-        if d_at is None:
-            return False
-        self._tail(prepared, "address", d_at, proceed)
-        return True
-
-    def _tail(self, prepared: Prepared, direction: str, where: Any, proceed: Any) -> None:
         w_at, _, eta = prepared
         neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         decay, dtype = decays(self.cfg), self.dtype.name
-        name = _name("tail" if direction == "flat" else "tail_at", dtype, decay)
-        self._launch(name, tail_source(dtype, decay, direction), w_at, *self._members(), where, self._flag(proceed),
-                     neg_lr, wd)  # fmt: skip
+        self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
+                     self._flag(proceed), neg_lr, wd)  # fmt: skip
+
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
+        """One launch of :func:`moments_source` over the flat ``G~`` and moments (the engine calls it only where no
+        verdict is pending); ``False``, having launched nothing, unless the launcher can address the three."""
+        arrays = (g_rot, moments["M"], moments["V"])
+        if any(self.launcher.address(a) is None for a in arrays):
+            return False
+        self._moments(*arrays, *beta_hats(self.cfg, t, np))
+        return True
+
+    def _moments(self, g_rot: Any, M: Any, V: Any, b1_t: Any, b2_t: Any) -> None:
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(b1_t, b2_t, self.cfg, 0.0, self.dtype)
+        dtype = self.dtype.name
+        self._launch(_name("moments", dtype), moments_source(dtype), g_rot, M, V, np.int64(self.size), b1, c1, b2,
+                     c2, eps)  # fmt: skip
 
 
 def _float_name(dtype: Any) -> str | None:
@@ -389,13 +336,12 @@ _READY: dict[tuple[Any, ...], bool] = {}
 """Probed once per process: (launcher type, dtype, device, decay) -> whether the kernels passed (:func:`ready`)."""
 
 
-def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | None:
+def probe(group: CudaGroup, xp: Any, device: Any) -> str | None:
     """Every launch of ``group``'s kernels (a group of two members of 1 and 2 entries) against the same arithmetic
     in ``xp``'s own operations on ``device``: ``None`` when every result is the same bit for bit, else what
-    differed.  The launches: :meth:`CudaGroup.step` (flat moments, the engine's) and :meth:`~CudaGroup.step_at`,
-    :meth:`~CudaGroup.direction_at`, :meth:`~CudaGroup.tail` and :meth:`~CudaGroup.tail_at` (the torch adapter's);
-    ``sqrt`` is the reference's square root (default the library's, :func:`adadiag_ref._xp.sqrt`)."""
-    root = (lambda v: library_sqrt(v, xp)) if sqrt is None else sqrt
+    differed.  The launches: :meth:`CudaGroup.step`, :meth:`CudaGroup.moments` and :meth:`CudaGroup.tail`; the
+    square root is the
+    library's (:func:`adadiag_ref._xp.sqrt`, correctly rounded as CUDA's)."""
     kind = getattr(xp, group.dtype.name)
 
     def arrays(*values: tuple[float, ...]) -> list[Any]:
@@ -407,7 +353,7 @@ def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | Non
     b1, c1, b2, c2, eps, neg_lr, wd, decay = (float(x) for x in kernel_scalars(0.9, 0.99, group.cfg, eta, group.dtype))
     new_v = [b2 * v + c2 * (g * g) for v, g in zip(V, G, strict=True)]
     new_m = [b1 * m + c1 * g for m, g in zip(M, G, strict=True)]
-    u = [m / (root(v) + eps) for m, v in zip(new_m, new_v, strict=True)]
+    u = [m / (library_sqrt(v, xp) + eps) for m, v in zip(new_m, new_v, strict=True)]
 
     def tail(w: Any, d: Any) -> Any:
         return w + neg_lr * (d + wd * w) if decay else w + neg_lr * d
@@ -420,29 +366,18 @@ def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | Non
 
     stepped = [tail(w, x) for w, x in zip(W, u, strict=True)]
     tailed = [tail(w, g) for w, g in zip(W, G, strict=True)]  # G as the direction D
-    wanted = {
-        "step": (stepped, [flat(new_m)], [flat(new_v)]),
-        "step_at": (stepped, new_m, new_v),
-        "direction_at": (u, new_m, new_v),
-        "tail": (tailed,),
-        "tail_at": (tailed,),
-    }
+    wanted = {"step": (stepped, [flat(new_m)], [flat(new_v)]), "moments": ([flat(u)], [flat(new_m)], [flat(new_v)]),
+              "tail": (tailed,)}  # fmt: skip
     got: dict[str, tuple[list[Any], ...]] = {}
     params, moments, seconds = copies(W), flat(M), flat(V)
-    group._step(group.prepare(params, G, eta), "flat", (moments, seconds), 0.9, 0.99, None)  # type: ignore[arg-type]
+    group._step(group.prepare(params, G, eta), {"M": moments, "V": seconds}, 0.9, 0.99, None)  # type: ignore[arg-type]
     got["step"] = (params, [moments], [seconds])
-    params, moments, seconds = copies(W), copies(M), copies(V)
-    group.step_at(group.prepare(params, G, eta), group.moment_tables(moments, seconds), 0.9, 0.99)  # type: ignore[arg-type]
-    got["step_at"] = (params, moments, seconds)
-    g_rot, moments, seconds = copies(G), copies(M), copies(V)
-    group.direction_at(group.prepare(W, g_rot, eta), group.moment_tables(moments, seconds), 0.9, 0.99)  # type: ignore[arg-type]
-    got["direction_at"] = (g_rot, moments, seconds)
+    g_rot, moments, seconds = flat(G), flat(M), flat(V)
+    group._moments(g_rot, moments, seconds, 0.9, 0.99)
+    got["moments"] = ([g_rot], [moments], [seconds])
     params = copies(W)
     group.tail(group.prepare(params, None, eta), flat(G))  # type: ignore[arg-type]
     got["tail"] = (params,)
-    params = copies(W)
-    group.tail_at(group.prepare(params, None, eta), G)  # type: ignore[arg-type]
-    got["tail_at"] = (params,)
     for kernel, expected in wanted.items():
         for want, have in zip(expected, got[kernel], strict=True):
             if not all(bool(xp.all(a == b)) for a, b in zip(want, have, strict=True)):
@@ -452,16 +387,16 @@ def probe(group: CudaGroup, xp: Any, device: Any, sqrt: Any = None) -> str | Non
     return None
 
 
-def ready(cfg: BaseConfig, dtype: str, launcher: Any, xp: Any, device: Any, sqrt: Any = None) -> bool:
+def ready(cfg: BaseConfig, dtype: str, launcher: Any, xp: Any, device: Any) -> bool:
     """Whether the group kernels of ``cfg`` and ``dtype`` pass :func:`probe` through ``launcher`` on ``device``: run
     once per process, launcher type, dtype, device and decay.  A probe that raises (a compiler or a CuPy the device
-    cannot use) or disagrees warns once (``RuntimeWarning``) and answers ``False``: the caller's array route steps
-    instead (the engine's gathering path, the torch adapter's ``torch._foreach_*`` chain)."""
+    cannot use) or disagrees warns once (``RuntimeWarning``) and answers ``False``: the engine's gathering path
+    steps instead."""
     key = (type(launcher), dtype, str(device), decays(cfg))
     found = _READY.get(key)
     if found is None:
         try:
-            problem = probe(CudaGroup(cfg, dtype, [1, 2], launcher), xp, device, sqrt)
+            problem = probe(CudaGroup(cfg, dtype, [1, 2], launcher), xp, device)
         except Exception as exc:  # any failure of a device path means: not this route
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
