@@ -63,7 +63,6 @@ from adadiag_ref.optim import (
     beta_hats,
     check_state,
     decays,
-    flatten_in_memory_order,
     from_work,
     host_step,
     layout_for,
@@ -72,10 +71,8 @@ from adadiag_ref.optim import (
     prepare_step,
     split_batch,
     sqrt_each,
-    to_work,
     unrotate,
     work_dtype,
-    work_view,
 )
 from adadiag_ref.optim.families import family_of
 from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
@@ -203,17 +200,15 @@ class CoreOptimizer(torch.optim.Optimizer):
             and the ranks, with nothing changed, before any other collective (so catching it keeps the ranks
             identical; docs/adapters.md, "Ranks that disagree").  Ranks that step different models (pipeline
             stages) pass the group of their data-parallel replicas.
-        foreach: the multi-tensor route (``torch._foreach_*``, as ``torch.optim.AdamW(foreach=True)``) for every
-            entrywise family (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`: the Adam family, and a
-            registered family that declares it): the moments, the direction and the tail of all parameters of a
-            group run as a fixed number of calls (one launch each per device and dtype on CUDA) instead of a chain
-            of kernels per parameter; only the rotations (GEMMs) stay per parameter.  The Adam family's arithmetic
-            is written as ``torch._foreach_*`` calls; another entrywise family's direction function runs once over
-            the concatenation of the group's ``G~`` and moments.  ``None`` (default) or ``False``: off, on every
-            device: the group's engine steps it, the faster route (:meth:`routes`, docs/adapters.md); ``True``
-            turns it on (on the CPU bit-identical to ``False``).  Adafactor and Hfac (factored moments, not
-            entrywise) ignore it (their per-parameter route).  A group may set it; ``load_state_dict`` keeps this
-            optimizer's choice (the state is the same either way).
+        foreach: the Adam family's multi-tensor route (``torch._foreach_*``, as
+            ``torch.optim.AdamW(foreach=True)``): the moments, the direction and the tail of all parameters of a
+            group run as a fixed number of ``torch._foreach_*`` calls; only the rotations (GEMMs) stay per
+            parameter, and under ``torch.compile`` the update goes into a graph.  ``None`` (default) or ``False``:
+            off, on every device: the group's engine steps it, the faster route (:meth:`routes`,
+            docs/adapters.md); ``True`` turns it on (on the CPU bit-identical to ``False``).  Every other family
+            ignores it: its group's engine steps its parameters (an entrywise family's direction once over a flat
+            group), FSDP2's their own route.  A group may set it; ``load_state_dict`` keeps this optimizer's
+            choice (the state is the same either way).
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -583,15 +578,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         frames: dict[int, _Frame] = {}
         plans = []
         commits: list[tuple[Callable[[], None], list[_Batched]]] = []
-        for key, batch in batches.items():
-            adam = family_of(batch[0].item.cfg) is ADAM_FAMILY  # other entrywise families: the flat route, eager
-            if deferred and adam and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
+        for key, batch in batches.items():  # the Adam family's foreach=True batches
+            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
                 plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
                 continue
-            if adam:
-                commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
-            else:
-                commits.append((_foreach_flat(batch, key[-1]), batch))
+            commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
             if verdict is None:
                 self._commit_batch(*commits.pop())
         if verdict is not None:  # every batch's work is queued: now the one synchronisation of the step
@@ -663,7 +654,7 @@ class CoreOptimizer(torch.optim.Optimizer):
 
         A plain parameter (any device; not FSDP2's, not a ``foreach=True`` group) is stepped by its param group's
         engine, and its entries are that engine's :meth:`adadiag_ref.Engine.routes`; the others say
-        ``"foreach multi-tensor ..."``, ``"flat multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or
+        ``"foreach multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or
         ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
         out: dict[str, dict[str, str]] = {}
@@ -693,11 +684,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         sharded = _sharded.is_sharded(p)
         if sharded:
             moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-        elif _foreach_on(group, cfg) and family_of(cfg) is ADAM_FAMILY:
-            moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
         elif _foreach_on(group, cfg):
-            moments = ("flat multi-tensor (one torch.cat per array, the family's direction once over it, "
-                       "torch._foreach_* tail)")  # fmt: skip
+            moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
         else:
             moments = "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)"
         if not rotated:
@@ -1119,10 +1107,10 @@ def _foreach_devices() -> tuple[str, ...]:
 
 
 def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
-    """Whether the parameters of ``group`` take the multi-tensor route (:func:`_foreach_adam` for the Adam family,
-    :func:`_foreach_flat` for any other entrywise family, a registered one too): only where the group sets
-    ``foreach=True``; by default (``None``, ``False``) its engine steps them, on every device."""
-    return family_of(cfg).entrywise and group.get("foreach") is True
+    """Whether the parameters of ``group`` take the Adam family's multi-tensor route (:func:`_foreach_adam`): only
+    where the group sets ``foreach=True``; otherwise (``None``, ``False``, another family) its engine steps them,
+    on every device."""
+    return family_of(cfg) is ADAM_FAMILY and group.get("foreach") is True
 
 
 def _host_counts(work: list[_Work]) -> list[int]:
@@ -1295,63 +1283,6 @@ def _foreach_adam(
     allocations, everything that can fail); the returned commit then adds ``delta`` to ``W`` and copies ``M``,
     ``V`` into the state's own tensors (``state_dict()`` references stay live)."""
     return _foreach_compute(_foreach_plan(batch, count, cache, frames))
-
-
-def _foreach_flat(batch: list[_Batched], count: int) -> Callable[[], None]:
-    r"""The step of every parameter of ``batch`` (one group, device, dtype pair and step) for an entrywise family
-    other than Adam's (:attr:`~adadiag_ref.optim.families.FamilySpec.entrywise`, e.g. a registered one): the
-    family's own direction function runs **once**, over the concatenation of the parameters' ``G~`` and moments
-    (one ``torch.cat`` per array, each parameter in its memory order), and the tail as ``torch._foreach_*``
-    calls::
-
-        G~ = P^T G Q                                   (per parameter; G itself without a basis)
-        U~, moments = family.direction(S, cat(G~), t)  (once for the batch)
-        D = P U~ Q^T                                   (per parameter; U~'s view itself without a basis)
-        W <- W + (-eta_t) (D + lambda W)
-
-    Entry by entry the operations of the per-parameter route (``update_prepared``), so the same bits.  All or
-    nothing: everything is computed into new tensors here; the returned commit writes ``W`` and the moments."""
-    first = batch[0]
-    cfg, xp = first.item.cfg, torch_namespace()
-    family = family_of(cfg)
-    # G~ with the refresh-step structure (its t, from the host count, is not used: no torch op per parameter)
-    prepared = [prepare_step(e.state, e.item.grad, cfg, e.item.p, e.refreshed, xp, count) for e in batch]
-    layouts = [s.layout for s in prepared]
-    g_flat = torch.cat([flatten_in_memory_order(s.g_rot, lay, xp) for s, lay in zip(prepared, layouts, strict=True)])
-    old = {
-        name: torch.cat(
-            [flatten_in_memory_order(getattr(e.state, name), lay, xp) for e, lay in zip(batch, layouts, strict=True)]
-        )
-        for name in family.moment_fields
-    }
-    t = xp.astype(first.state.count + 1, g_flat.dtype)  # the per-parameter route's t, made once
-    flat_state = family.state_type(count=None, P=None, Q=None, param_shape=None, **old)
-    u_flat, moments = family.direction(flat_state, g_flat, t, cfg, xp)
-    sizes = [s.g_rot.numel() for s in prepared]
-
-    def pieces(flat_array: torch.Tensor) -> list[torch.Tensor]:
-        return [work_view(x, lay, xp) for x, lay in zip(torch.split(flat_array, sizes), layouts, strict=True)]
-
-    directions: list[torch.Tensor] = [
-        unrotate(u, e.state.P, e.state.Q, xp, transposed=lay.transposed)
-        for u, e, lay in zip(pieces(u_flat), batch, layouts, strict=True)
-    ]
-    eta_t = family.step_size(cfg, t, prepared[0].w, learning_rate(cfg, first.item.lr), xp)
-    weights = [s.w for s in prepared]
-    if decays(cfg):
-        directions = list(torch._foreach_add(directions, torch._foreach_mul(weights, cfg.weight_decay)))
-    deltas = list(torch._foreach_mul(directions, -eta_t))  # -eta_t (D + lambda W), as tail.parameter_delta
-    params = [to_work(e.item.p, lay, xp) for e, lay in zip(batch, layouts, strict=True)]
-    if params[0].dtype != deltas[0].dtype:
-        deltas = [d.to(params[0].dtype) for d in deltas]
-    new = {name: pieces(value) for name, value in moments.items() if value is not None}
-
-    def commit() -> None:  # copies and adds between tensors of equal shapes and dtypes, nothing allocated
-        torch._foreach_add_(params, deltas)
-        for name, values in new.items():
-            torch._foreach_copy_([getattr(e.state, name) for e in batch], values)
-
-    return commit
 
 
 class _ForeachPlan(NamedTuple):
