@@ -44,13 +44,13 @@ from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
 from ...._kernels import scalar
-from ...._xp import sqrt as library_sqrt
 from ....config import BaseConfig
-from ...schedules import beta_hats
-from ...tail import decays
+from ...schedules import beta_hats, host_step
+from ...tail import decayed_step, decays
 from .cupy_route import ADAM_ENTRY
 from .group_route import Prepared, disjoint, prepare_members
 from .numba_route import kernel_scalars
+from .reference import AdamState, direction
 
 __all__ = [
     "CudaGroup",
@@ -294,11 +294,8 @@ class CudaGroup:
         return bad
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        self._step(prepared, moments, *beta_hats(self.cfg, t, np), proceed)
-
-    def _step(self, prepared: Prepared, moments: Mapping[str, Any], b1_t: Any, b2_t: Any, proceed: Any) -> None:
         w_at, g_at, eta = prepared
-        *sc, decay = kernel_scalars(b1_t, b2_t, self.cfg, eta, self.dtype)
+        *sc, decay = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, eta, self.dtype)
         dtype = self.dtype.name
         self._launch(_name("step", dtype, decay), step_source(dtype, decay), w_at, g_at, *self._members(),
                      moments["M"], moments["V"], self._flag(proceed), *sc)  # fmt: skip
@@ -316,14 +313,11 @@ class CudaGroup:
         arrays = (g_rot, moments["M"], moments["V"])
         if any(self.launcher.address(a) is None for a in arrays):
             return False
-        self._moments(*arrays, *beta_hats(self.cfg, t, np))
-        return True
-
-    def _moments(self, g_rot: Any, M: Any, V: Any, b1_t: Any, b2_t: Any) -> None:
-        b1, c1, b2, c2, eps, *_ = kernel_scalars(b1_t, b2_t, self.cfg, 0.0, self.dtype)
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
         dtype = self.dtype.name
-        self._launch(_name("moments", dtype), moments_source(dtype), g_rot, M, V, np.int64(self.size), b1, c1, b2,
-                     c2, eps)  # fmt: skip
+        self._launch(_name("moments", dtype), moments_source(dtype), *arrays, np.int64(self.size), b1, c1, b2, c2,
+                     eps)  # fmt: skip
+        return True
 
 
 def _float_name(dtype: Any) -> str | None:
@@ -337,11 +331,10 @@ _READY: dict[tuple[Any, ...], bool] = {}
 
 
 def probe(group: CudaGroup, xp: Any, device: Any) -> str | None:
-    """Every launch of ``group``'s kernels (a group of two members of 1 and 2 entries) against the same arithmetic
-    in ``xp``'s own operations on ``device``: ``None`` when every result is the same bit for bit, else what
-    differed.  The launches: :meth:`CudaGroup.step`, :meth:`CudaGroup.moments` and :meth:`CudaGroup.tail`; the
-    square root is the
-    library's (:func:`adadiag_ref._xp.sqrt`, correctly rounded as CUDA's)."""
+    """Every launch of ``group``'s kernels (a group of two members of 1 and 2 entries, at step ``t = 3``) against the
+    reference's arithmetic in ``xp``'s own operations on ``device`` (the family's :func:`~.reference.direction`, the
+    tail :func:`~adadiag_ref.optim.tail.decayed_step`): ``None`` when every result is the same bit for bit, else
+    what differed.  The launches: :meth:`CudaGroup.step`, :meth:`CudaGroup.moments` and :meth:`CudaGroup.tail`."""
     kind = getattr(xp, group.dtype.name)
 
     def arrays(*values: tuple[float, ...]) -> list[Any]:
@@ -349,41 +342,24 @@ def probe(group: CudaGroup, xp: Any, device: Any) -> str | None:
 
     W, G, M, V = (arrays(*pair) for pair in (((1.5,), (-0.5, 2.0)), ((0.25,), (-1.0, 0.5)), ((0.1,), (0.2, -0.3)),
                                               ((0.4,), (0.5, 0.6))))  # fmt: skip
-    eta = 0.125
-    b1, c1, b2, c2, eps, neg_lr, wd, decay = (float(x) for x in kernel_scalars(0.9, 0.99, group.cfg, eta, group.dtype))
-    new_v = [b2 * v + c2 * (g * g) for v, g in zip(V, G, strict=True)]
-    new_m = [b1 * m + c1 * g for m, g in zip(M, G, strict=True)]
-    u = [m / (library_sqrt(v, xp) + eps) for m, v in zip(new_m, new_v, strict=True)]
-
-    def tail(w: Any, d: Any) -> Any:
-        return w + neg_lr * (d + wd * w) if decay else w + neg_lr * d
-
-    def copies(xs: list[Any]) -> list[Any]:
-        return [xp.asarray(x, copy=True) for x in xs]
-
-    def flat(xs: list[Any]) -> Any:
-        return xp.concat(xs)
-
-    stepped = [tail(w, x) for w, x in zip(W, u, strict=True)]
-    tailed = [tail(w, g) for w, g in zip(W, G, strict=True)]  # G as the direction D
-    wanted = {"step": (stepped, [flat(new_m)], [flat(new_v)]), "moments": ([flat(u)], [flat(new_m)], [flat(new_v)]),
-              "tail": (tailed,)}  # fmt: skip
-    got: dict[str, tuple[list[Any], ...]] = {}
-    params, moments, seconds = copies(W), flat(M), flat(V)
-    group._step(group.prepare(params, G, eta), {"M": moments, "V": seconds}, 0.9, 0.99, None)  # type: ignore[arg-type]
-    got["step"] = (params, [moments], [seconds])
-    g_rot, moments, seconds = flat(G), flat(M), flat(V)
-    group._moments(g_rot, moments, seconds, 0.9, 0.99)
-    got["moments"] = ([g_rot], [moments], [seconds])
-    params = copies(W)
-    group.tail(group.prepare(params, None, eta), flat(G))  # type: ignore[arg-type]
-    got["tail"] = (params,)
+    eta, cfg, t = 0.125, group.cfg, host_step(2, group.dtype, np)
+    w, g = xp.concat(W), xp.concat(G)
+    u, new = direction(AdamState(count=None, P=None, Q=None, M=xp.concat(M), V=xp.concat(V)), g, t, cfg, xp)
+    wanted = {"step": (w + decayed_step(u, w, eta, cfg, owned=False), new["M"], new["V"]),
+              "moments": (u, new["M"], new["V"]), "tail": (w + decayed_step(g, w, eta, cfg, owned=False),)}  # fmt: skip
+    params, moments = [xp.asarray(x, copy=True) for x in W], {"M": xp.concat(M), "V": xp.concat(V)}
+    group.step(group.prepare(params, G, eta), moments, t)  # type: ignore[arg-type]
+    got: dict[str, tuple[Any, ...]] = {"step": (xp.concat(params), moments["M"], moments["V"])}
+    g_rot, moments = xp.concat(G), {"M": xp.concat(M), "V": xp.concat(V)}
+    group.moments(moments, g_rot, t)
+    got["moments"] = (g_rot, moments["M"], moments["V"])
+    params = [xp.asarray(x, copy=True) for x in W]
+    group.tail(group.prepare(params, None, eta), g)  # type: ignore[arg-type]
+    got["tail"] = (xp.concat(params),)
     for kernel, expected in wanted.items():
         for want, have in zip(expected, got[kernel], strict=True):
-            if not all(bool(xp.all(a == b)) for a, b in zip(want, have, strict=True)):
-                return f"{kernel} gave {[float(v) for x in have for v in x]} where {xp.__name__} gives " + str(
-                    [float(v) for x in want for v in x]
-                )
+            if not bool(xp.all(want == have)):
+                return f"{kernel} gave {[float(v) for v in have]} where {xp.__name__} gives {[float(v) for v in want]}"
     return None
 
 
