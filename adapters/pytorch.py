@@ -405,9 +405,9 @@ class CoreOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             held = self._engines.get(group_index)
-            if held is None or group.get("foreach") is True:
-                return False
             cfg = self._build_config(group)
+            if held is None or _foreach_on(group, cfg):
+                return False
             grads = [p.grad for p in params]
             if not all(g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
                        for g, p in zip(grads, params, strict=True)):  # fmt: skip
@@ -428,12 +428,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         return bool(jobs)
 
     def _update_in_graph(self) -> bool:
-        """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route):
-        when a group sets ``foreach=True``.  Otherwise the whole step runs as the eager one does, through the groups'
-        engines, outside the graph: on the CPU their group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the
-        compiled multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower,
-        and a compiled step keeps the eager step's bits on every device."""
-        return any(group.get("foreach") is True for group in self.param_groups)
+        """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route): when
+        one of its groups sets ``foreach=True``.  Otherwise the whole step runs as the eager one does, through the
+        groups' engines, outside the graph: on the CPU their group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the
+        compiled multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower, and
+        a compiled step keeps the eager step's bits on every device."""
+        return any(_foreach_on(group, self._build_config(group)) for group in self.param_groups)
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
