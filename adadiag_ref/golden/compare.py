@@ -231,11 +231,6 @@ class ComparisonReport:
         out = [(f, ratio) for f, first, ratio in self.field_status if first is not None]
         return bool(out) and self.error is None and all(ratio <= EDGE_RATIO for _, ratio in out)
 
-    def _compared(self) -> str:
-        """``W, count, M (raw EMA, detected), V (...)``: every field compared, with its moment convention."""
-        notes = dict(n.split(" ", 1) for n in self.moment_notes)
-        return ", ".join(f"{f} {notes[f]}" if f in notes else f for f, _, _ in self.field_status)
-
     def field_verdicts(self) -> str:
         """Each compared field on its own: ``W agrees at all 12 steps; V differs from step 1; count agrees``."""
         parts = []

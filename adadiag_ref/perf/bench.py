@@ -373,13 +373,6 @@ def torch_adamw(specs: list[ParamSpec], **kw: Any) -> Any:
     return torch.optim.AdamW(_torch_params(specs, torch), lr=1e-3, weight_decay=0.0, **kw)
 
 
-def bench_torch_adamw(specs: list[ParamSpec], reps: int, **kw: Any) -> float:
-    opt = torch_adamw(specs, **kw)
-    t = median_time(opt.step, reps)
-    del opt
-    return t
-
-
 def torch_adadiag_step(specs: list[ParamSpec], rule: str = "paper") -> Callable[[], None]:
     """AdaDiag (non-refresh step) written directly in torch ops on the CPU: the yardstick of the torch adapter
     (``bench --steady``: adapter time / this time); :func:`~adadiag_ref.perf.params.torch_direct_adadiag`."""
