@@ -1457,3 +1457,77 @@ def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:
     assert engine_group(ar.make_config("adamw", kernels="reference"), torch.float32, [3], torch.device("cuda"),
                         xp_torch) is None  # fmt: skip
     assert engine_group(cfg, torch.float16, [3], torch.device("cuda"), xp_torch) is None
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["gathering-path", "cuda-kernels"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp", "adafacdiag"])
+def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
+    name: str, dtype: str, kernels: bool, tmp_path: Any
+) -> None:
+    """The torch adapter's default route on CUDA, run on the CPU: its engines take their device path (the engine
+    told that CPU tensors are off the host: batched GEMMs over stacks, the verdict left on the "device", a
+    per-parameter family's stacks), without group kernels (CUDA without CuPy) or with the CUDA sources compiled for
+    the host (CUDA with CuPy).  Against the same adapter on the host path: AdamW bit for bit, the rotated and
+    factored optimizers to rounding (batched against single GEMMs; float64 1e-12, float32 1e-5 relative, the
+    tolerances of the engine's own device tests); refresh steps included.  Then a NaN: the error names the
+    parameter, and no parameter and no state changed."""
+    torch = pytest.importorskip("torch")
+    from adadiag_ref.optim import engine as engine_module
+    from adapters import pytorch as tp
+
+    if kernels and shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    launcher = _torch_host_launcher(tmp_path) if kernels else None
+    rng = np.random.default_rng(5)
+    shapes = [(6, 5), (5, 6), (9, 20), (20,), ()]
+    values = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    stream = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(6)]
+    options: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1, "update_freq": 3}
+    if name != "adamw":
+        options["max_basis_dim"] = 8
+    on = [False]
+    host = engine_module._in_host_memory
+    runs = []
+    with _adapter_engines_on(launcher, on), pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed probe would leave the kernels untested
+        patch.setattr(engine_module, "_in_host_memory", lambda xp, a: host(xp, a) and not on[0])
+        for device_path in (False, True):
+            on[0] = device_path
+            params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+            opt = tp.optimizer_class(name)(params, **options)
+            for grads in stream:
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = torch.from_numpy(g.copy())
+                opt.step()
+            runs.append((params, opt))
+        (ref_params, ref), (params, opt) = runs
+        tol = {"rtol": 1e-12, "atol": 1e-14} if dtype == "float64" else {"rtol": 1e-5, "atol": 1e-6}
+        for q, p in zip(ref_params, params, strict=True):
+            if name == "adamw":
+                assert torch.equal(p, q)
+            torch.testing.assert_close(p, q, **tol)
+            assert set(opt.state[p]) == set(ref.state[q])
+            for field, value in opt.state[p].items():
+                torch.testing.assert_close(value, ref.state[q][field], **tol)
+        routes = list(opt.routes().values())
+        assert all(("cupy_group" in r["engine"] + r["moments"]) == (kernels and name != "adafacdiag") for r in routes)
+        if name in ("adadiag", "adadiag_pp"):  # the device path's GEMMs: one per stack
+            assert all("xp.matmul on the stack" in r["rotate"] for r in routes[:2]), routes
+        if kernels and name in ("adadiag", "adadiag_pp"):  # the adapter steps with check=False: no verdict pending,
+            moments = [n for n in launcher.launches if "_group_moments_" in n]  # the moments in place at every step
+            assert len(moments) == len(stream) + 1, launcher.launches  # and the probe's
+        bad = [g.copy() for g in stream[0]]
+        bad[2].flat[3] = np.nan
+        for clean_first in (False, True):  # at t = 7, a refresh step; then t = 7 without the NaN, t = 8 with it
+            if clean_first:
+                for p, g in zip(params, stream[1], strict=True):
+                    p.grad = torch.from_numpy(g.copy())
+                opt.step()
+            before = [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
+            for p, g in zip(params, bad, strict=True):
+                p.grad = torch.from_numpy(g.copy())
+            with pytest.raises(ValueError, match=r"gradient of parameter 2 of param_groups\[0\] contains NaN or Inf"):
+                opt.step()
+            after = [p.detach() for p in params] + [t for p in params for t in opt.state[p].values()]
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
