@@ -192,9 +192,10 @@ def test_torch_adapter_step_runs_on_the_cpu() -> None:
     from adadiag_ref.perf.params import QUICK
 
     for name in ADAPTER_OPTIMIZERS:
-        step = _torch_adapter_step(torch, name, llama_parameters(QUICK), "paper", device="cpu")
-        step()
-        step()
+        for options in ({}, {"kernels": "reference"}):  # the rows with CuPy, and without (the engine's reference)
+            step = _torch_adapter_step(torch, name, llama_parameters(QUICK), "paper", device="cpu", **options)
+            step()
+            step()
 
 
 @pytest.mark.parametrize("kind", ["optax_adamw", "optax_adapter_adamw", "optax_adapter_adadiag"])
@@ -280,7 +281,8 @@ def test_bench_gpu_quick_writes_its_tables(tmp_path: Path, capsys) -> None:
     torch = importlib.import_module("torch") if importlib.util.find_spec("torch") else None
     if torch is not None and torch.cuda.is_available():
         for key in ("torch_fused_adamw", "torch_direct_adadiag", "torch_adapter_adamw", "torch_adapter_adadiag",
-                    "torch_adapter_adadiag_pp"):  # fmt: skip
+                    "torch_adapter_adadiag_pp", "torch_adapter_adamw_no_cupy", "torch_adapter_adadiag_no_cupy",
+                    "torch_adapter_adadiag_pp_no_cupy"):  # fmt: skip
             assert _positive(doc["step"][key]["ms"]), doc["step"][key]
         for key in ("torch_svd", "torch_eigh_float32", "torch_eigh_float64", "torch_adapter_refresh_step"):
             assert _positive(doc["refresh"][key]["ms"]), doc["refresh"][key]

@@ -16,7 +16,9 @@ two device synchronisations, divided by ``inner``):
 * ``torch_fused_adamw``: ``torch.optim.AdamW(fused=True)`` on CUDA;
 * ``torch_direct_adadiag``: AdaDiag written directly in torch ops (:func:`torch_direct_adadiag`:
   ``G~ = P^T G``, Adam moments, ``U~ = M / (sqrt(V) + eps)``, ``W -= lr P U~``; ``P`` fixed);
-* ``torch_adapter_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``: the torch adapter's ``opt.step()`` on CUDA;
+* ``torch_adapter_<name>`` for ``adamw``, ``adadiag``, ``adadiag_pp``: the torch adapter's ``opt.step()`` on CUDA
+  (its groups' engines: with CuPy installed, the CUDA group kernels); ``torch_adapter_<name>_no_cupy``: the same
+  with ``kernels="reference"``, the route it takes where CuPy is not installed (the engine's gathering path);
 * ``torch_engine_adamw``: AdamW through :class:`adadiag_ref.Engine` over the torch CUDA parameters
   (``engine.step(grads, params, check=False)``: with CuPy installed, the CUDA group kernels launched on torch's
   stream, :class:`~adadiag_ref.optim.families.adam.cupy_group.TorchCudaLauncher`), the engine the adapter
@@ -259,18 +261,19 @@ class _TorchEngineSteps:
 
 
 def _torch_adapter_step(
-    torch: Any, name: str, specs: list[ParamSpec], rule: str, device: Any = "cuda"
+    torch: Any, name: str, specs: list[ParamSpec], rule: str, device: Any = "cuda", **options: Any
 ) -> Callable[[], None]:
-    """The torch adapter's ``opt.step()`` on ``device``: ``name`` for the rotated parameters, AdamW for the rest."""
+    """The torch adapter's ``opt.step()`` on ``device``: ``name`` for the rotated parameters, AdamW for the rest
+    (``options``: more hyperparameters of both, e.g. ``kernels="reference"``)."""
     from adadiag_ref.adapters import pytorch
 
     params = _torch_params(torch, specs, torch.device(device))
     rotated = [p for p, s in zip(params, specs, strict=True) if name != "adamw" and is_rotated(s, rule)]
     ids = {id(p) for p in rotated}
     others = [p for p in params if id(p) not in ids]
-    opts = [pytorch.OPTIMIZER_CLASSES[name](rotated, lr=LR, update_freq=None)] if rotated else []
+    opts = [pytorch.OPTIMIZER_CLASSES[name](rotated, lr=LR, update_freq=None, **options)] if rotated else []
     if others:
-        opts.append(pytorch.OPTIMIZER_CLASSES["adamw"](others, lr=LR, update_freq=None))
+        opts.append(pytorch.OPTIMIZER_CLASSES["adamw"](others, lr=LR, update_freq=None, **options))
 
     def step() -> None:
         for opt in opts:
@@ -523,7 +526,12 @@ def run(
                   "elements": size, "rotated": len(rotated), "reps": reps, "inner": inner, "period": period},
     }  # fmt: skip
     n_rows = (
-        3 + len(CORE_OPTIMIZERS) + 3 + len(ADAPTER_OPTIMIZERS) + 3 + (2 * len(REFRESH_METHODS) + 6 if refresh else 0)
+        3
+        + len(CORE_OPTIMIZERS)
+        + 3
+        + 2 * len(ADAPTER_OPTIMIZERS)
+        + 3
+        + (2 * len(REFRESH_METHODS) + 6 if refresh else 0)
     )
     bar = tqdm(total=n_rows, desc="bench --gpu", file=sys.stderr, leave=False, disable=bar_disable(progress))
     with bar:
@@ -555,6 +563,10 @@ def run(
             "torch_fused_adamw": "torch.optim.AdamW(fused=True)",
             "torch_direct_adadiag": "adadiag, direct torch ops",
             **{f"torch_adapter_{n}": f"{n}, torch adapter opt.step()" for n in ADAPTER_OPTIMIZERS},
+            **{
+                f"torch_adapter_{n}_no_cupy": f"{n}, torch adapter opt.step(), the route without CuPy"
+                for n in ADAPTER_OPTIMIZERS
+            },
             "torch_engine_adamw": "adamw, ar.Engine over torch CUDA tensors",
         }
 
@@ -567,6 +579,9 @@ def run(
                 fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
             elif key == "torch_engine_adamw":
                 fn = _TorchEngineSteps(torch, specs, torch.device("cuda"))
+            elif key.endswith("_no_cupy"):  # kernels="reference": the engine's route where CuPy is not installed
+                name = key.removeprefix("torch_adapter_").removesuffix("_no_cupy")
+                fn = _torch_adapter_step(torch, name, specs, rule, kernels="reference")
             else:
                 fn = _torch_adapter_step(torch, key.removeprefix("torch_adapter_"), specs, rule)
             try:
@@ -593,14 +608,17 @@ def run(
                  "cupy_adadiag_pp": "cupy_adadiag", "cupy_adafacdiag": "cupy_adadiag", "cupy_hfacdiag": "cupy_adadiag",
                  "torch_direct_adadiag": "torch_fused_adamw", "torch_adapter_adamw": "torch_fused_adamw",
                  "torch_adapter_adadiag": "torch_direct_adadiag", "torch_adapter_adadiag_pp": "torch_adapter_adadiag",
-                 "torch_engine_adamw": "torch_fused_adamw",
+                 "torch_engine_adamw": "torch_fused_adamw", "torch_adapter_adamw_no_cupy": "torch_fused_adamw",
+                 "torch_adapter_adadiag_no_cupy": "torch_direct_adadiag",
+                 "torch_adapter_adadiag_pp_no_cupy": "torch_adapter_adadiag_no_cupy",
                  "optax_adapter_adamw": "optax_adamw", "optax_adapter_adadiag": "optax_adamw"}  # fmt: skip
         for key, row in step.items():
-            if "adamw" in key:
+            optimizer = key.removesuffix("_no_cupy")
+            if "adamw" in optimizer:
                 bound = "bandwidth"
-            elif key.endswith("_pp"):
+            elif optimizer.endswith("_pp"):
                 bound = "gemm_2+bandwidth"
-            elif key.endswith("adadiag"):
+            elif optimizer.endswith("adadiag"):
                 bound = "gemm_1+bandwidth"
             else:
                 bound = None  # AdafacDiag, HfacDiag: factored moments move fewer bytes than AdamW's bound counts
