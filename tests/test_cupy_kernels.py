@@ -1198,6 +1198,46 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, check: 
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_engines_gated_kernels_run_again_when_an_overflowing_sum_was_only_a_suspicion(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a device the engine's verdict is a sum per gathered group, which overflows on finite entries of about
+    ``3e38`` in float32: then the verdict is false, the gated kernels (an unrotated group's step, a rotated group's
+    tail) wrote nothing, and the exact test finds no NaN or Inf.  The kernels must run again ungated: every step
+    equals per-parameter ``ar.step`` (before, the parameters of that step were silently left unchanged while their
+    moments and counters advanced).  The CUDA group kernels compiled for the host, over ``array_api_strict``."""
+    from adadiag_ref.optim.families.adam import cupy_group
+
+    xs = pytest.importorskip("array_api_strict")
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    cfg = ar.make_config("adadiag", update_freq=3, weight_decay=0.1, max_basis_dim=8)
+    rng = np.random.default_rng(7)
+    shapes = [(8, 8), (20,), (9, 20)]  # rotated (a tail kernel); (9, 20) unrotated, a group of its own (a step kernel)
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [xs.asarray(p.copy()) for p in host]
+    launcher = _HostLauncher(tmp_path, xs)
+    monkeypatch.setattr(cupy_group, "_READY", {})
+    monkeypatch.setattr(cupy_group, "launcher_for", lambda cfg, dtype, device, xp: launcher)  # as for CuPy arrays
+    engine = ar.Engine(params, cfg)
+    assert len(engine._flat) == 2 and all(group.kernels is not None for group in engine._flat)
+    launcher.launches.clear()  # the probe's
+    singles, states = [xs.asarray(p.copy()) for p in host], [ar.init(xs.asarray(p.copy()), cfg) for p in host]
+    stream = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    stream[1][0][0, :] = np.float32(3e38)  # t = 2, no refresh: the rotated group's float32 sum overflows
+    for k, grads in enumerate(stream):
+        with np.errstate(over="ignore", invalid="ignore"):
+            engine.step([xs.asarray(g) for g in grads], params)
+            pairs = [ar.step(s, xs.asarray(g), cfg, w, count=k)
+                     for s, g, w in zip(states, grads, singles, strict=True)]  # fmt: skip
+        singles, states = [w for w, _ in pairs], [s for _, s in pairs]
+        for i, (w, want) in enumerate(zip(params, singles, strict=True)):
+            np.testing.assert_array_equal(w._array, want._array, err_msg=f"step {k}, parameter {i}")
+            np.testing.assert_array_equal(engine.state(i).V._array, states[i].V._array)
+    kinds = [n.split("_")[3] for n in launcher.launches]
+    assert kinds.count("step") == 4 and kinds.count("tail") == 4, kinds  # t = 2 twice: gated, then ungated
+
+
 def _torch_host_launcher(tmp_path: Any) -> _HostLauncher:
     """:class:`_HostLauncher` over torch CPU tensors, its small arrays torch tensors."""
     import torch

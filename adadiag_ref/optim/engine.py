@@ -85,7 +85,8 @@ group, all of them stacked), read back once: at most one device-to-host conversi
 refresh the verdict is read *after* the step's work is queued: everything is computed into new arrays first,
 the verdict read, and only then committed (moments and bases replaced, counters advanced, parameters written).
 A non-finite verdict is examined exactly per gradient (only on that error path) and raises ``ValueError``
-naming the first parameter whose gradient holds NaN or Inf; no state and no parameter has changed.  On a
+naming the first parameter whose gradient holds NaN or Inf; no state and no parameter has changed.  When it finds
+none (finite entries whose sum overflowed), the kernels that the verdict held back run again, ungated.  On a
 refresh step the verdict is read before the decompositions (LAPACK never sees NaN or Inf).  On NumPy (no
 device) it is read first, always.  ``check=False``: nothing is read back on a step without refresh, and a
 non-finite gradient propagates as in :func:`~adadiag_ref.step`.
@@ -994,8 +995,9 @@ class Engine:
                 self._raise_unless(verdict, grads)
                 verdict = None
         self._run_kernels(direct, verdict, pending.tails)
-        if check and not verdict_first and verdict is not None:  # the one read-back; the kernels skipped if false
-            self._raise_unless(verdict, grads)
+        if check and not verdict_first and verdict is not None and not bool(verdict):  # the one read-back
+            self._raise_unless(False, grads)  # NaN or Inf: raised, and the gated kernels wrote nothing
+            self._run_kernels(direct, None, pending.tails)  # finite entries whose sum overflowed: now ungated
         return self._commit(pending, bases, params)
 
     def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> Any:
