@@ -82,11 +82,12 @@ The refreshes due at a step are one :func:`~adadiag_ref.refresh_bases` call for 
 
 **The finiteness check** (``check=True``): one reduced verdict for all parameters (a sum of every gradient per
 group, all of them stacked), read back once: at most one device-to-host conversion per step.  On a step without
-refresh the verdict is read *after* the step's work is queued: everything is computed into new arrays first,
-the verdict read, and only then committed (moments and bases replaced, counters advanced, parameters written).
+refresh the verdict is read *after* the step's work is queued: everything is computed into new arrays first (the
+group kernels' in-place writes take the verdict as a device flag and write nothing where it is false), the
+verdict read, and only then committed (moments and bases replaced, counters advanced, parameters written).
 A non-finite verdict is examined exactly per gradient (only on that error path) and raises ``ValueError``
 naming the first parameter whose gradient holds NaN or Inf; no state and no parameter has changed.  When it finds
-none (finite entries whose sum overflowed), the kernels that the verdict held back run again, ungated.  On a
+none (finite entries whose sum overflowed), nothing has been written, and the step is taken again unchecked.  On a
 refresh step the verdict is read before the decompositions (LAPACK never sees NaN or Inf).  On NumPy (no
 device) it is read first, always.  ``check=False``: nothing is read back on a step without refresh, and a
 non-finite gradient propagates as in :func:`~adadiag_ref.step`.
@@ -837,8 +838,7 @@ class Engine:
                 entrywise = (f"{group.update_name} once over the flat group ({group.size} entries): moments, "
                              "direction and tail in one call (an array lr: " + entrywise + ")")  # fmt: skip
             if group.kernels is not None and group.blocks:
-                moments = (f"in place: {group.kernels.moments_name} ({group.size} entries)" if self._host
-                           else f"{group.direction_name} once over the flat group ({group.size} entries)")  # fmt: skip
+                moments = f"in place: {group.kernels.moments_name} ({group.size} entries)"
                 entrywise = (f"{moments}, then the tail in place: {group.kernels.tail_name} (in_place=False, an "
                              f"array lr, or arrays the kernels do not take: {group.direction_name} once over the "
                              f"flat group, W gathered, then adadiag_ref.optim.tail.decayed_step)")  # fmt: skip
@@ -984,20 +984,20 @@ class Engine:
         verdict_first = check and (any(due) or self._host)
         if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); in host memory, no device
             self._raise_unless(self._verdict(checked, counts), grads)
-        bases, refreshed, fresh_states = self._refresh(grads, due)
-        quiet = check and not verdict_first and not self._host
-        with np.errstate(all="ignore") if quiet else contextlib.nullcontext():  # NaN may flow until the verdict
-            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg, quiet)
         verdict: Any = None
-        if check and not verdict_first:  # the work is queued (nothing written yet): the verdict, still on the device
+        if check and not verdict_first:  # on a device: left there, gating every write of the kernels below
             verdict = self._verdict(checked, counts)
-            if isinstance(verdict, bool):  # known on the host already: settle it before any kernel writes
+            if isinstance(verdict, bool):  # known on the host already: settled before any work
                 self._raise_unless(verdict, grads)
                 verdict = None
+        bases, refreshed, fresh_states = self._refresh(grads, due)
+        with np.errstate(all="ignore") if verdict is not None else contextlib.nullcontext():  # NaN may flow
+            pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg, verdict)
         self._run_kernels(direct, verdict, pending.tails)
-        if check and not verdict_first and verdict is not None and not bool(verdict):  # the one read-back
+        if verdict is not None and not bool(verdict):  # the one read-back
             self._raise_unless(False, grads)  # NaN or Inf: raised, and the gated kernels wrote nothing
-            self._run_kernels(direct, None, pending.tails)  # finite entries whose sum overflowed: now ungated
+            # finite entries whose sum overflowed: nothing was written, nothing refreshed; the step again, unchecked
+            return self._advance(grads, params, lr, False, in_place, cfg)
         return self._commit(pending, bases, params)
 
     def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> Any:
@@ -1157,12 +1157,12 @@ class Engine:
         fresh_states: dict[int, State],
         direct: list[Any],
         cfg: BaseConfig,
-        pending_verdict: bool,
+        proceed: Any,
     ) -> _Pending:
-        """Every group's step under ``cfg`` into new arrays (nothing of the engine or the parameters written); a
-        direct rotated group's direction is kept for its tail kernel (:meth:`_run_kernels`).  Where no verdict is
-        pending (``pending_verdict`` false: read already, or no check), a direct rotated group's kernels write its
-        moments in place and ``U~`` over its own ``G~``."""
+        """Every group's step under ``cfg`` into new arrays (nothing of the engine or the parameters written), but
+        a direct rotated group's moments, which its kernels write in place (``U~`` over its own ``G~``), gated by
+        ``proceed`` (the device verdict, or ``None``); its direction is kept for its tail kernel
+        (:meth:`_run_kernels`)."""
         xp, family = self.xp, self._family
         eta = learning_rate(cfg, lr)
         moments_out: list[dict[str, Array | None] | None] = []
@@ -1175,10 +1175,12 @@ class Engine:
                 continue
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             t = host_step(group.count, group.dtype, xp)
-            if direct[number] is not None and not pending_verdict:  # nothing to undo: the moments in place
-                g_rot = self._rotated(group, number, g, stacks, refreshed, self._scratch(group, "G~"))
-                if self._kernels_of(group).moments(self._own_moments(group), g_rot, t):  # M, V; U~ over G~
-                    tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D"))
+            if direct[number] is not None:  # the moments in place, gated by the verdict
+                into = self._scratch(group, "G~") if self._host else None  # on a device a product is a new array
+                g_rot = self._rotated(group, number, g, stacks, refreshed, into)
+                if self._kernels_of(group).moments(self._own_moments(group), g_rot, t, proceed):  # M, V; U~ over G~
+                    tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D") if self._host
+                                                    else None)  # fmt: skip
                     moments_out.append(None)
                     flat_params.append(None)
                     continue

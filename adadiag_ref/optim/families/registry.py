@@ -103,11 +103,12 @@ class GroupKernels(Protocol):
         parameter's memory order); ``proceed`` as in :meth:`step`."""
         ...
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
-        """A rotated group's moments of step ``t`` in place, where no verdict is pending (the engine read it before any
-        work, in host memory or on a refresh step, or steps without the check): ``M <- M_t``, ``V <- V_t`` in the flat
-        ``moments`` and ``U~`` written over the flat ``G~`` (``g_rot``, the engine's own array); ``True`` when written,
-        ``False`` having written nothing (the engine then computes them into new arrays)."""
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+        """A rotated group's moments of step ``t`` in place: ``M <- M_t``, ``V <- V_t`` in the flat ``moments``
+        and ``U~`` written over the flat ``G~`` (``g_rot``, the engine's own array); ``proceed`` as in
+        :meth:`step` (where it is false nothing is written, and the engine's tail kernel, gated alike, writes
+        nothing either).  ``True`` when launched or written, ``False`` having written nothing (the engine then
+        computes them into new arrays)."""
         ...
 
 

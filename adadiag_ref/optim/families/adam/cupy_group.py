@@ -117,7 +117,9 @@ def moments_source(dtype: str) -> str:
     return (
         f"typedef {_CTYPE[dtype]} T;\n"
         f'extern "C" __global__ void {_name("moments", dtype)}(\n'
-        "    T* G, T* M, T* V, const long long size, const T b1, const T c1, const T b2, const T c2, const T eps) {\n"
+        "    T* G, T* M, T* V, const long long size, const bool* proceed, const T b1, const T c1, const T b2,\n"
+        "    const T c2, const T eps) {\n"
+        "  if (!proceed[0]) return;\n"
         + _LOOP
         + "    const T x = G[i]; const T m0 = M[i]; const T v0 = V[i];\n"
         + "".join("    " + line + "\n" for line in body.splitlines() if line)
@@ -252,7 +254,8 @@ class CudaGroup:
                      "one more launch")  # fmt: skip
         self.tail_name = (f"{__name__} ({type(launcher).__name__}): one launch over the members' own memory: "
                           "W <- W - eta (D + lambda W)")  # fmt: skip
-        self.moments_name = "none on a device: the moments into new arrays, committed after the read-back"
+        self.moments_name = (f"{__name__} ({type(launcher).__name__}): one launch over the flat M, V and G~: M_t, "
+                             "V_t, U~ over G~, gated by the verdict")  # fmt: skip
 
     def _table(self, which: str, arrays: Sequence[Any]) -> Any:
         """The members' addresses on the device, or ``None`` unless the launcher can address each (dense, on the
@@ -307,16 +310,16 @@ class CudaGroup:
         self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
                      self._flag(proceed), neg_lr, wd)  # fmt: skip
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
-        """One launch of :func:`moments_source` over the flat ``G~`` and moments (the engine calls it only where no
-        verdict is pending); ``False``, having launched nothing, unless the launcher can address the three."""
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+        """One launch of :func:`moments_source` over the flat ``G~`` and moments, gated by ``proceed``; ``False``,
+        having launched nothing, unless the launcher can address the three."""
         arrays = (g_rot, moments["M"], moments["V"])
         if any(self.launcher.address(a) is None for a in arrays):
             return False
         b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
         dtype = self.dtype.name
-        self._launch(_name("moments", dtype), moments_source(dtype), *arrays, np.int64(self.size), b1, c1, b2, c2,
-                     eps)  # fmt: skip
+        self._launch(_name("moments", dtype), moments_source(dtype), *arrays, np.int64(self.size),
+                     self._flag(proceed), b1, c1, b2, c2, eps)  # fmt: skip
         return True
 
 

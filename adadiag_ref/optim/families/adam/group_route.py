@@ -306,7 +306,9 @@ class NumpyGroup:
         self._run(engine_step, engine_step_parallel, (prepared.w_at, prepared.g_at),
                   (self.offsets, _host(moments["M"]), _host(moments["V"]), *sc))  # fmt: skip
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any) -> bool:
+    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+        if proceed is not None:
+            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
         b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
         arrays = (_host(moments["M"]), _host(moments["V"]), _host(g_rot))
         self._run(engine_moments, engine_moments_parallel, (), (self.offsets, *arrays, b1, c1, b2, c2, eps))
