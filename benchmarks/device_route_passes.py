@@ -14,7 +14,9 @@ count nothing.  Counted alike for:
   (``cupy_group``), whose launches are counted here by a launcher that records them instead of running them (no
   GPU needed): each kernel's reads and writes per entry, as its CUDA source writes them (:data:`KERNEL_PASSES`),
   times its entries; the engine's other aten ops (the gathers, the direction of a rotated group, the GEMMs) by
-  the dispatch mode as above.
+  the dispatch mode as above;
+* ``ar.Engine`` itself with ``check=True`` on its device path (the engine told these CPU tensors are off the host:
+  batched GEMMs over stacks, the verdict a sum per gathered group left on the device, the kernels gated by it).
 
 The GEMMs (``mm``, ``bmm``, ``matmul``) are reported apart: their passes are the operands' and outputs' bytes, not
 the flops.  Nothing here is timed.  Run on demand::
@@ -39,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adadiag_ref.adapters import pytorch as at
 
+import adadiag_ref as ar
 from adadiag_ref.memory import LLAMA_CONFIGS, llama_parameters
+from adadiag_ref.optim import engine as engine_module
 from adadiag_ref.optim.families.adam import cupy_group, group_route
 from adadiag_ref.perf.params import is_rotated
 
@@ -182,11 +186,29 @@ def main() -> None:
 
         return make
 
+    def device_engines(params: list[torch.nn.Parameter]) -> Any:
+        """``ar.Engine`` AdaDiag on the blocks, AdamW on the rest, stepped with ``check=True`` on the device path."""
+        engine_module._in_host_memory = lambda xp, array: False  # type: ignore[assignment]  # the last row
+        blocks = [p.detach() for p, r in zip(params, rotated, strict=True) if r]
+        rest = [p.detach() for p, r in zip(params, rotated, strict=True) if not r]
+        engines = [(ar.Engine(blocks, ar.make_config("adadiag", update_freq=None, weight_decay=0.1)), blocks,
+                    [p for p, r in zip(params, rotated, strict=True) if r]),
+                   (ar.Engine(rest, ar.make_config("adamw", weight_decay=0.1)), rest,
+                    [p for p, r in zip(params, rotated, strict=True) if not r])]  # fmt: skip
+
+        class Steps:
+            def step(self) -> None:
+                for engine, tensors, owners in engines:
+                    engine.step([p.grad for p in owners], tensors, lr=1e-3, check=True)
+
+        return Steps()
+
     rows = [("torch AdamW(fused=True)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
              False)]  # fmt: skip
     for name in ("adamw", "adadiag"):
         rows.append((f"adapter {name}, foreach chain", paper(name, True), False))
         rows.append((f"adapter {name}, engine on the CUDA group kernels (counted, not run)", paper(name, None), True))
+    rows.append(("ar.Engine adadiag, check=True, device path (counted, not run)", device_engines, True))
     results = {}
     for label, make, on in rows:
         results[label] = _count(make, fresh(), launcher if on else None)
