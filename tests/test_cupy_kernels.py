@@ -1500,7 +1500,7 @@ def test_the_cuda_group_factory_declines_what_it_cannot_launch() -> None:
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["gathering-path", "cuda-kernels"])
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp", "adafacdiag"])
 def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
     name: str, dtype: str, kernels: bool, tmp_path: Any
@@ -1510,7 +1510,8 @@ def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
     per-parameter family's stacks), without group kernels (CUDA without CuPy) or with the CUDA sources compiled for
     the host (CUDA with CuPy).  Against the same adapter on the host path: AdamW bit for bit, the rotated and
     factored optimizers to rounding (batched against single GEMMs; float64 1e-12, float32 1e-5 relative, the
-    tolerances of the engine's own device tests); refresh steps included.  Then a NaN: the error names the
+    tolerances of the engine's own device tests; bfloat16 parameters, whose float32 states no group kernel takes,
+    to a bfloat16 rounding); refresh steps included.  Then a NaN: the error names the
     parameter, and no parameter and no state changed."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.optim import engine as engine_module
@@ -1521,8 +1522,13 @@ def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
     launcher = _torch_host_launcher(tmp_path) if kernels else None
     rng = np.random.default_rng(5)
     shapes = [(6, 5), (5, 6), (9, 20), (20,), ()]
-    values = [rng.standard_normal(s).astype(dtype) for s in shapes]
-    stream = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(6)]
+    host_dtype = "float32" if dtype == "bfloat16" else dtype
+    values = [rng.standard_normal(s).astype(host_dtype) for s in shapes]
+    stream = [[rng.standard_normal(s).astype(host_dtype) for s in shapes] for _ in range(6)]
+
+    def tensor(x: np.ndarray) -> Any:
+        return torch.from_numpy(x.copy()).to(getattr(torch, dtype))
+
     options: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1, "update_freq": 3}
     if name != "adamw":
         options["max_basis_dim"] = 8
@@ -1534,11 +1540,11 @@ def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
         patch.setattr(engine_module, "_in_host_memory", lambda xp, a: host(xp, a) and not on[0])
         for device_path in (False, True):
             on[0] = device_path
-            params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+            params = [torch.nn.Parameter(tensor(v)) for v in values]
             opt = tp.optimizer_class(name)(params, **options)
             for grads in stream:
                 for p, g in zip(params, grads, strict=True):
-                    p.grad = torch.from_numpy(g.copy())
+                    p.grad = tensor(g)
                 opt.step()
             runs.append((params, opt))
         (ref_params, ref), (params, opt) = runs
@@ -1546,15 +1552,16 @@ def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
         for q, p in zip(ref_params, params, strict=True):
             if name == "adamw":
                 assert torch.equal(p, q)
-            torch.testing.assert_close(p, q, **tol)
+            torch.testing.assert_close(p, q, **({} if dtype == "bfloat16" else tol))
             assert set(opt.state[p]) == set(ref.state[q])
             for field, value in opt.state[p].items():
                 torch.testing.assert_close(value, ref.state[q][field], **tol)
         routes = list(opt.routes().values())
-        assert all(("cupy_group" in r["engine"] + r["moments"]) == (kernels and name != "adafacdiag") for r in routes)
+        taken = kernels and name != "adafacdiag" and dtype != "bfloat16"  # the group kernels: the state's dtype
+        assert all(("cupy_group" in r["engine"] + r["moments"]) == taken for r in routes), routes
         if name in ("adadiag", "adadiag_pp"):  # the device path's GEMMs: one per stack
             assert all("xp.matmul on the stack" in r["rotate"] for r in routes[:2]), routes
-        if kernels and name in ("adadiag", "adadiag_pp"):  # the adapter steps with check=False: no verdict pending,
+        if taken and name in ("adadiag", "adadiag_pp"):  # the adapter steps with check=False: no verdict pending,
             moments = [n for n in launcher.launches if "_group_moments_" in n]  # the moments in place at every step
             assert len(moments) == len(stream) + 1, launcher.launches  # and the probe's
         bad = [g.copy() for g in stream[0]]
@@ -1562,11 +1569,11 @@ def test_the_torch_adapter_on_the_engines_device_path_emulated_on_the_cpu(
         for clean_first in (False, True):  # at t = 7, a refresh step; then t = 7 without the NaN, t = 8 with it
             if clean_first:
                 for p, g in zip(params, stream[1], strict=True):
-                    p.grad = torch.from_numpy(g.copy())
+                    p.grad = tensor(g)
                 opt.step()
             before = [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
             for p, g in zip(params, bad, strict=True):
-                p.grad = torch.from_numpy(g.copy())
+                p.grad = tensor(g)
             with pytest.raises(ValueError, match=r"gradient of parameter 2 of param_groups\[0\] contains NaN or Inf"):
                 opt.step()
             after = [p.detach() for p in params] + [t for p in params for t in opt.state[p].values()]
