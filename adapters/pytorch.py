@@ -749,12 +749,12 @@ class CoreOptimizer(torch.optim.Optimizer):
             self._raise_first_nonfinite([work[order[int(i)]] for i in torch.nonzero(~finite).flatten()])
 
     @staticmethod
-    def _raise_first_nonfinite(suspects: list[_Work]) -> bool:
+    def _raise_first_nonfinite(suspects: list[_Work]) -> None:
         """``ValueError`` naming the first of ``suspects`` whose gradient holds NaN or Inf (tested exactly);
-        ``False`` when none does (finite entries whose sum overflowed)."""
+        nothing when none does (finite entries whose sum overflowed)."""
         bad = next((item for item in suspects if not _sharded.all_finite(item.grad)), None)
         if bad is None:
-            return False
+            return
         raise ValueError(
             f"gradient of {bad.where} contains NaN or Inf at step {int(bad.flat['step']) + 1}; "
             "no parameter and no optimizer state was changed"

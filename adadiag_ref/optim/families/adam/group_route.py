@@ -299,27 +299,30 @@ class NumpyGroup:
         return sum(int(n) for n in counts)
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        if proceed is not None:  # the engine reads the verdict first in host memory
-            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
+        _ungated(proceed)
         b1_t, b2_t = beta_hats(self.cfg, t, np)
         sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
         self._run(engine_step, engine_step_parallel, (prepared.w_at, prepared.g_at),
                   (self.offsets, _host(moments["M"]), _host(moments["V"]), *sc))  # fmt: skip
 
     def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
-        if proceed is not None:
-            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
+        _ungated(proceed)
         b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
         arrays = (_host(moments["M"]), _host(moments["V"]), _host(g_rot))
         self._run(engine_moments, engine_moments_parallel, (), (self.offsets, *arrays, b1, c1, b2, c2, eps))
         return True
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
-        if proceed is not None:
-            raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
+        _ungated(proceed)
         neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
         self._run(engine_tail, engine_tail_parallel, (prepared.w_at,),
                   (self.offsets, _host(direction), neg_lr, wd, decays(self.cfg)))  # fmt: skip
+
+
+def _ungated(proceed: Any) -> None:
+    """Refuse a device verdict: in host memory the engine reads its verdict before any of these kernels runs."""
+    if proceed is not None:
+        raise ValueError("NumPy's group kernels run after the verdict is read: proceed must be None")
 
 
 def _host(a: Any) -> Any:
