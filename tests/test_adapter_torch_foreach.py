@@ -300,6 +300,29 @@ def test_default_is_off_on_the_cpu_and_other_families_ignore_it(monkeypatch):
         at.AdamW([p], foreach="yes")
 
 
+def test_unset_foreach_is_the_engine_also_on_a_device_with_foreach_kernels(monkeypatch):
+    """``foreach`` unset means the group's engine on every device, not only where torch has no multi-tensor
+    kernels (before, CUDA parameters took the chain): here the CPU is declared such a device, and the engine
+    still steps every parameter, bit for bit with ``foreach=False``; only ``foreach=True`` takes the chain.  A
+    plain parameter on any device is the engine's (a ``meta`` tensor stands in for CUDA's)."""
+    monkeypatch.setattr(at, "_foreach_devices", lambda: ("cpu", "cuda"))
+    w0, grads = _streams(torch.float32, steps=3)
+    runs = []
+    for foreach in (None, False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = _optimizer("adadiag", params, foreach)
+        for gs in grads:
+            for p, g in zip(params, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((params, opt))
+    (unset, unset_opt), (off, _), (_, chain_opt) = runs
+    assert all("engine" in route for route in unset_opt.routes().values())
+    assert all(route["moments"].startswith("foreach multi-tensor") for route in chain_opt.routes().values())
+    assert all(torch.equal(p, q) for p, q in zip(unset, off, strict=True))
+    assert at._plain_parameter(torch.nn.Parameter(torch.empty(2, device="meta")))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no-decay", "decay"])
