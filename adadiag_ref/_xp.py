@@ -40,7 +40,6 @@ __all__ = [
     "plain_cpu_tensor",
     "require_linalg",
     "sqrt",
-    "sqrt_each",
     "state_dtype",
     "to_numpy",
 ]
@@ -131,21 +130,6 @@ def sqrt(x: Array, xp: Namespace, out: Array | None = None) -> Array:
         native_module(xp).sqrt(x, out=out)
         return out
     return xp.sqrt(x)
-
-
-def sqrt_each(xs: list[Array], xp: Namespace) -> list[Array]:
-    """:func:`sqrt` of each array of ``xs``, new arrays (the torch adapter's multi-tensor chain on CPU tensors: one
-    NumPy error state for the list and NumPy's own allocation: about 5 us a tiny tensor instead of 11)."""
-    if xs and is_torch_namespace(xp) and _numpy_may_root(*xs):
-        import torch
-
-        roots = []
-        with np.errstate(invalid="ignore"):
-            for x in xs:
-                host = x.detach().numpy() if x.requires_grad else x.numpy()
-                roots.append(torch.from_numpy(np.sqrt(host, out=np.empty_like(host))))  # an array even when 0-d
-        return roots
-    return [sqrt(x, xp) for x in xs]
 
 
 def _numpy_root(x: Any, out: Any) -> Any:

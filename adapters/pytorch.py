@@ -12,14 +12,13 @@ driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device,
 The core resolves the torch namespace itself (``array_api_compat``); nothing is copied to NumPy.  Who computes a
 parameter's step (:meth:`CoreOptimizer.routes` says it per parameter):
 
-* a plain tensor on any device (``foreach`` unset, the default) is stepped by its param group's
+* a plain tensor on any device is stepped by its param group's
   :class:`adadiag_ref.Engine` (one per group, kept between steps, refresh steps included): in host memory its group
   kernels over the tensors' own memory (numba) and one ``torch.mm`` per rotated matrix, ``ar.step``'s bits; on CUDA
   with CuPy its CUDA group kernels, else its gathering path in torch ops.  The engine holds the moments and bases,
   and ``optimizer.state[p]``'s tensors are views of its arrays, written in place;
-* a ``foreach=True`` group: the multi-tensor chain (``torch._foreach_*``); FSDP2's sharded parameters their own
-  route (:mod:`._sharded`); any other parameter ``update_in_place`` (the reference's arithmetic in torch ops).
-  Moving the multi-tensor chain into the engine is the open part of issue 44.
+* FSDP2's sharded parameters take their own route (:mod:`._sharded`); any other parameter ``update_in_place`` (the
+  reference's arithmetic in torch ops).
 
 State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
 dict of tensors, the core's NamedTuple state flattened field by field, with the
@@ -54,28 +53,10 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-import numpy
-
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim import (
-    Layout,
-    beta_hats,
-    check_state,
-    decays,
-    from_work,
-    host_step,
-    layout_for,
-    learning_rate,
-    namespace,
-    prepare_step,
-    split_batch,
-    sqrt_each,
-    unrotate,
-    work_dtype,
-)
+from adadiag_ref.optim import layout_for, split_batch
 from adadiag_ref.optim.families import family_of
-from adadiag_ref.optim.families.adam import SPEC as ADAM_FAMILY
 
 from . import _sharded
 
@@ -200,15 +181,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             and the ranks, with nothing changed, before any other collective (so catching it keeps the ranks
             identical; docs/adapters.md, "Ranks that disagree").  Ranks that step different models (pipeline
             stages) pass the group of their data-parallel replicas.
-        foreach: the Adam family's multi-tensor route (``torch._foreach_*``, as
-            ``torch.optim.AdamW(foreach=True)``): the moments, the direction and the tail of all parameters of a
-            group run as a fixed number of ``torch._foreach_*`` calls; only the rotations (GEMMs) stay per
-            parameter, and under ``torch.compile`` the update goes into a graph.  ``None`` (default) or ``False``:
-            off, on every device: the group's engine steps it, the faster route (:meth:`routes`,
-            docs/adapters.md); ``True`` turns it on (on the CPU bit-identical to ``False``).  Every other family
-            ignores it: its group's engine steps its parameters (an entrywise family's direction once over a flat
-            group), FSDP2's their own route.  A group may set it; ``load_state_dict`` keeps this optimizer's
-            choice (the state is the same either way).
+        foreach: accepted as torch.optim accepts it (``None``, ``True`` or ``False``; anything else raises
+            ``ValueError``) and changes nothing: every group's engine already steps the group as a whole, with
+            its group kernels (one pass for the moments, direction and tail of every parameter, not one call
+            per parameter), so there is no slower per-parameter route to opt out of.  ``load_state_dict`` loads it
+            from the checkpoint's groups, as torch.optim does.
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
@@ -229,8 +206,7 @@ class CoreOptimizer(torch.optim.Optimizer):
     else one sum per gradient), every engine before any writes.  Off the host a ``step()`` without a basis refresh
     synchronises with the device once (the finiteness of one sum per gradient, all tested together; only a
     non-finite sum leads to the exact per-entry test); a refresh step also copies the gradients it decomposes to
-    the host.  With ``foreach`` the sums are ``torch._foreach_norm(grads, 1)`` (the sum of ``|G|``, one call per
-    device and dtype).
+    the host.
 
     FSDP2 (``torch.distributed.fsdp.fully_shard``: DTensor parameters, rows split over the ranks) is handled by
     :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged: where the rows a rank holds form a block of
@@ -251,11 +227,10 @@ class CoreOptimizer(torch.optim.Optimizer):
     optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
     correction is that of ``t = 2``).
 
-    ``torch.compile(opt.step)``: the host phase of a step (validation, counters, refreshes, new states: everything a
-    graph cannot hold) runs outside the graph on purpose (``torch.compiler.disable``); on steps without a refresh the
-    update of the Adam family's ``foreach=True`` groups runs in one graph (the multi-tensor route), bit-identical to the
-    eager step and with no recompile after warm-up.  Without ``foreach=True`` the whole eager step runs outside the
-    graph instead (the engines' group kernels are faster than the graph), with a one-time ``UserWarning``.
+    ``torch.compile(opt.step)``: the whole step runs eagerly, outside the graph, on purpose
+    (``torch.compiler.disable``): a step reads host values, decomposes on the host and makes new states, none of
+    which a graph can hold, and its engines run their own group kernels; so a compiled step has the eager step's
+    bits, with a one-time ``UserWarning``.
     ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
 
     Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
@@ -285,12 +260,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         name = name or self.core_name
         self.split_refresh = bool(split_refresh)
         self.process_group = process_group
-        self._warned_eager_under_compile = False  # torch.compile(opt.step) on the CPU: said once (_update_in_graph)
+        self._warned_eager_under_compile = False  # torch.compile(opt.step) runs the eager step: said once
         if name not in ar.OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
-        self._frames: dict[int, _Frame] = {}
         self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engine_of)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
@@ -323,7 +297,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.process_group = None  # a process group does not pickle: the unpickled optimizer agrees over the default
         self._warned_eager_under_compile = False
         self._configs = {}
-        self._frames = {}
         self._engines = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
@@ -384,13 +357,20 @@ class CoreOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if torch.compiler.is_compiling():  # the host phase outside the graph, the update in it
-            _foreach_traced(_step_on_host_outside_graph(self, True))
-            return loss
+        if torch.compiler.is_compiling():  # the eager step, outside the graph on purpose
+            _eager_step_outside_graph(self, compiled=True)
+        else:
+            self._eager_step()
+        return loss
+
+    def _eager_step(self, compiled: bool = False) -> None:
+        """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``)."""
+        if compiled and not self._warned_eager_under_compile:
+            self._warned_eager_under_compile = True
+            warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
         agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
         if not self._engines_only_step(agreed):
-            self._step_on_host(deferred=False, agreed=agreed)
-        return loss
+            self._step_on_host(agreed)
 
     def _engines_only_step(self, agreed: bool) -> bool:
         """The step of a model whose every parameter with a gradient is held by its group's kept engine (the
@@ -406,7 +386,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 continue
             held = self._engines.get(group_index)
             cfg = self._build_config(group)
-            if held is None or _foreach_on(group, cfg):
+            if held is None:
                 return False
             grads = [p.grad for p in params]
             if not all(g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
@@ -426,14 +406,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         for held, grads, cfg, lr in jobs:
             held.step(grads, cfg, lr)
         return bool(jobs)
-
-    def _update_in_graph(self) -> bool:
-        """Whether ``torch.compile(opt.step)`` puts the Adam family's update in a graph (the multi-tensor route): when
-        one of its groups sets ``foreach=True``.  Otherwise the whole step runs as the eager one does, through the
-        groups' engines, outside the graph: on the CPU their group kernels take 0.4x (AdamW) to 0.65x (AdaDiag) of the
-        compiled multi-tensor step's time (``benchmarks/bench_torch_compile.py``), so a graph could only be slower, and
-        a compiled step keeps the eager step's bits on every device."""
-        return any(_foreach_on(group, self._build_config(group)) for group in self.param_groups)
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
@@ -476,33 +448,17 @@ class CoreOptimizer(torch.optim.Optimizer):
             f"{message}; every rank raises this error, and no parameter and no optimizer state was changed"
         )
 
-    def _step_on_host(self, deferred: bool, agreed: bool | None = None) -> list[_ForeachPlan]:
-        """The body of :meth:`step` after the closure: validation, refreshes and every update, except, when
-        ``deferred`` (under ``torch.compile``), the multi-tensor update of the Adam family's batches without a
-        refresh or a new state, returned as plans for :func:`_foreach_traced` (the part compiled into a graph).
+    def _step_on_host(self, agreed: bool) -> None:
+        """The general step: validation, refreshes and every update, each parameter's state made where it has none.
 
-        Under ``torch.compile`` this runs outside the graph (:data:`_step_on_host_outside_graph`): it reads host
-        values (the finiteness test, the counters), decomposes on the host and makes new states, none of which a
-        graph can hold.  The Adam family then takes the multi-tensor route, bit-identical to the per-parameter one.
-
-        ``agreed``: :meth:`_agreed` ran this step (``None``: run it now), so every gradient is known to be finite on
-        every rank and the local finiteness test is skipped.
+        ``agreed``: :meth:`_agreed` ran this step, so every gradient is known to be finite on every rank and the
+        local finiteness test is skipped.
         """
-        if agreed is None:
-            agreed = self._agreed()
-        if deferred and not self._update_in_graph():  # the engines' eager step is faster than the graph: eager bits
-            if not self._warned_eager_under_compile:
-                self._warned_eager_under_compile = True
-                warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=2)
-            if not self._engines_only_step(agreed):
-                self._step_on_host(deferred=False, agreed=agreed)
-            return []
         work = []
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
             lr = _number(group["lr"])
             names = group.get("param_names")
-            foreach = _foreach_on(group, cfg)
             for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -513,44 +469,34 @@ class CoreOptimizer(torch.optim.Optimizer):
                 label = _label(names, index, group_index)
                 # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
-                sharded = _sharded.is_sharded(p)  # FSDP2: its own route (adapters/_sharded.py), never foreach
                 if fresh:
-                    flat = from_core_state(_sharded.init(p, cfg) if sharded else ar.init(p, cfg))
+                    flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p, cfg))
                     flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                engine = not foreach and _plain_parameter(p)  # FSDP2's DTensors are not plain
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, foreach and not sharded, group_index,
-                                  engine))  # fmt: skip
+                engine = _plain_parameter(p)  # FSDP2's DTensors are not plain
+                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, group_index, engine))
         self._check_shapes(work)
-        # a step of existing multi-tensor states without refresh reads its finiteness verdict after its work is
-        # queued (the device never waits for the host's check), and commits only then; any other step reads it
-        # first, before a decomposition or a per-parameter update writes
         counts = _host_counts(work)  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
-        queued = not deferred and bool(work) and not any(due)
-        queued = queued and all(item.foreach and not item.fresh for item in work)
         if self._split() and any(due):  # the bases decomposed once over the ranks: that step per parameter
             work = [item._replace(engine=False) for item in work]
         engines = self._engines_for(work, counts)
         off_engine = [item for item in work if not item.engine]
-        verdict = self._finiteness(off_engine) if queued and not agreed else None
-        if verdict is None:
-            if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
-                self._raise_if_nonfinite(off_engine, self._finiteness(off_engine))
-                for held, items in engines:
-                    if not bool(held.engine.finite([item.grad for item in items])):
-                        self._raise_first_nonfinite(items)
-            if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
-                for item in work:
-                    self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
-                return []
+        if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
+            self._raise_if_nonfinite(off_engine, self._finiteness(off_engine))
+            for held, items in engines:
+                if not bool(held.engine.finite([item.grad for item in items])):
+                    self._raise_first_nonfinite(items)
+        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
+            for item in work:
+                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
+            return
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
         refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine]))
-        batches: dict[tuple[Any, ...], list[_Batched]] = {}
         for held, items in engines:
             for item in items:
                 self._commit(item, {})  # a fresh state enters self.state
             held.step([item.grad for item in items], items[0].cfg, items[0].lr)
-        for item, is_due, count in zip(work, due, counts, strict=True):
+        for item, is_due in zip(work, due, strict=True):
             if item.engine:
                 continue
             # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
@@ -560,38 +506,14 @@ class CoreOptimizer(torch.optim.Optimizer):
             new_bases, refreshed = next(refreshes) if is_due else ({}, False)
             if new_bases:
                 state = state._replace(**new_bases)
-            if item.foreach:  # updated below, with the other parameters of its group, device, dtypes and step
-                check_state(state, item.grad, item.p, item.cfg)
-                key = (item.group_index, item.p.device, item.p.dtype, work_dtype(state), count)
-                batches.setdefault(key, []).append(_Batched(item, state, refreshed, new_bases))
-                continue
             if _sharded.is_sharded(item.p):
                 whole = self._whole_grads.get(id(item.p))
                 _sharded.update(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed, whole_grad=whole)
-                self._commit(item, new_bases)
-                item.flat["step"] += 1
-                continue
-            # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
-            ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
+            else:  # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
+                ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
             self._commit(item, new_bases)
             item.flat["step"] += 1
-        frames: dict[int, _Frame] = {}
-        plans = []
-        commits: list[tuple[Callable[[], None], list[_Batched]]] = []
-        for key, batch in batches.items():  # the Adam family's foreach=True batches
-            if deferred and not any(entry.refreshed or entry.new_bases or entry.item.fresh for entry in batch):
-                plans.append(_as_graph_inputs(_foreach_plan(batch, None, self._frames, frames)))
-                continue
-            commits.append((_foreach_adam(batch, key[-1], self._frames, frames), batch))
-            if verdict is None:
-                self._commit_batch(*commits.pop())
-        if verdict is not None:  # every batch's work is queued: now the one synchronisation of the step
-            self._raise_if_nonfinite(work, verdict)
-            for commit, batch in commits:
-                self._commit_batch(commit, batch)
-        self._frames = frames  # the views of this step's states only: nothing stale is kept alive
         self._whole_grads = {}
-        return plans
 
     def _split(self) -> bool:
         """Whether a refresh is split over the ranks (``split_refresh`` under more than one rank)."""
@@ -625,8 +547,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         when it still holds them, else one built over their states (new ones where they have none) but not kept."""
         group = self.param_groups[group_index]
         cfg = self._build_config(group)
-        if _foreach_on(group, cfg):
-            return None
         names = group.get("param_names")
         items = []
         for index, p in enumerate(group["params"]):
@@ -634,7 +554,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 continue
             flat = self.state.get(p) or from_core_state(ar.init(p.detach(), cfg))
             label = _label(names, index, group_index)
-            items.append(_Work(p, p.grad, flat, False, cfg, group["lr"], "", label, False, group_index, True))
+            items.append(_Work(p, p.grad, flat, False, cfg, group["lr"], "", label, group_index, True))
         if not items:
             return None
         counts = [int(item.flat["step"]) for item in items]
@@ -652,9 +572,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         * ``"moments"``: moments, direction and tail of a step;
         * ``"engine"`` (a plain parameter): its group in the param group's :class:`adadiag_ref.Engine`.
 
-        A plain parameter (any device; not FSDP2's, not a ``foreach=True`` group) is stepped by its param group's
-        engine, and its entries are that engine's :meth:`adadiag_ref.Engine.routes`; the others say
-        ``"foreach multi-tensor ..."``, ``"per parameter: update_in_place ..."`` or
+        A plain parameter (any device; not FSDP2's) is stepped by its param group's engine, and its entries are
+        that engine's :meth:`adadiag_ref.Engine.routes`; the others say ``"per parameter: update_in_place ..."`` or
         ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
         out: dict[str, dict[str, str]] = {}
@@ -684,8 +603,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         sharded = _sharded.is_sharded(p)
         if sharded:
             moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-        elif _foreach_on(group, cfg):
-            moments = "foreach multi-tensor (torch._foreach_*, one call per op for the group)"
         else:
             moments = "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)"
         if not rotated:
@@ -705,13 +622,6 @@ class CoreOptimizer(torch.optim.Optimizer):
             self.state[item.p] = item.flat
         for key, basis in new_bases.items():
             item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
-
-    def _commit_batch(self, commit: Callable[[], None], batch: list[_Batched]) -> None:
-        """A multi-tensor batch's computed step written (``W``, the moments), new bases in, counters advanced."""
-        commit()
-        for entry in batch:
-            self._commit(entry.item, entry.new_bases)
-        torch._foreach_add_([entry.item.flat["step"] for entry in batch], 1)
 
     def _check_shapes(self, work: list[_Work]) -> None:
         """Shapes and dtypes per parameter (no value read)."""
@@ -735,7 +645,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         device = work[0].grad.device
         # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
         # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
-        order, reductions = _finiteness_sums([item.grad for item in work], [item.foreach for item in work])
+        order, reductions = _finiteness_sums([item.grad for item in work], [False] * len(work))
         return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
 
     def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> None:
@@ -858,7 +768,6 @@ class CoreOptimizer(torch.optim.Optimizer):
                     )
                 if param_id in saved_state:
                     loaded[p] = _checked_state(saved_state[param_id], p, cfg, index)
-        kept = [group.get("foreach") for group in self.param_groups]
         super().load_state_dict(
             {
                 **state_dict,
@@ -866,8 +775,6 @@ class CoreOptimizer(torch.optim.Optimizer):
                 "param_groups": [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups],
             }
         )
-        for group, foreach in zip(self.param_groups, kept, strict=True):
-            group["foreach"] = foreach  # an execution choice of this optimizer, not of the checkpoint
         for group in self.param_groups:
             for p in group["params"]:
                 if p in loaded:
@@ -876,21 +783,21 @@ class CoreOptimizer(torch.optim.Optimizer):
 
 
 _EAGER_UNDER_COMPILE = (
-    "torch.compile(opt.step) with foreach unset runs the eager step, outside the graph: the engines' group kernels "
-    "take 0.4x to 0.65x of the time of a compiled multi-tensor update on the CPU, and give the same bits. "
-    "Dynamo's call around it costs about 20 us a step (measurable on a tiny model only), so call opt.step() "
-    "uncompiled there, or set foreach=True to put the update in a graph anyway (docs/adapters.md, 'torch.compile')"
+    "torch.compile(opt.step) runs the eager step, outside the graph: a step reads host values (the finiteness "
+    "verdict, the counters) and decomposes on the host, and its groups' engines run their own group kernels, so a "
+    "compiled step has the eager step's bits and speed. Dynamo's call around it costs about 20 us a step "
+    "(measurable on a tiny model only): call opt.step() uncompiled (docs/adapters.md, 'torch.compile')"
 )
 
-_step_on_host_outside_graph = torch.compiler.disable(
-    CoreOptimizer._step_on_host,
+_eager_step_outside_graph = torch.compiler.disable(
+    CoreOptimizer._eager_step,
     reason=(
         "adadiag_ref runs a step's host phase (gradient validation with one host read, step counters, basis refresh "
-        "on the host) outside the graph on purpose, so torch.compile(opt.step, fullgraph=True) is refused; see "
-        "docs/adapters.md, 'torch.compile'"
+        "on the host) and its engines' group kernels outside the graph on purpose, so "
+        "torch.compile(opt.step, fullgraph=True) is refused; see docs/adapters.md, 'torch.compile'"
     ),
 )
-""":meth:`CoreOptimizer._step_on_host` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
+""":meth:`CoreOptimizer._eager_step` as ``torch.compile`` calls it: run eagerly, outside the graph, on purpose."""
 
 
 class _Work(NamedTuple):
@@ -904,9 +811,8 @@ class _Work(NamedTuple):
     lr: Any
     where: str  # "parameter 'fc.weight'" or "parameter 2 of param_groups[0]", for error messages
     name: str  # "fc.weight" or "param_groups[0].params[2]": the core's ``name=`` in its warnings and errors
-    foreach: bool  # updated by the multi-tensor route (:func:`_foreach_adam`)
     group_index: int
-    engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): plain, not foreach=True, not FSDP2
+    engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): plain (not FSDP2's), not in a split refresh
 
 
 class _GroupEngine:
@@ -1106,13 +1012,6 @@ def _foreach_devices() -> tuple[str, ...]:
         return ("cuda",)
 
 
-def _foreach_on(group: Mapping[str, Any], cfg: BaseConfig) -> bool:
-    """Whether the parameters of ``group`` take the Adam family's multi-tensor route (:func:`_foreach_adam`): only
-    where the group sets ``foreach=True``; otherwise (``None``, ``False``, another family) its engine steps them,
-    on every device."""
-    return family_of(cfg) is ADAM_FAMILY and group.get("foreach") is True
-
-
 def _host_counts(work: list[_Work]) -> list[int]:
     """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim)."""
     return _counts_of([item.flat["step"] for item in work])
@@ -1172,255 +1071,6 @@ def _invalid_grad(p: torch.Tensor, grad: torch.Tensor) -> bool:
         or tuple(grad.shape) != tuple(p.shape)
         or grad.dtype != p.dtype
     )
-
-
-class _Batched(NamedTuple):
-    """One parameter of a multi-tensor batch: its work, its state (new bases in), the refresh flag."""
-
-    item: _Work
-    state: Any
-    refreshed: bool
-    new_bases: dict[str, torch.Tensor]
-
-
-class _Frame(NamedTuple):
-    """A moment's view in its parameter's shape, valid while ``tensor`` keeps this memory and these strides."""
-
-    tensor: torch.Tensor
-    data_ptr: int
-    stride: tuple[int, ...]
-    view: torch.Tensor
-
-
-def _param_frame(
-    x: torch.Tensor, layout: Layout, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
-) -> torch.Tensor:
-    """``from_work(x)``: an unrotated state matrix seen in its parameter's shape, where ``G`` and ``W`` are.
-
-    The view is made once and kept (``cache`` of the previous step, ``frames`` of this one) while the state
-    tensor keeps its memory, so a step makes no view per parameter; a tensor whose storage was replaced
-    (``Tensor.set_``, a loaded state) gets a new view.  A wide 2-D parameter's work frame is its own shape."""
-    if tuple(x.shape) == layout.shape:
-        return x
-    entry = cache.get(id(x))
-    if entry is None or entry.tensor is not x or entry.data_ptr != x.data_ptr() or entry.stride != x.stride():
-        entry = _Frame(x, x.data_ptr(), tuple(x.stride()), from_work(x, layout, torch_namespace()))
-    frames[id(x)] = entry
-    return entry.view
-
-
-def torch_namespace() -> Any:
-    """The array-API namespace of torch tensors (the core's ``xp``), found once."""
-    global _TORCH_XP
-    if _TORCH_XP is None:
-        _TORCH_XP = namespace(torch.zeros(()))
-    return _TORCH_XP
-
-
-_TORCH_XP: Any = None
-
-
-def _host_number(x: Any) -> float:
-    """A coefficient the core computed as a 0-d tensor on the host (the step counter's device), as a Python float
-    holding its value exactly (read from host memory, no device synchronisation)."""
-    if isinstance(x, torch.Tensor):
-        return float(x.detach().cpu().numpy())
-    return float(x)
-
-
-_HOST_BETAS: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
-
-
-def _host_betas(cfg: BaseConfig, count: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float, float]:
-    """``b1_t, b2_t, 1 - b1_t, 1 - b2_t`` of the step after ``count`` (the host counter, an int32 tensor), as exact
-    Python floats: the core's host coefficients (:mod:`~adadiag_ref.optim.schedules`: float64 by Python's ``math``
-    from the integer step, rounded once to ``dtype``), so every route and backend has the same floats on any CPU.
-
-    Computed once for all the batches of a step: kept for the last few
-    ``(betas, bias_correction, count, dtype)``, all they depend on; computed afresh for betas that are not Python
-    floats or a counter off the host."""
-    key = None
-    if count.device.type == "cpu":
-        steps = int(count.detach().numpy())  # read from host memory: no aten dispatch
-        if all(type(b) is float for b in cfg.betas):
-            key = (tuple(cfg.betas), bool(cfg.bias_correction), steps, dtype)
-            found = _HOST_BETAS.get(key)
-            if found is not None:
-                return found
-        b1_t, b2_t = beta_hats(cfg, host_step(steps, dtype, torch_namespace()), numpy)  # NumPy 0-d, dtype's precision
-    else:
-        b1_t, b2_t = beta_hats(cfg, torch_namespace().astype(count + 1, dtype), torch_namespace())
-    # 1 - b in the arrays' dtype: exact from the rounded b in float64, rounded once (docs/spec.md)
-    b1, b2, c1, c2 = (_host_number(x) for x in (b1_t, b2_t, 1.0 - b1_t, 1.0 - b2_t))
-    if key is not None:
-        if len(_HOST_BETAS) > 8:
-            _HOST_BETAS.clear()
-        _HOST_BETAS[key] = (b1, b2, c1, c2)
-    return b1, b2, c1, c2
-
-
-def _foreach_adam(
-    batch: list[_Batched], count: int, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
-) -> Callable[[], None]:
-    r"""The Adam family's step of every parameter of ``batch`` (one group, device, dtype pair and step ``t``,
-    ``count = t - 1`` their host counter) as
-    ``torch._foreach_*`` calls: the arithmetic of ``update_in_place``, the same operations in the same order::
-
-        G~  = P^T G Q                                        (per parameter; G itself without a basis)
-        V_t = b2_t V + (1 - b2_t) G~^2,   M_t = b1_t M + (1 - b1_t) G~
-        U~  = M_t / (sqrt(V_t) + eps)
-        D   = P U~ Q^T                                       (per parameter; U~ itself without a basis)
-        W  <- W + (-eta) (D + lambda W)                      (lambda W only when lambda != 0)
-
-    with ``b_t = beta (1 - beta^(t-1)) / (1 - beta^t)`` (:func:`~adadiag_ref.optim.schedules.beta_hats`, computed
-    once by the core's torch code from the host counter and passed as exact Python floats).  Each entry is
-    computed by the same IEEE operations as the per-parameter route, so the result is the same bit for bit;
-    the moments of an unrotated parameter are updated in its own shape (a view made once, :func:`_param_frame`),
-    so for AdamW no call is made per parameter.  Parameters of another dtype than their state (bfloat16) are
-    cast per parameter, as ``update_in_place`` casts them.
-
-    All or nothing: the new ``M``, ``V`` and ``delta`` are computed into new tensors first (the GEMMs and
-    allocations, everything that can fail); the returned commit then adds ``delta`` to ``W`` and copies ``M``,
-    ``V`` into the state's own tensors (``state_dict()`` references stay live)."""
-    return _foreach_compute(_foreach_plan(batch, count, cache, frames))
-
-
-class _ForeachPlan(NamedTuple):
-    """A multi-tensor batch with everything read on the host done: the coefficients as Python floats, the
-    moments in the frames they are updated in."""
-
-    batch: list[_Batched]
-    host_count: int | None  # the host counter for prepare_step; None under torch.compile (t is not needed there)
-    layouts: list[Layout]
-    moments: list[torch.Tensor]  # M, or its view in the parameter's shape when it has no basis
-    seconds: list[torch.Tensor]  # V, likewise
-    coefficients: tuple[Any, Any, Any, Any]  # b1_t, b2_t, 1 - b1_t, 1 - b2_t: Python floats, or 0-d tensors
-    eta: Any
-    counters: list[torch.Tensor]  # the host counters "step", advanced by :func:`_foreach_traced`
-
-
-def _foreach_plan(
-    batch: list[_Batched], count: int | None, cache: Mapping[int, _Frame], frames: dict[int, _Frame]
-) -> _ForeachPlan:
-    """The host side of :func:`_foreach_adam`: ``b_t`` from the host counter, the moments' frames."""
-    first = batch[0]
-    cfg = first.item.cfg
-    b1, b2, c1, c2 = _host_betas(cfg, first.state.count, first.state.M.dtype)  # prepare_step's t, host counter
-    layouts = [layout_for(tuple(entry.item.p.shape), cfg) for entry in batch]
-    moments, seconds = [], []
-    for entry, layout in zip(batch, layouts, strict=True):
-        state = entry.state
-        unrotated = state.P is None and state.Q is None  # updated in the parameter's shape, where G is
-        moments.append(_param_frame(state.M, layout, cache, frames) if unrotated else state.M)
-        seconds.append(_param_frame(state.V, layout, cache, frames) if unrotated else state.V)
-    eta = learning_rate(cfg, first.item.lr)
-    counters = [entry.item.flat["step"] for entry in batch]
-    return _ForeachPlan(batch, count, layouts, moments, seconds, (b1, b2, c1, c2), eta, counters)
-
-
-def _as_graph_inputs(plan: _ForeachPlan) -> _ForeachPlan:
-    """The plan's step-dependent numbers (``b_t``, ``eta``) as 0-d host tensors of the state dtype, holding the
-    same values: Dynamo turns a Python float into a constant of the graph (a recompile at every step), a tensor
-    into an input.  The multi-tensor ops compute with a Python scalar in the tensors' dtype, so the bits are the
-    same.  On the host (as torch.optim's step counters), so making them costs no copy to an accelerator."""
-    dtype = plan.batch[0].state.M.dtype
-    b1, b2, c1, c2 = (torch.tensor(c, dtype=dtype) for c in plan.coefficients)
-    eta = torch.tensor(_number(plan.eta), dtype=dtype)
-    return plan._replace(coefficients=(b1, b2, c1, c2), eta=eta)
-
-
-def _foreach_math(plan: _ForeachPlan) -> None:
-    """The tensor side of :func:`_foreach_adam`, computed and committed (no host read: it is what
-    ``torch.compile`` puts in a graph)."""
-    _foreach_compute(plan)()
-
-
-def _foreach_compute(plan: _ForeachPlan) -> Callable[[], None]:
-    """The tensor side of :func:`_foreach_adam` into new tensors; returns the commit that writes them."""
-    batch, layouts, moments, seconds = plan.batch, plan.layouts, plan.moments, plan.seconds
-    b1, b2, c1, c2 = plan.coefficients
-    eta = plan.eta
-    cfg = batch[0].item.cfg
-    dtype = batch[0].state.M.dtype
-    xp = torch_namespace()
-    params = [entry.item.p for entry in batch]
-    grads: list[torch.Tensor] = []
-    for entry in batch:
-        state, item = entry.state, entry.item
-        if state.P is None and state.Q is None:
-            grads.append(item.grad if item.grad.dtype == dtype else item.grad.to(dtype))
-        else:  # the core's G~ = P^T G Q, set to its structure on a refresh step (the bases come from this G)
-            grads.append(prepare_step(state, item.grad, cfg, item.p, entry.refreshed, xp, plan.host_count).g_rot)
-    new_v = torch._foreach_mul(seconds, b2)
-    scratch = torch._foreach_mul(grads, grads)
-    torch._foreach_mul_(scratch, c2)
-    torch._foreach_add_(new_v, scratch)  # V_t = b2_t V + (1 - b2_t) G~^2
-    new_m = torch._foreach_mul(grads, c1)
-    scratch = torch._foreach_mul(moments, b1)
-    torch._foreach_add_(new_m, scratch)  # M_t = (1 - b1_t) G~ + b1_t M
-    roots = _foreach_root(list(new_v))
-    torch._foreach_add_(roots, cfg.eps)
-    directions = list(torch._foreach_div(new_m, roots))  # U~ = M_t / (sqrt(V_t) + eps)
-    del roots, scratch
-    for k, (entry, layout) in enumerate(zip(batch, layouts, strict=True)):
-        state = entry.state
-        if state.P is not None or state.Q is not None:
-            unrotated = _unrotate_as_eager if torch.compiler.is_compiling() else _unrotate
-            directions[k] = from_work(unrotated(directions[k], state.P, state.Q, layout.transposed), layout, xp)
-    if decays(cfg):
-        weights = params if params[0].dtype == dtype else [p.to(dtype) for p in params]
-        torch._foreach_add_(directions, torch._foreach_mul(weights, cfg.weight_decay))  # D + lambda W
-    torch._foreach_mul_(directions, -eta)  # delta = -eta (D + lambda W)
-    if params[0].dtype != dtype:
-        directions = [d.to(params[0].dtype) for d in directions]
-
-    def commit() -> None:  # copies between tensors of equal shapes and dtypes, nothing allocated
-        torch._foreach_add_(params, directions)
-        torch._foreach_copy_(moments, new_m)
-        torch._foreach_copy_(seconds, new_v)
-
-    return commit
-
-
-@torch.library.custom_op("adadiag_ref::foreach_sqrt", mutates_args=())
-def _foreach_root(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The library's root of each tensor, correctly rounded (:func:`adadiag_ref._xp.sqrt`): one
-    ``torch._foreach_sqrt`` on CUDA (whose root is), NumPy's root per tensor on the CPU (where eager ``torch.sqrt``
-    is MKL VML's on x86 builds, one ulp off in some entries; :func:`adadiag_ref._xp.sqrt_each`).
-
-    One custom operation of the dispatcher: a compiled graph keeps it opaque, so a compiled step has an eager one's
-    bits on any backend of ``torch.compile`` (Inductor's own loops root correctly too, but ``aot_eager`` would run
-    eager ``torch.sqrt``), and an op count sees one operation on every device, as on CUDA."""
-    if not xs or xs[0].device.type != "cpu":
-        return list(torch._foreach_sqrt(xs))
-    return sqrt_each(list(xs), torch_namespace())
-
-
-@_foreach_root.register_fake
-def _(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in xs]
-
-
-def _unrotate(u: torch.Tensor, P: torch.Tensor | None, Q: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """The core's ``P U~ Q^T`` (:func:`~adadiag_ref.optim.rotation.unrotate`) on torch tensors."""
-    return unrotate(u, P, Q, torch_namespace(), transposed=transposed)
-
-
-_unrotate_as_eager = torch.library.custom_op(
-    "adadiag_ref::unrotate", _unrotate, mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
-)
-""":func:`_unrotate` as one opaque operation of a compiled graph, on its operands' eager strides: Inductor may
-lay ``U~`` (its own kernel's output) out otherwise, and BLAS then multiplies in another order (last-bit
-differences); so a compiled step keeps the bits of an eager one."""
-_unrotate_as_eager.register_fake(_unrotate)
-
-
-def _foreach_traced(plans: list[_ForeachPlan]) -> None:
-    """Under ``torch.compile``: the multi-tensor updates :meth:`CoreOptimizer._step_on_host` deferred, then their
-    counters advanced; only tensor operations, so Dynamo compiles them into one graph."""
-    for plan in plans:
-        _foreach_math(plan)
-        torch._foreach_add_(plan.counters, 1)
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:

@@ -7,10 +7,6 @@ For each optimizer and a small model-like set of parameters, times (median of
 * ``core``:    ``ar.update`` (+ ``check_inputs``) per parameter, the same core calls with the state kept as NamedTuples;
 * ``torch``:   ``torch.optim.AdamW`` (foreach=False), for the AdamW row only.
 
-Then, for the Adam family, the adapter's multi-tensor route against its per-parameter route in the same run
-(``foreach=True`` / ``foreach=False``, ``foreach`` ms and the ratio), on these shapes and on a model of many
-small parameters (``MANY``), where the per-parameter route's calls dominate.
-
 ``--host-time`` (issue 31): the host time of one ``optimizer.step()`` over many *tiny* tensors, where the
 per-call (dispatch) cost is everything: LLaMA-60M's parameter structure (8 blocks of q, k, v, o, gate, up, down
 and two norms, embedding, final norm, head: 75 parameters) with hidden 8, MLP 16 and vocabulary 32, float32,
@@ -20,7 +16,7 @@ optimizer's time and of its ratio to fused AdamW's in the same round.  Steps wit
 (``update_freq=None`` after the first step); a refresh step of AdaDiag / AdaDiag++ is timed apart
 (``update_freq=1``: every step refreshes).
 
-Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1] [--foreach-only]``,
+Run: ``python benchmarks/bench_torch_adapter.py [--repeats 200] [--threads 1]``,
 ``python benchmarks/bench_torch_adapter.py --host-time [--rounds 15] [--block 40] [--threads 1]``.
 """
 
@@ -41,8 +37,6 @@ import adadiag_ref as ar
 from adadiag_ref.perf.bench import median_time
 
 SHAPES = [(256, 512), (512,), (512, 256), (256,), (64, 32, 3, 3)]
-MANY = [(64, 64), (64,)] * 32  # 64 small parameters
-FOREACH_NAMES = ["adamw", "adadiag", "adadiag_pp"]
 
 
 def _params(dtype: torch.dtype, shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.nn.Parameter]:
@@ -85,21 +79,6 @@ def bench(name: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:
     return row
 
 
-def bench_foreach(name: str, repeats: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> dict[str, float]:
-    """``opt.step()`` with ``foreach=False`` and ``foreach=True`` (no refresh after the warm-up), alternating
-    blocks of steps so that both see the same machine state."""
-    opts = {}
-    for foreach in (False, True):
-        opts[foreach] = OPTIMIZER_CLASSES[name](_params(dtype, shapes), lr=1e-3, update_freq=None, foreach=foreach)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for opt in opts.values():
-        _median_ms(opt.step, 1)  # warm-up (t = 1 refresh)
-    for _ in range(5):
-        for foreach, opt in opts.items():
-            times[foreach].append(_median_ms(opt.step, max(1, repeats // 5), warmup=1))
-    return {"per_param_ms": statistics.median(times[False]), "foreach_ms": statistics.median(times[True])}
-
-
 def llama_tiny_shapes(hidden: int = 8, mlp: int = 16, vocab: int = 32, layers: int = 8) -> list[tuple[int, ...]]:
     """LLaMA-60M's parameter count and kinds (8 blocks; embedding, final norm, head) with tiny dimensions."""
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
@@ -122,9 +101,7 @@ def host_time(rounds: int, block: int) -> None:
         "torch AdamW(fused=True)": torch_adamw(fused=True),
         "torch AdamW(foreach=True)": torch_adamw(foreach=True),
         "adapter AdamW (default route)": adapter("adamw", update_freq=None),
-        "adapter AdamW foreach=True": adapter("adamw", update_freq=None, foreach=True),
         "adapter AdaDiag (default route)": adapter("adadiag", update_freq=None),
-        "adapter AdaDiag foreach=True": adapter("adadiag", update_freq=None, foreach=True),
         "adapter AdaDiagPP (default route)": adapter("adadiag_pp", update_freq=None),
         "adapter AdaDiag refresh step": adapter("adadiag", update_freq=1),
         "adapter AdaDiagPP refresh step": adapter("adadiag_pp", update_freq=1),
@@ -151,7 +128,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--foreach-only", action="store_true", help="only the foreach=True / foreach=False tables")
     parser.add_argument("--host-time", action="store_true", help="host time per step over tiny tensors (issue 31)")
     parser.add_argument("--rounds", type=int, default=15, help="--host-time: interleaved rounds")
     parser.add_argument("--block", type=int, default=40, help="--host-time: steps per optimizer and round")
@@ -163,10 +139,9 @@ def main() -> None:
         return
     dtype = getattr(torch, args.dtype)
     print(f"shapes {SHAPES}, dtype {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats} steps")
-    if not args.foreach_only:
-        print(f"{'optimizer':15s} {'adapter ms':>11s} {'core ms':>9s} {'ratio':>7s} {'torch.AdamW ms':>15s}")
+    print(f"{'optimizer':15s} {'adapter ms':>11s} {'core ms':>9s} {'ratio':>7s} {'torch.AdamW ms':>15s}")
     ratios = []
-    for name in [] if args.foreach_only else ar.OPTIMIZERS:
+    for name in ar.OPTIMIZERS:
         row = bench(name, args.repeats, dtype)
         ratio = row["adapter_ms"] / row["core_ms"]
         ratios.append(ratio)
@@ -174,13 +149,6 @@ def main() -> None:
         print(f"{name:15s} {row['adapter_ms']:11.3f} {row['core_ms']:9.3f} {ratio:7.3f} {extra}")
     if ratios:
         print(f"median adapter/core ratio over the eight optimizers: {statistics.median(ratios):.3f}")
-    for label, shapes in (("shapes above", SHAPES), (f"{len(MANY)} small parameters", MANY)):
-        print(f"\nforeach=True against foreach=False ({label}; same run, alternating blocks)")
-        print(f"{'optimizer':15s} {'per-param ms':>13s} {'foreach ms':>11s} {'foreach/per-param':>18s}")
-        for name in FOREACH_NAMES:
-            row = bench_foreach(name, args.repeats, dtype, shapes)
-            ratio = row["foreach_ms"] / row["per_param_ms"]
-            print(f"{name:15s} {row['per_param_ms']:13.3f} {row['foreach_ms']:11.3f} {ratio:18.3f}")
 
 
 if __name__ == "__main__":

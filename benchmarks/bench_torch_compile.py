@@ -6,12 +6,11 @@ set once) take
 steps without refresh (T = infinity, after the t = 1 refresh of the warm-up): eagerly, and through
 ``torch.compile(opt.step)``.  Prints the median step time of each (interleaved, ``--repeats`` steps each), their
 ratio, and Dynamo's counters after warm-up: graphs compiled, recompiles (frames compiled again) and the graph
-breaks by reason (the only expected one is the deliberate ``torch.compiler.disable`` of the host phase).  On the CPU
-(``foreach`` unset) a compiled step runs the eager step outside the graph (``CoreOptimizer._update_in_graph``):
-the ratio is then the cost of Dynamo's call; ``--foreach`` sets ``foreach=True``, the graph route.
+breaks by reason (the only expected one is the deliberate ``torch.compiler.disable`` of the step).  A compiled step
+runs the eager step outside the graph, so the ratio is the cost of Dynamo's call around it.
 
 Run: ``python benchmarks/bench_torch_compile.py [--model small|llama-60m] [--repeats 100] [--threads 1]
-[--dtype float32] [--foreach] [names ...]``.
+[--dtype float32] [names ...]``.
 """
 
 from __future__ import annotations
@@ -49,12 +48,10 @@ def _shapes(model: str) -> list[tuple[int, ...]]:
     return [tuple(spec.shape) for spec in llama_parameters(model)]
 
 
-def bench(
-    name: str, repeats: int, dtype: torch.dtype, shapes: list[tuple[int, ...]], foreach: bool | None = None
-) -> dict[str, object]:
+def bench(name: str, repeats: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> dict[str, object]:
     torch._dynamo.reset()
     counters.clear()
-    options = {"lr": 1e-3, "update_freq": None, "foreach": foreach}
+    options = {"lr": 1e-3, "update_freq": None}
     eager = OPTIMIZER_CLASSES[name](_params(dtype, shapes), **options)
     compiled_opt = OPTIMIZER_CLASSES[name](_params(dtype, shapes), **options)
     compiled = torch.compile(compiled_opt.step)
@@ -87,19 +84,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch default)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--model", default="small", choices=["small", "llama-60m"])
-    parser.add_argument("--foreach", action="store_true", help="foreach=True: the update in a graph on the CPU too")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = _shapes(args.model)
-    foreach = True if args.foreach else None
     print(
         f"{args.model}: {len(shapes)} parameters, {sum(math.prod(s) for s in shapes):,} entries, {args.dtype}, "
-        f"foreach={foreach}, {torch.get_num_threads()} threads, median of {args.repeats} steps"
+        f"{torch.get_num_threads()} threads, median of {args.repeats} steps"
     )
     for name in args.names:
-        row = bench(name, args.repeats, dtype, shapes, foreach)
+        row = bench(name, args.repeats, dtype, shapes)
         print(
             f"{name:14s} eager {row['eager_ms']:8.3f} ms  compiled {row['compiled_ms']:8.3f} ms  "
             f"ratio {row['ratio']:.2f}  warm-up {row['warmup_s']:.0f} s  graphs {row['graphs']}  "

@@ -9,7 +9,8 @@ count nothing.  Counted alike for:
 
 * ``torch.optim.AdamW(fused=True)`` (one ``aten._fused_adamw_``: reads ``W, G, M, V``, writes ``W, M, V``; its
   schema also marks ``G`` as written, which it is only under a ``GradScaler``: 8 counted, 7 of traffic);
-* the adapter's multi-tensor route (``foreach=True``), the ``torch._foreach_*`` chain;
+* the adapter's default route on CUDA without CuPy: its group's engine on its device path (the engine told these
+  CPU tensors are off the host) without group kernels, the gathering path in torch ops;
 * the adapter's default route on CUDA with CuPy installed: its group's engine on the CUDA group kernels
   (``cupy_group``), whose launches are counted here by a launcher that records them instead of running them (no
   GPU needed): each kernel's reads and writes per entry, as its CUDA source writes them (:data:`KERNEL_PASSES`),
@@ -166,29 +167,34 @@ def main() -> None:
         return [torch.nn.Parameter(torch.randn(s.shape, generator=gen)) for s in specs]
 
     launcher = CountingLauncher()
-    # the engines over these CPU tensors take the CUDA group kernels, as over CUDA tensors with CuPy installed; no
-    # probe: the launches are recorded, not run, here
+    in_host_memory = engine_module._in_host_memory
+    # no host kernels over these CPU tensors; no probe: the launches are recorded, not run, here
     group_route._host_dtype = lambda *args: None  # type: ignore[assignment]
-    cupy_group.launcher_for = lambda cfg, dtype, device, xp: launcher  # type: ignore[assignment]
     cupy_group.ready = lambda *args: True  # type: ignore[assignment]
 
-    def paper(name: str, foreach: bool | None) -> Any:
+    def route(cuda_kernels: bool, device_path: bool) -> None:
+        """The engines over these CPU tensors as over CUDA tensors with (``cuda_kernels``) or without CuPy;
+        ``device_path``: the engine told they are off the host."""
+        found = launcher if cuda_kernels else None
+        cupy_group.launcher_for = lambda cfg, dtype, device, xp: found  # type: ignore[assignment]
+        engine_module._in_host_memory = (lambda xp, array: False) if device_path else in_host_memory  # type: ignore[assignment]
+
+    def paper(name: str) -> Any:
         """The paper's rule: ``name`` on the blocks' matrices, AdamW on the rest (two optimizers, one step)."""
 
         def make(params: list[torch.nn.Parameter]) -> Any:
             if name == "adamw":
-                return at.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=foreach)
+                return at.AdamW(params, lr=1e-3, weight_decay=0.1)
             blocks = [p for p, r in zip(params, rotated, strict=True) if r]
             rest = [p for p, r in zip(params, rotated, strict=True) if not r]
-            opts = [at.optimizer_class(name)(blocks, lr=1e-3, weight_decay=0.1, update_freq=None, foreach=foreach),
-                    at.AdamW(rest, lr=1e-3, weight_decay=0.1, foreach=foreach)]  # fmt: skip
+            opts = [at.optimizer_class(name)(blocks, lr=1e-3, weight_decay=0.1, update_freq=None),
+                    at.AdamW(rest, lr=1e-3, weight_decay=0.1)]  # fmt: skip
             return _Both(opts)
 
         return make
 
     def device_engines(params: list[torch.nn.Parameter]) -> Any:
         """``ar.Engine`` AdaDiag on the blocks, AdamW on the rest, stepped with ``check=True`` on the device path."""
-        engine_module._in_host_memory = lambda xp, array: False  # type: ignore[assignment]  # the last row
         blocks = [p.detach() for p, r in zip(params, rotated, strict=True) if r]
         rest = [p.detach() for p, r in zip(params, rotated, strict=True) if not r]
         engines = [(ar.Engine(blocks, ar.make_config("adadiag", update_freq=None, weight_decay=0.1)), blocks,
@@ -203,15 +209,18 @@ def main() -> None:
 
         return Steps()
 
+    # (label, optimizer, CUDA kernels, device path)
     rows = [("torch AdamW(fused=True)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
-             False)]  # fmt: skip
+             False, False)]  # fmt: skip
     for name in ("adamw", "adadiag"):
-        rows.append((f"adapter {name}, foreach chain", paper(name, True), False))
-        rows.append((f"adapter {name}, engine on the CUDA group kernels (counted, not run)", paper(name, None), True))
-    rows.append(("ar.Engine adadiag, check=True, device path (counted, not run)", device_engines, True))
+        rows.append((f"adapter {name}, engine without CuPy (gathering path in torch ops)", paper(name), False, True))
+        rows.append((f"adapter {name}, engine on the CUDA group kernels (counted, not run)", paper(name), True, False))
+    rows.append(("ar.Engine adadiag, check=True, device path (counted, not run)", device_engines, True, True))
     results = {}
-    for label, make, on in rows:
-        results[label] = _count(make, fresh(), launcher if on else None)
+    for label, make, cuda_kernels, device_path in rows:
+        route(cuda_kernels, device_path)
+        results[label] = _count(make, fresh(), launcher if cuda_kernels else None)
+    route(False, False)
     fused = sum(results[rows[0][0]][::2])
     print(f"{args.model}, {args.layers} blocks, {sum(int(np.prod(s.shape)) for s in specs) / 1e6:.1f} M entries, "
           "float32; passes per entry of one non-refresh step")  # fmt: skip

@@ -353,20 +353,17 @@ def test_state_of_a_transposed_parameter_is_refused(name):
         CLASSES[name]([wrong], **HYPER).load_state_dict(saved)
 
 
-@pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("name", NAMES)
-def test_one_host_synchronisation_per_step(name, kernels, foreach, monkeypatch):
-    """A step without a refresh reads one device value on the host (the fused finiteness test), also on the
-    multi-tensor route (``foreach=True``).
+def test_one_host_synchronisation_per_step(name, kernels, monkeypatch):
+    """A step without a refresh reads one device value on the host (the fused finiteness test).
 
     Reads of the per-parameter ``"step"`` counters are not counted: they live on the host, as in torch.optim.
     Neither is ``numpy()`` of a CPU tensor, a view of the same host memory (the CPU kernel route views its
-    tensors that way, the multi-tensor route its coefficients and stacked counters); on any other device it
-    would raise, not synchronise.
+    tensors and stacked counters that way); on any other device it would raise, not synchronise.
     """
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in SHAPES]
-    opt = CLASSES[name](params, **{**HYPER, "update_freq": 100}, kernels=kernels, foreach=foreach)
+    opt = CLASSES[name](params, **{**HYPER, "update_freq": 100}, kernels=kernels)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # t = 1 refreshes
@@ -501,13 +498,18 @@ def test_cpu_kernel_route_keeps_the_state_tensor_objects():
     assert torch.equal(saved[0]["M"], opt.state[p]["M"])  # state_dict() references stay live, as in torch.optim
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, foreach):
+class _Tagged(torch.nn.Parameter):
+    """A parameter subclass: not plain, so no engine steps it (the per-parameter ``update_in_place`` route)."""
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, plain):
     """The finiteness test makes no gradient-sized temporary: the engine's kernels count NaN and Inf by address
-    (``foreach=False`` on the CPU), the multi-tensor route reduces each gradient once (a sum) and
-    ``torch.isfinite`` only sees the 0-d sums."""
-    params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 32), (100,))]
-    opt = at.AdamW(params, foreach=foreach)
+    (a plain parameter on the CPU); off the engine each gradient is reduced once (a sum) and ``torch.isfinite``
+    only sees the 0-d sums."""
+    kind = torch.nn.Parameter if plain else _Tagged
+    params = [kind(torch.randn(s)) for s in ((64, 32), (100,))]
+    opt = at.AdamW(params)
     shapes = []
     original = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda x: shapes.append(tuple(x.shape)) or original(x))
@@ -515,7 +517,8 @@ def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, foreach):
         p.grad = torch.randn_like(p)
     opt.step()
     assert all(len(shape) <= 1 and (not shape or shape[0] == len(params)) for shape in shapes), shapes
-    assert bool(shapes) == foreach, shapes
+    assert bool(shapes) != plain, shapes
+    assert all(route["moments"].startswith("per parameter") != plain for route in opt.routes().values())
 
 
 def test_the_ranks_finiteness_takes_one_sum_per_cpu_gradient(monkeypatch):

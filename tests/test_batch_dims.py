@@ -238,7 +238,8 @@ def test_memory_counts_each_matrix_of_a_stack(name, shape):
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_param_group_with_batch_dims(name):
     """Experts ``(E, d, f)`` in a group with ``batch_dims=1`` beside an ordinary group: each expert equals its
-    own optimizer; the multi-tensor route (``foreach=True``) of the Adam family too; a checkpoint round-trips."""
+    own optimizer, on the engine's route and on the per-parameter one (a parameter subclass, which no engine
+    steps); a checkpoint round-trips."""
     torch = pytest.importorskip("torch")
     from adadiag_ref.adapters import pytorch as at
 
@@ -246,20 +247,24 @@ def test_torch_param_group_with_batch_dims(name):
     options = dict(lr=OPTIONS["lr"], betas=OPTIONS["betas"], weight_decay=0.05, update_freq=FREQ)
     w0, grads = _stream((3,), (5, 3))
     v0, vgrads = _stream((), (4, 6), seed=3)
-    for foreach in (None, True) if name.startswith("ada") and "fac" not in name else (None,):
-        experts, dense = torch.nn.Parameter(torch.tensor(w0)), torch.nn.Parameter(torch.tensor(v0))
-        opt = cls([{"params": [experts], "batch_dims": 1}, {"params": [dense]}], foreach=foreach, **options)
+
+    class Tagged(torch.nn.Parameter):  # not plain: update_in_place, not an engine
+        pass
+
+    for kind in (torch.nn.Parameter, Tagged):
+        experts, dense = kind(torch.tensor(w0)), kind(torch.tensor(v0))
+        opt = cls([{"params": [experts], "batch_dims": 1}, {"params": [dense]}], **options)
         for k in range(STEPS):
             if k == 5:  # resume from a checkpoint, between refreshes
                 saved = opt.state_dict()
-                opt = cls([{"params": [experts], "batch_dims": 1}, {"params": [dense]}], foreach=foreach, **options)
+                opt = cls([{"params": [experts], "batch_dims": 1}, {"params": [dense]}], **options)
                 opt.load_state_dict(saved)
             experts.grad, dense.grad = torch.tensor(grads[k]), torch.tensor(vgrads[k])
             opt.step()
         assert opt.state[experts]["M" if "M" in opt.state[experts] else "r"].shape[0] == 3
         for e in range(3):
             alone = torch.nn.Parameter(torch.tensor(w0[e]))
-            single = cls([alone], foreach=foreach, **options)
+            single = cls([alone], **options)
             for k in range(STEPS):
                 alone.grad = torch.tensor(grads[k, e])
                 single.step()

@@ -3,7 +3,7 @@ one fast executor) and the embedding toolkit: the pieces of one step that a fram
 frame, the prepared step, the step's coefficients, the library's square root), each the function the reference
 itself calls."""
 
-from .._xp import namespace, sqrt, sqrt_each
+from .._xp import namespace, sqrt
 from .checkpoint import register_torch_safe_globals
 from .core import (
     NonFiniteGradientWarning,
@@ -71,7 +71,6 @@ __all__ = [
     "rotate",
     "split_batch",
     "sqrt",
-    "sqrt_each",
     "step",
     "supports_in_place",
     "to_work",
