@@ -482,7 +482,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         engines = self._engines_for(work, counts)
         off_engine = [item for item in work if not item.engine]
         if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
-            self._raise_if_nonfinite(off_engine, self._finiteness(off_engine))
+            finite = _exactly_finite([_sharded.local(item.grad) for item in off_engine])
+            self._raise_first_nonfinite([item for item, ok in zip(off_engine, finite, strict=True) if not ok])
             for held, items in engines:
                 if not bool(held.engine.finite([item.grad for item in items])):
                     self._raise_first_nonfinite(items)
@@ -636,27 +637,6 @@ class CoreOptimizer(torch.optim.Optimizer):
                     f"gradient of {item.where} has dtype {item.grad.dtype}, the parameter {item.p.dtype}; "
                     "no parameter and no state was changed"
                 )
-
-    def _finiteness(self, work: list[_Work]) -> tuple[list[int], torch.Tensor] | None:
-        """The finiteness verdict of all gradients, queued on the device (nothing read back): the index in
-        ``work`` of each reduction and whether each is finite; ``None`` without work."""
-        if not work:
-            return None
-        device = work[0].grad.device
-        # one reduction per gradient, no gradient-sized temporary: a sum is NaN or Inf whenever an entry is, but
-        # may also overflow on finite entries, so a non-finite sum is only a suspicion, settled exactly
-        order, reductions = _finiteness_sums([item.grad for item in work], [False] * len(work))
-        return order, torch.isfinite(torch.stack([r.to(device) for r in reductions]))
-
-    def _raise_if_nonfinite(self, work: list[_Work], verdict: tuple[list[int], torch.Tensor] | None) -> None:
-        """Read the verdict (the one synchronisation of a step without refresh) and raise ``ValueError`` naming
-        the first parameter whose gradient holds NaN or Inf, settled exactly gradient by gradient (a non-finite
-        sum of finite entries that overflowed raises nothing)."""
-        if verdict is None:
-            return
-        order, finite = verdict
-        if not bool(finite.all()):
-            self._raise_first_nonfinite([work[order[int(i)]] for i in torch.nonzero(~finite).flatten()])
 
     @staticmethod
     def _raise_first_nonfinite(suspects: list[_Work]) -> None:
@@ -993,10 +973,7 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     IEEE sums never leave NaN or Inf again (``inf - inf`` is NaN), so a finite sum proves every entry finite in
     one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
     can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
-    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice.
-    A DTensor's sum is its local shard's (the ranks agree on every shard's finiteness in
-    :meth:`CoreOptimizer._agreed`)."""
-    grad = _sharded.local(grad)
+    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.sum(grad, dtype=torch.float32)
     return torch.sum(grad)
@@ -1024,40 +1001,30 @@ def _counts_of(counters: list[torch.Tensor]) -> list[int]:
     return torch.stack(counters).numpy().tolist() if counters else []  # one stack, one host view
 
 
-def _finiteness_sums(grads: list[torch.Tensor], multi: list[bool]) -> tuple[list[int], list[torch.Tensor]]:
-    """``(order, sums)``: a 0-d reduction per gradient (:func:`_finiteness_sum`; where ``multi``,
-    ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and dtype) and the index in ``grads``
-    of each.  Either is NaN or Inf whenever an entry of ``G`` is."""
-    order: list[int] = []
-    sums: list[torch.Tensor] = []
-    buckets: dict[tuple[Any, Any], list[int]] = {}
-    for i, (grad, together) in enumerate(zip(grads, multi, strict=True)):
-        if together:
-            buckets.setdefault((grad.device, grad.dtype), []).append(i)
-        else:
-            order.append(i)
-            sums.append(_finiteness_sum(grad))
-    for (_, dtype), members in buckets.items():
-        low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
-        norms = torch._foreach_norm([grads[i] for i in members], 1, torch.float32 if low else None)
-        order.extend(members)
-        sums.extend(norms)
-    return order, sums
-
-
 def _exactly_finite(grads: list[torch.Tensor]) -> list[bool]:
-    """``isfinite(G).all()`` per (plain, dense) gradient: one multi-tensor sum per device and dtype (one
-    ``torch.sum`` per gradient on the CPU, where ``_foreach_norm`` takes a norm per tensor, 4.4x slower: 10.4
-    against 2.35 ms over the 4-block LLaMA-60M's gradients, 1 thread), one host read, and the exact per-entry test
-    only for a non-finite sum (NaN or Inf, or finite entries whose sum overflowed)."""
+    """``isfinite(G).all()`` per plain, dense gradient (a DTensor's local shard: the ranks agree on every shard's
+    finiteness in :meth:`CoreOptimizer._agreed`): one reduction per gradient and no gradient-sized temporary
+    (:func:`_finiteness_sum` on the CPU; ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and
+    dtype where torch has multi-tensor kernels: on the CPU it takes a norm per tensor, 4.4x slower, 10.4 against
+    2.35 ms over the 4-block LLaMA-60M's gradients, 1 thread), one host read, and the exact per-entry test only
+    for a non-finite reduction (NaN or Inf, or finite entries whose sum overflowed)."""
     if not grads:
         return []
     devices = _foreach_devices()
-    order, sums = _finiteness_sums(grads, [g.device.type in devices for g in grads])
-    finite = [True] * len(grads)
-    for i, ok in zip(order, torch.isfinite(torch.stack([s.cpu() for s in sums])).tolist(), strict=True):
-        finite[i] = bool(ok) or bool(torch.isfinite(grads[i]).all())
-    return finite
+    sums: list[Any] = [None] * len(grads)
+    buckets: dict[tuple[Any, Any], list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad.device.type in devices:
+            buckets.setdefault((grad.device, grad.dtype), []).append(i)
+        else:
+            sums[i] = _finiteness_sum(grad)
+    for (_, dtype), members in buckets.items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
+        norms = torch._foreach_norm([grads[i] for i in members], 1, torch.float32 if low else None)
+        for i, norm in zip(members, norms, strict=True):
+            sums[i] = norm
+    verdicts = torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).tolist()  # the one host read
+    return [bool(ok) or bool(torch.isfinite(grad).all()) for grad, ok in zip(grads, verdicts, strict=True)]
 
 
 def _invalid_grad(p: torch.Tensor, grad: torch.Tensor) -> bool:
