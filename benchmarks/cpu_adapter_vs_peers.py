@@ -4,7 +4,7 @@ Over LLaMA-60M's parameter structure cut to its first 4 transformer blocks, with
 head (float32, ``adadiag_ref.memory.llama_parameters``), one ``optimizer.step()`` of each contender:
 
 * ``fused AdamW``:   ``torch.optim.AdamW(fused=True)``;
-* ``adapter AdamW``: ``adadiag_ref.adapters.pytorch.AdamW`` (default route: ``foreach`` off on the CPU);
+* ``adapter AdamW``: ``adadiag_ref.adapters.pytorch.AdamW`` (its group's engine);
 * ``adapter AdaDiag`` / ``GaLore``: the adapter's ``AdaDiag`` on the blocks' matrices (the embedding, head and
   norms by its ``AdamW``, the paper's rule) against the official ``galore_torch.GaLoreAdamW`` at full rank
   (``rank = min(m, n)``, one-sided: AdaDiag's form) on the same matrices, its plain Adam on the rest;
