@@ -657,7 +657,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         (a failed decomposition), which ``refresh_basis`` returns as the very same tensors.  The bases are then
         the previous ones and the step's update applies no refresh-step structure.
         """
-        dist = torch.distributed
         states = [to_core_state(item.flat, item.cfg) for item in items]
         sharded = [_sharded.is_sharded(item.p) for item in items]
         if any(sharded):  # FSDP2: gathered gradients, an owner per matrix (adapters/_sharded.py)
@@ -665,8 +664,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             mine = [j for j, s in enumerate(sharded) if s]
             split = iter(_sharded.refresh([items[j] for j in mine], [states[j] for j in mine], self._whole_grads))
             return [next(split) if s else next(plain) for s in sharded]
-        distributed = self.split_refresh and dist.is_available() and dist.is_initialized()
-        if not (distributed and dist.get_world_size(self.process_group) > 1):
+        if not self._split():
             # batched per config (ar.refresh_bases): one stacked decomposition per work shape on a device
             by_config: dict[BaseConfig, list[int]] = {}
             for j, item in enumerate(items):
