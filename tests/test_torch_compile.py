@@ -78,7 +78,8 @@ def test_a_compiled_step_is_the_eager_step_outside_the_graph(name, dtype, foreac
                 assert torch.equal(p, q), (name, t)
                 for key, value in eager.state[p].items():
                     assert torch.equal(value, compiled.state[q][key]), (name, t, key)
-    assert sum("outside the graph" in str(w.message) for w in caught) == 1  # once per optimizer
+    said = [w for w in caught if "outside the graph" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.lineno) for w in said]  # once, here
     assert not operations, operations  # no tensor operation in a graph (a frame's guards may make empty ones)
     breaks = counters["graph_break"]
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
