@@ -8,8 +8,10 @@ The core is written against the Python array API standard.  Public functions tak
 
 from __future__ import annotations
 
+import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,7 @@ __all__ = [
     "sqrt",
     "state_dtype",
     "to_numpy",
+    "warn_at_caller",
 ]
 
 
@@ -262,3 +265,25 @@ def to_numpy(x: Array) -> np.ndarray:
     if hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
     return np.asarray(x)
+
+
+_PACKAGES = ("adadiag_ref", "adadiag_ref.adapters", "torch", "jax", "jaxlib", "optax", "cupy")
+"""The packages whose frames :func:`warn_at_caller` steps over (each only when imported already)."""
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside this library, its adapters and
+    the frameworks they call back through (torch's optimizer hooks and ``torch.compile``, JAX's callbacks): the
+    user's line that called the public function, the optimizer's ``step()`` or the jitted update, however deep the
+    library warned.  A fixed ``stacklevel`` names a frame of the library whenever the call came through another of
+    its functions (an adapter, the engine, a refresh)."""
+    dirs = []
+    for name in _PACKAGES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    inside = tuple(dirs)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
-from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, sqrt, to_numpy
+from ._xp import Array, Namespace, count_nonfinite, creation_device, namespace, sqrt, to_numpy, warn_at_caller
 from .config import BASIS_METHODS
 
 __all__ = [
@@ -895,11 +894,10 @@ def _thin_svd(G: Array, where: str, xp: Namespace) -> tuple[Array, Array, Array]
             reason = f"{type(exc).__name__}: {exc}"
             failures.append(f"{name} ({reason})")
             if index + 1 < len(DECOMPOSITION_LADDER):
-                warnings.warn(
+                warn_at_caller(
                     f"SVD of the {where} failed with {name} ({reason}); "
                     f"retrying with {DECOMPOSITION_LADDER[index + 1][0]}",
                     DecompositionWarning,
-                    stacklevel=3,
                 )
             continue
         return U, S, Vh

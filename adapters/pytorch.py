@@ -49,15 +49,12 @@ import dataclasses
 import functools
 import math
 import operator
-import os
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import adadiag_ref as ar
 from adadiag_ref.config import BaseConfig
-from adadiag_ref.optim import layout_for, split_batch
+from adadiag_ref.optim import layout_for, split_batch, warn_at_caller
 from adadiag_ref.optim.families import family_of
 
 from . import _sharded
@@ -369,7 +366,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``)."""
         if compiled and not self._warned_eager_under_compile:
             self._warned_eager_under_compile = True
-            warnings.warn(_EAGER_UNDER_COMPILE, UserWarning, stacklevel=_callers_level())
+            warn_at_caller(_EAGER_UNDER_COMPILE, UserWarning)
         agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
         if not self._engines_only_step(agreed):
             self._step_on_host(agreed)
@@ -769,17 +766,6 @@ _EAGER_UNDER_COMPILE = (
     "(measurable on a tiny model only): call opt.step() uncompiled (docs/adapters.md, 'torch.compile')"
 )
 
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of :func:`warnings.warn` that names the first frame outside torch and this package (the
-    line that called the compiled step), for a warning raised by the caller of this function."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, ar, _sharded))
 
 _eager_step_outside_graph = torch.compiler.disable(
     CoreOptimizer._eager_step,

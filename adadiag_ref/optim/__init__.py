@@ -3,7 +3,7 @@ one fast executor) and the embedding toolkit: the pieces of one step that a fram
 frame, the prepared step, the step's coefficients, the library's square root), each the function the reference
 itself calls."""
 
-from .._xp import namespace, sqrt
+from .._xp import namespace, sqrt, warn_at_caller
 from .checkpoint import register_torch_safe_globals
 from .core import (
     NonFiniteGradientWarning,
@@ -79,6 +79,7 @@ __all__ = [
     "unrotate",
     "update",
     "update_in_place",
+    "warn_at_caller",
     "work_dtype",
     "work_view",
 ]

@@ -15,7 +15,6 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from .._xp import (
     require_linalg,
     sqrt,
     state_dtype,
+    warn_at_caller,
 )
 from ..config import BaseConfig, check_learning_rate, step_config
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
@@ -107,12 +107,11 @@ def _warn_slow_refresh(layout: Layout, dtype: Any, xp: Namespace) -> None:
         return
     dtype_name = "float64" if dtype == getattr(xp, "float64", None) else "float32"
     c = REFRESH_SECONDS_PER_N3[dtype_name]
-    warnings.warn(
+    warn_at_caller(
         f"a parameter of shape {layout.shape} has a rotated side of {side} > {SLOW_REFRESH_SIDE}: each basis "
         f"refresh costs about {c * side**3 / 60:.0f} min ({dtype_name}, t = c n^3 measured on a 2-core machine; "
         "docs/reliability.md); pass a smaller max_basis_dim to leave that side unrotated",
         SlowRefreshWarning,
-        stacklevel=3,
     )
 
 
@@ -331,12 +330,12 @@ def refresh_basis(
         message = f"the {label} contains NaN or Inf"
         if on_nonfinite == "raise":
             raise ValueError(f"{message}; the optimizer state was left unchanged") from None
-        warnings.warn(f"{message}: kept the previous basis", NonFiniteGradientWarning, stacklevel=2)
+        warn_at_caller(f"{message}: kept the previous basis", NonFiniteGradientWarning)
         return state
     except DecompositionError as exc:
         if on_failure == "raise":
             raise
-        warnings.warn(f"{exc}; kept the previous basis", DecompositionWarning, stacklevel=2)
+        warn_at_caller(f"{exc}; kept the previous basis", DecompositionWarning)
         return state
     return state._replace(P=P, Q=Q)
 

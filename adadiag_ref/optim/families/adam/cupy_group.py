@@ -35,7 +35,6 @@ against per-parameter ``ar.step``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ from array_api_compat import is_cupy_namespace, is_torch_namespace
 
 from ...._kernels import cupy_kernels as ck
 from ...._kernels import scalar
+from ...._xp import warn_at_caller
 from ....config import BaseConfig
 from ...schedules import beta_hats, host_step
 from ...tail import decayed_step, decays
@@ -379,11 +379,10 @@ def ready(cfg: BaseConfig, dtype: str, launcher: Any, xp: Any, device: Any) -> b
         except Exception as exc:  # any failure of a device path means: not this route
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
-            warnings.warn(
+            warn_at_caller(
                 f"adadiag_ref: the CUDA group kernels failed their probe on {device} ({dtype}): {problem}; the "
                 "array route steps these parameters instead",
                 RuntimeWarning,
-                stacklevel=3,
             )
         found = _READY[key] = problem is None
     return found
