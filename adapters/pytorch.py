@@ -181,10 +181,10 @@ class CoreOptimizer(torch.optim.Optimizer):
             identical; docs/adapters.md, "Ranks that disagree").  Ranks that step different models (pipeline
             stages) pass the group of their data-parallel replicas.
         foreach: accepted as torch.optim accepts it (``None``, ``True`` or ``False``; anything else raises
-            ``ValueError``) and changes nothing: every group's engine already steps the group as a whole, with
-            its group kernels (one pass for the moments, direction and tail of every parameter, not one call
-            per parameter), so there is no slower per-parameter route to opt out of.  ``load_state_dict`` loads it
-            from the checkpoint's groups, as torch.optim does.
+            ``ValueError``) and changes nothing: every group's engine already steps the group as a whole (in host
+            memory, and on CUDA with CuPy, one kernel call for the moments, direction and tail of the group;
+            otherwise the reference's arithmetic once over its flat arrays), so there is no per-parameter route to
+            opt out of.  ``load_state_dict`` loads it from the checkpoint's groups, as torch.optim does.
         name: the core optimizer name; the subclasses fix it.
         **family_options: other core config fields (``max_basis_dim``,
             ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
