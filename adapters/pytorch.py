@@ -264,7 +264,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
         self._configs: dict[tuple[Any, ...], BaseConfig] = {}
-        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engine_of)
+        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engines_for)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
         if unknown := sorted(set(family_options) - self._config_fields):
@@ -363,48 +363,117 @@ class CoreOptimizer(torch.optim.Optimizer):
         return loss
 
     def _eager_step(self, compiled: bool = False) -> None:
-        """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``)."""
+        """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``).
+
+        A param group whose kept engine still holds its parameters with a gradient (their state dicts, tensors and
+        counters: the steady state of training, frozen parameters aside) is one job, without per-parameter
+        bookkeeping (:meth:`_kept_engine`); every other parameter is checked one by one and gets a state where it
+        has none (:meth:`_work_of`), and the plain ones go to their group's engine, built again over their states.
+        """
         if compiled and not self._warned_eager_under_compile:
             self._warned_eager_under_compile = True
             warn_at_caller(_EAGER_UNDER_COMPILE, UserWarning)
         agreed = self._agreed()  # under torch.distributed: the ranks agree before anything else is exchanged
-        if not self._engines_only_step(agreed):
-            self._step_on_host(agreed)
-
-    def _engines_only_step(self, agreed: bool) -> bool:
-        """The step of a model whose every parameter with a gradient is held by its group's kept engine (the
-        steady state of CPU training, frozen parameters aside), without the general path's per-parameter
-        bookkeeping: the same checks, in the same order of effects (every group validated, every gradient found
-        finite, before the first write).  ``False``, having changed nothing, when anything differs (another set of
-        gradients, a missing or replaced state, another dtype, shape or layout, a refresh split over the ranks, a
-        non-finite gradient: :meth:`_step_on_host` then takes the step, or raises its error)."""
-        jobs = []
+        split = self._split()
+        kept: list[_Job] = []
+        work: list[_Work] = []
         for group_index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]  # frozen parameters have none
-            if not params:
-                continue
-            held = self._engines.get(group_index)
             cfg = self._build_config(group)
+            params = [p for p in group["params"] if p.grad is not None]  # frozen parameters have none
+            held = self._kept_engine(group_index, params, cfg, split)
             if held is None:
-                return False
+                work += self._work_of(group_index, checked=True)
+                continue
             grads = [p.grad for p in params]
-            if not all(g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
-                       for g, p in zip(grads, params, strict=True)):  # fmt: skip
-                return False
-            flats = [self.state.get(p) for p in params]
-            if not held.holds_these(params, flats, cfg, held.counters.numpy().tolist()):  # the counters its own
-                return False
-            counts = held.counts
-            if self._split() and any(ar.refresh_due(count, cfg) for count in set(counts)):
-                return False
-            if group["maximize"]:
-                grads = list(torch._foreach_neg(grads))
-            jobs.append((held, grads, cfg, _number(group["lr"])))
-        if not agreed and not all(bool(held.engine.finite(grads)) for held, grads, _, _ in jobs):
-            return False
-        for held, grads, cfg, lr in jobs:
-            held.step(grads, cfg, lr)
-        return bool(jobs)
+            grads = list(torch._foreach_neg(grads)) if group["maximize"] else grads
+            kept.append(_Job(held, grads, cfg, _number(group["lr"]), [], group_index))
+        self._check_shapes(work)
+        counts = _counts_of([item.flat["step"] for item in work])  # host counters: no device sync
+        due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
+        if split and any(due):  # the bases decomposed once over the ranks: that step per parameter
+            work = [item._replace(engine=False) for item in work]
+        jobs = kept + self._engines_for(work, counts)
+        if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
+            off_engine = [item for item in work if not item.engine]
+            finite = _exactly_finite([_sharded.local(item.grad) for item in off_engine])
+            self._raise_first_nonfinite([item for item, ok in zip(off_engine, finite, strict=True) if not ok])
+            for job in jobs:  # every engine's verdict before any writes
+                if not bool(job.held.engine.finite(job.grads)):
+                    self._raise_first_nonfinite(job.items or self._work_of(job.group_index))
+        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
+            for item in work:
+                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
+            return
+        self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
+        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine]))
+        for job in jobs:
+            for item in job.items:
+                self._commit(item, {})  # a fresh state enters self.state
+            job.held.step(job.grads, job.cfg, job.lr)
+        for item, is_due in zip(work, due, strict=True):
+            if item.engine:
+                continue
+            # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
+            # moments in place, so only the counter and new bases need writing back, into the same tensor objects
+            state = to_core_state(item.flat, item.cfg)
+            # a refresh that kept the previous basis is no refresh for the update (no refresh structure), as ar.step
+            new_bases, refreshed = next(refreshes) if is_due else ({}, False)
+            if new_bases:
+                state = state._replace(**new_bases)
+            if _sharded.is_sharded(item.p):
+                whole = self._whole_grads.get(id(item.p))
+                _sharded.update(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed, whole_grad=whole)
+            else:  # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
+                ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
+            self._commit(item, new_bases)
+            item.flat["step"] += 1
+        self._whole_grads = {}
+
+    def _kept_engine(
+        self, group_index: int, params: list[torch.Tensor], cfg: BaseConfig, split: bool
+    ) -> _GroupEngine | None:
+        """The group's kept engine when it takes this step of ``params`` (the group's parameters with a gradient)
+        whole, else ``None``, having changed nothing: it holds exactly these parameters, their state dicts, tensors
+        and counters, under a config it takes; every gradient is dense with its parameter's dtype and shape (any
+        other is :meth:`_work_of`'s to refuse, naming it); no refresh due is split over the ranks."""
+        held = self._engines.get(group_index)
+        if held is None or not params:
+            return None
+        grads = [p.grad for p in params]
+        if not all(g is not None and g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
+                   for g, p in zip(grads, params, strict=True)):  # fmt: skip
+            return None
+        if not held.holds_these(params, [self.state.get(p) for p in params], cfg, held.counters.numpy().tolist()):
+            return None
+        if split and any(ar.refresh_due(count, cfg) for count in set(held.counts)):
+            return None
+        return held
+
+    def _work_of(self, group_index: int, *, checked: bool = False) -> list[_Work]:
+        """The parameters of ``param_groups[group_index]`` with a gradient, each with its state dict (a new one, of
+        ``ar.init``, where it has none).  ``checked``: as a step takes them, each gradient validated
+        (:meth:`_checked_grad`, negated under ``maximize``) and each shape against the group's ``batch_dims``
+        (``ValueError`` naming it, before any state exists)."""
+        group = self.param_groups[group_index]
+        cfg = self._build_config(group)
+        lr = _number(group["lr"])
+        names = group.get("param_names")
+        work = []
+        for index, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            label = _label(names, index, group_index)
+            grad = self._checked_grad(p, group) if checked else p.grad
+            if checked:
+                split_batch(tuple(p.shape), cfg.batch_dims, name=label)
+            flat: dict[str, torch.Tensor] = self.state.get(p) or {}
+            fresh = not flat
+            if fresh:
+                flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p.detach(), cfg))
+                flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
+            where = _where(names, index, group_index)
+            work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, group_index, _plain_parameter(p)))
+        return work
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
@@ -447,74 +516,6 @@ class CoreOptimizer(torch.optim.Optimizer):
             f"{message}; every rank raises this error, and no parameter and no optimizer state was changed"
         )
 
-    def _step_on_host(self, agreed: bool) -> None:
-        """The general step: validation, refreshes and every update, each parameter's state made where it has none.
-
-        ``agreed``: :meth:`_agreed` ran this step, so every gradient is known to be finite on every rank and the
-        local finiteness test is skipped.
-        """
-        work = []
-        for group_index, group in enumerate(self.param_groups):
-            cfg = self._build_config(group)
-            lr = _number(group["lr"])
-            names = group.get("param_names")
-            for index, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                grad = self._checked_grad(p, group)
-                flat: dict[str, torch.Tensor] = self.state.get(p) or {}
-                fresh = not flat
-                where = _where(names, index, group_index)
-                label = _label(names, index, group_index)
-                # a parameter with fewer dimensions than the group's batch_dims, named before any state exists
-                split_batch(tuple(p.shape), cfg.batch_dims, name=label)
-                if fresh:
-                    flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p, cfg))
-                    flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-                engine = _plain_parameter(p)  # FSDP2's DTensors are not plain
-                work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, group_index, engine))
-        self._check_shapes(work)
-        counts = _host_counts(work)  # host counters: no device sync
-        due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
-        if self._split() and any(due):  # the bases decomposed once over the ranks: that step per parameter
-            work = [item._replace(engine=False) for item in work]
-        engines = self._engines_for(work, counts)
-        off_engine = [item for item in work if not item.engine]
-        if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
-            finite = _exactly_finite([_sharded.local(item.grad) for item in off_engine])
-            self._raise_first_nonfinite([item for item, ok in zip(off_engine, finite, strict=True) if not ok])
-            for held, items in engines:
-                if not bool(held.engine.finite([item.grad for item in items])):
-                    self._raise_first_nonfinite(items)
-        if not self.state and _initialisation_only(work):  # torch.distributed.checkpoint's initialisation
-            for item in work:
-                self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
-            return
-        self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
-        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine]))
-        for held, items in engines:
-            for item in items:
-                self._commit(item, {})  # a fresh state enters self.state
-            held.step([item.grad for item in items], items[0].cfg, items[0].lr)
-        for item, is_due in zip(work, due, strict=True):
-            if item.engine:
-                continue
-            # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
-            # moments in place, so only the counter and new bases need writing back, into the same tensor objects
-            state = to_core_state(item.flat, item.cfg)
-            # a refresh that kept the previous basis is no refresh for the update (no refresh structure), as ar.step
-            new_bases, refreshed = next(refreshes) if is_due else ({}, False)
-            if new_bases:
-                state = state._replace(**new_bases)
-            if _sharded.is_sharded(item.p):
-                whole = self._whole_grads.get(id(item.p))
-                _sharded.update(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed, whole_grad=whole)
-            else:  # same numbers as ``p += ar.update(...)[0]`` (bit for bit)
-                ar.update_in_place(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed)
-            self._commit(item, new_bases)
-            item.flat["step"] += 1
-        self._whole_grads = {}
-
     def _split(self) -> bool:
         """Whether a refresh is split over the ranks (``split_refresh`` under more than one rank)."""
         dist = torch.distributed
@@ -525,43 +526,26 @@ class CoreOptimizer(torch.optim.Optimizer):
             and dist.get_world_size(self.process_group) > 1
         )
 
-    def _engines_for(self, work: list[_Work], counts: list[int]) -> list[tuple[_GroupEngine, list[_Work]]]:
-        """Per param group, the engine that steps its plain parameters (``item.engine``) and those
-        items: the one kept when it still holds them, else one built over their states (the state dicts then hold
-        views of its arrays; their values are unchanged)."""
+    def _engines_for(self, work: list[_Work], counts: list[int], *, keep: bool = True) -> list[_Job]:
+        """Per param group, the job of its plain parameters (``item.engine``; ``counts``: the host counters of
+        ``work``): the group's kept engine when it still holds them, else one built over their states (the state
+        dicts then hold views of its arrays, their values unchanged) and kept, or, unless ``keep``, built over
+        copies of the state dicts, which stay as they were."""
         by_group: dict[int, list[tuple[_Work, int]]] = {}
         for item, count in zip(work, counts, strict=True):
             if item.engine:
                 by_group.setdefault(item.group_index, []).append((item, count))
-        engines = []
+        jobs = []
         for group_index, members in by_group.items():
             items, group_counts = [item for item, _ in members], [count for _, count in members]
             held = self._engines.get(group_index)
             if held is None or not held.holds(items, group_counts):
-                held = self._engines[group_index] = _GroupEngine(items, group_counts)
-            engines.append((held, items))
-        return engines
-
-    def _engine_of(self, group_index: int) -> _GroupEngine | None:
-        """The engine the group's plain parameters with a gradient would step through now: the one kept
-        when it still holds them, else one built over their states (new ones where they have none) but not kept."""
-        group = self.param_groups[group_index]
-        cfg = self._build_config(group)
-        names = group.get("param_names")
-        items = []
-        for index, p in enumerate(group["params"]):
-            if p.grad is None or not _plain_parameter(p):
-                continue
-            flat = self.state.get(p) or from_core_state(ar.init(p.detach(), cfg))
-            label = _label(names, index, group_index)
-            items.append(_Work(p, p.grad, flat, False, cfg, group["lr"], "", label, group_index, True))
-        if not items:
-            return None
-        counts = [int(item.flat["step"]) for item in items]
-        held = self._engines.get(group_index)
-        if held is not None and held.holds(items, counts):
-            return held
-        return _GroupEngine([item._replace(flat=dict(item.flat)) for item in items], counts)
+                if keep:
+                    held = self._engines[group_index] = _GroupEngine(items, group_counts)
+                else:
+                    held = _GroupEngine([item._replace(flat=dict(item.flat)) for item in items], group_counts)
+            jobs.append(_Job(held, [item.grad for item in items], items[0].cfg, items[0].lr, items, group_index))
+        return jobs
 
     def routes(self) -> dict[str, dict[str, str]]:
         """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
@@ -576,13 +560,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         that engine's :meth:`adadiag_ref.Engine.routes`; the others say ``"per parameter: update_in_place ..."`` or
         ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
+        work = [item for group_index in range(len(self.param_groups)) for item in self._work_of(group_index)]
+        jobs = self._engines_for(work, _counts_of([item.flat["step"] for item in work]), keep=False)
+        by_engine = {id(p): route for job in jobs
+                     for p, route in zip(job.held.params, job.held.engine.routes().values(), strict=True)}  # fmt: skip
+        split = " (split over the ranks: that step per parameter)" if self._split() else ""
         out: dict[str, dict[str, str]] = {}
         for group_index, group in enumerate(self.param_groups):
             names = group.get("param_names")
             labels = [_label(names, i, group_index) for i in range(len(group["params"]))]
-            held = self._engine_of(group_index)
-            by_engine = dict(zip(held.params_ids(), held.engine.routes().values(), strict=True)) if held else {}
-            split = " (split over the ranks: that step per parameter)" if self._split() else ""
             for label, p in zip(labels, group["params"], strict=True):
                 if id(p) in by_engine:
                     route = by_engine[id(p)]
@@ -793,6 +779,19 @@ class _Work(NamedTuple):
     engine: bool  # stepped by its group's engine (:class:`_GroupEngine`): plain (not FSDP2's), not in a split refresh
 
 
+class _Job(NamedTuple):
+    """One engine's share of a ``step()``: a param group's plain parameters with a gradient."""
+
+    held: _GroupEngine
+    grads: list[torch.Tensor]  # negated under ``maximize``
+    cfg: BaseConfig
+    lr: Any
+    items: list[
+        _Work
+    ]  # the parameters' records; none for a kept engine's steady step (:meth:`CoreOptimizer._kept_engine`)
+    group_index: int
+
+
 class _GroupEngine:
     """A param group's :class:`adadiag_ref.Engine` over its plain parameters with a gradient, built with
     live states (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of
@@ -820,9 +819,6 @@ class _GroupEngine:
             self.held.append(tuple((f, t) for f, t in tensors.items() if t is not None))
         self.counts = list(counts)
         self.cfg = cfg  # the last config found to differ from the engine's in betas and weight_decay only
-
-    def params_ids(self) -> list[int]:
-        return [id(p) for p in self.params]
 
     def holds(self, items: list[_Work], counts: list[int]) -> bool:
         """Whether this engine can take the step of ``items`` (their host counters ``counts``)."""
@@ -985,11 +981,6 @@ def _foreach_devices() -> tuple[str, ...]:
         return tuple(_get_foreach_kernels_supported_devices())
     except (ImportError, AttributeError):  # pragma: no cover - a torch without the helper
         return ("cuda",)
-
-
-def _host_counts(work: list[_Work]) -> list[int]:
-    """The steps taken per parameter, read from the host counters (``"step"``, CPU tensors as in torch.optim)."""
-    return _counts_of([item.flat["step"] for item in work])
 
 
 def _counts_of(counters: list[torch.Tensor]) -> list[int]:

@@ -331,20 +331,22 @@ def test_a_counter_edited_in_place_is_followed(name):
 
 
 def test_a_frozen_parameter_keeps_the_steady_path(monkeypatch):
-    """A parameter that never has a gradient (frozen) leaves the others on the engine's steady path (no general
-    step after the first), bit for bit ``kernels="reference"``, and the frozen one without state."""
+    """A parameter that never has a gradient (frozen) leaves the others on the engine's steady path (no
+    per-parameter record and no new engine after the first step), bit for bit ``kernels="reference"``, and the
+    frozen one without state."""
     runs = _pair("adadiag", lr=0.01, weight_decay=0.1, update_freq=3)
-    general = []
-    original = at.CoreOptimizer._step_on_host
-    monkeypatch.setattr(at.CoreOptimizer, "_step_on_host", lambda self, *a, **k: general.append(1) or original(
+    general, built = [], []
+    records, engine = at.CoreOptimizer._work_of, at._GroupEngine.__init__
+    monkeypatch.setattr(at.CoreOptimizer, "_work_of", lambda self, *a, **k: general.append(1) or records(
         self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(at._GroupEngine, "__init__", lambda self, *a: built.append(1) or engine(self, *a))
     for k in range(6):
         for params, opt in runs:
             _grads(params, k)
             params[1].grad = None
             opt.step()
     assert all(params[1] not in opt.state for params, opt in runs)
-    assert len(general) == 2  # the first step of each run builds its engine; every later step is the steady one
+    assert len(general) == len(built) == 2  # each run's first step builds its engine; every later step is steady
     _assert_same(runs)
 
 
