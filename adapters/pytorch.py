@@ -387,7 +387,6 @@ class CoreOptimizer(torch.optim.Optimizer):
             grads = [p.grad for p in params]
             grads = list(torch._foreach_neg(grads)) if group["maximize"] else grads
             kept.append(_Job(held, grads, cfg, _number(group["lr"]), [], group_index))
-        self._check_shapes(work)
         counts = _counts_of([item.flat["step"] for item in work])  # host counters: no device sync
         due = [ar.refresh_due(count, item.cfg) for item, count in zip(work, counts, strict=True)]
         if split and any(due):  # the bases decomposed once over the ranks: that step per parameter
@@ -452,7 +451,7 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _work_of(self, group_index: int, *, checked: bool = False) -> list[_Work]:
         """The parameters of ``param_groups[group_index]`` with a gradient, each with its state dict (a new one, of
         ``ar.init``, where it has none).  ``checked``: as a step takes them, each gradient validated
-        (:meth:`_checked_grad`, negated under ``maximize``) and each shape against the group's ``batch_dims``
+        (:func:`_refusal`; negated under ``maximize``) and each shape against the group's ``batch_dims``
         (``ValueError`` naming it, before any state exists)."""
         group = self.param_groups[group_index]
         cfg = self._build_config(group)
@@ -462,16 +461,17 @@ class CoreOptimizer(torch.optim.Optimizer):
         for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            label = _label(names, index, group_index)
-            grad = self._checked_grad(p, group) if checked else p.grad
+            label, where, grad = _label(names, index, group_index), _where(names, index, group_index), p.grad
             if checked:
+                if refused := _refusal(p, grad, where):
+                    raise refused
                 split_batch(tuple(p.shape), cfg.batch_dims, name=label)
+                grad = -grad if group["maximize"] else grad
             flat: dict[str, torch.Tensor] = self.state.get(p) or {}
             fresh = not flat
             if fresh:
                 flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p.detach(), cfg))
                 flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
-            where = _where(names, index, group_index)
             work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, group_index, _plain_parameter(p)))
         return work
 
@@ -497,7 +497,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 counts.append(int(flat["step"]) if flat and grad is not None else 0)
                 if grad is None:
                     codes.append(_sharded.NO_GRAD)
-                elif _invalid_grad(p, grad):
+                elif _refusal(p, grad, "") is not None:
                     codes.append(_sharded.HAS_GRAD | _sharded.INVALID)
                 else:
                     codes.append(_sharded.HAS_GRAD)
@@ -609,20 +609,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         for key, basis in new_bases.items():
             item.flat[key].copy_(basis)  # state_dict() references stay current, as in torch.optim
 
-    def _check_shapes(self, work: list[_Work]) -> None:
-        """Shapes and dtypes per parameter (no value read)."""
-        for item in work:
-            if tuple(item.grad.shape) != tuple(item.p.shape):
-                raise ValueError(
-                    f"gradient of {item.where} has shape {tuple(item.grad.shape)}, the parameter "
-                    f"{tuple(item.p.shape)}; no parameter and no state was changed"
-                )
-            if item.grad.dtype != item.p.dtype:
-                raise ValueError(
-                    f"gradient of {item.where} has dtype {item.grad.dtype}, the parameter {item.p.dtype}; "
-                    "no parameter and no state was changed"
-                )
-
     @staticmethod
     def _raise_first_nonfinite(suspects: list[_Work]) -> None:
         """``ValueError`` naming the first of ``suspects`` whose gradient holds NaN or Inf (tested exactly);
@@ -669,22 +655,6 @@ class CoreOptimizer(torch.optim.Optimizer):
             group=self.process_group,
             device=items[0].p.device if items else "cpu",
         )
-
-    @staticmethod
-    def _checked_grad(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
-        grad = p.grad
-        assert grad is not None
-        if grad.is_sparse or grad.layout != torch.strided:
-            raise RuntimeError(
-                f"sparse gradients ({grad.layout}) are not supported: the AdaDiag optimizers rotate the dense "
-                "gradient matrix; use dense gradients (e.g. nn.Embedding(sparse=False))"
-            )
-        if torch.is_complex(grad) or torch.is_complex(p):
-            raise RuntimeError(
-                f"complex parameters/gradients ({p.dtype}) are not supported: AdaDiag is defined for real "
-                "parameters; optimise torch.view_as_real(param) instead"
-            )
-        return -grad if group["maximize"] else grad
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1016,17 +986,26 @@ def _exactly_finite(grads: list[torch.Tensor]) -> list[bool]:
     return [bool(ok) or bool(torch.isfinite(grad).all()) for grad, ok in zip(grads, verdicts, strict=True)]
 
 
-def _invalid_grad(p: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether a step refuses ``grad`` for ``p`` (:meth:`CoreOptimizer._checked_grad`,
-    :meth:`CoreOptimizer._check_shapes`): sparse or not strided, complex, another shape or dtype."""
-    return (
-        grad.is_sparse
-        or grad.layout != torch.strided
-        or torch.is_complex(grad)
-        or torch.is_complex(p)
-        or tuple(grad.shape) != tuple(p.shape)
-        or grad.dtype != p.dtype
-    )
+def _refusal(p: torch.Tensor, grad: torch.Tensor, where: str) -> Exception | None:
+    """The error a step raises for ``grad`` of ``p`` (``where`` names it), before anything changes, or ``None``:
+    ``RuntimeError`` for a sparse, non-strided or complex gradient or a complex parameter, ``ValueError`` for a
+    gradient of another shape or dtype than its parameter's."""
+    if grad.is_sparse or grad.layout != torch.strided:
+        return RuntimeError(
+            f"sparse gradients ({grad.layout}) are not supported: the AdaDiag optimizers rotate the dense "
+            "gradient matrix; use dense gradients (e.g. nn.Embedding(sparse=False))"
+        )
+    if torch.is_complex(grad) or torch.is_complex(p):
+        return RuntimeError(
+            f"complex parameters/gradients ({p.dtype}) are not supported: AdaDiag is defined for real "
+            "parameters; optimise torch.view_as_real(param) instead"
+        )
+    for what, got, want in (("shape", tuple(grad.shape), tuple(p.shape)), ("dtype", grad.dtype, p.dtype)):
+        if got != want:
+            return ValueError(
+                f"gradient of {where} has {what} {got}, the parameter {want}; no parameter and no state was changed"
+            )
+    return None
 
 
 def _bases(state: Any) -> dict[str, torch.Tensor]:
