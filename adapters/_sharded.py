@@ -28,8 +28,11 @@ otherwise.  Three routes (:func:`plan_for`):
 
 Agreement (:func:`exchange`, :func:`disagreement`): before anything else is exchanged, the ranks agree in one
 all-reduce on which parameters have a gradient, that each is valid and finite (a rank tests its shard) and on the
-step counters; a disagreement raises the same error on every rank (the adapter's ``CoreOptimizer._agreed``), so
-no rank can wait in a collective the others skip.
+step counters (:func:`agree`, which the adapter calls first in every step under more than one rank); a
+disagreement raises the same error on every rank, so no rank can wait in a collective the others skip.
+
+Refused wrappers (:func:`hidden_shape`, :func:`shape_change`): FSDP1's flat shards and DeepSpeed ZeRO's partitions
+hide a parameter's matrix from the optimizer; the adapter refuses them, naming :data:`ALTERNATIVES`.
 
 Refreshes (:func:`refresh`): the matrices due in one step are dealt round-robin over the ranks of their mesh;
 the owner of a matrix runs the core's ``refresh_basis`` on the gathered gradient and broadcasts the bases
@@ -66,16 +69,20 @@ except ImportError:  # pragma: no cover - a torch built without torch.distribute
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "ALTERNATIVES",
     "HAS_GRAD",
     "INVALID",
     "NONFINITE",
     "NO_GRAD",
     "Plan",
+    "agree",
     "all_finite",
     "conform",
     "disagreement",
+    "exactly_finite",
     "exchange",
     "group_ranks",
+    "hidden_shape",
     "init",
     "is_sharded",
     "local",
@@ -83,6 +90,8 @@ __all__ = [
     "owned_refresh",
     "plan_for",
     "refresh",
+    "several_ranks",
+    "shape_change",
     "traffic",
     "update",
 ]
@@ -357,6 +366,137 @@ def disagreement(table: torch.Tensor, wheres: Sequence[str], ranks: Sequence[int
         if bool((column != NO_GRAD).any()) and bool((counts[:, j] != counts[0, j]).any()):
             steps = ", ".join(f"{int(c)} on rank {r}" for c, r in zip(counts[:, j].tolist(), ranks, strict=True))
             return f"the ranks' optimizers have taken different numbers of steps for {where} ({steps})"
+    return None
+
+
+def several_ranks(group: Any) -> bool:
+    """Whether ``torch.distributed`` is initialised with more than one rank in ``group`` (``None``: the default)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def agree(
+    grads: Sequence[torch.Tensor | None],
+    refused: Sequence[bool],
+    counts: Sequence[int],
+    wheres: Sequence[str],
+    *,
+    group: Any = None,
+) -> None:
+    """Make the ranks of ``group`` agree on a step, or raise the same ``ValueError`` on every rank (naming the first
+    parameter at fault, :func:`disagreement`, and saying that nothing was changed).  Per parameter, in the
+    optimizer's order: whether it has a gradient (``grads[j]`` is not ``None``), whether the step refuses that
+    gradient (``refused``), whether it is exactly finite (:func:`exactly_finite`: an FSDP2 rank tests its shard),
+    and the step counter ``counts[j]``; ``wheres`` names the parameters.  One all-reduce (:func:`exchange`)."""
+    codes = [
+        NO_GRAD if g is None else HAS_GRAD | (INVALID if bad else 0) for g, bad in zip(grads, refused, strict=True)
+    ]
+    tested = [j for j, code in enumerate(codes) if code == HAS_GRAD]
+    for j, finite in zip(tested, exactly_finite([grads[j] for j in tested]), strict=True):
+        codes[j] |= 0 if finite else NONFINITE
+    backend = str(dist.get_backend(group))
+    device = "cpu" if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
+    table = exchange(codes, counts, group=group, device=device)
+    # None also when only the counters of parameters without a gradient anywhere differ: nothing steps them
+    message = None if table is None else disagreement(table, wheres, group_ranks(group))
+    if message is not None:
+        raise ValueError(
+            f"{message}; every rank raises this error, and no parameter and no optimizer state was changed"
+        )
+
+
+def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
+    """``sum(G)`` (0-d), accumulated in float32 at least: non-finite whenever an entry of ``G`` is NaN or Inf.
+
+    IEEE sums never leave NaN or Inf again (``inf - inf`` is NaN), so a finite sum proves every entry finite in
+    one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
+    can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
+    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return torch.sum(grad, dtype=torch.float32)
+    return torch.sum(grad)
+
+
+def _foreach_devices() -> tuple[str, ...]:
+    """Device types with multi-tensor kernels (torch's own list: ``cuda``, ``xpu``, ...; ``cpu`` is not one)."""
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return tuple(_get_foreach_kernels_supported_devices())
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the helper
+        return ("cuda",)
+
+
+def exactly_finite(grads: Sequence[Any]) -> list[bool]:
+    """``isfinite(G).all()`` per dense gradient, on this rank (a DTensor: its local shard; the ranks agree on every
+    shard's finiteness in :func:`agree`): one reduction per gradient and no gradient-sized temporary
+    (:func:`_finiteness_sum` on the CPU; ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and
+    dtype where torch has multi-tensor kernels: on the CPU it takes a norm per tensor, 4.4x slower, 10.4 against
+    2.35 ms over the 4-block LLaMA-60M's gradients, 1 thread), one host read, and the exact per-entry test only
+    for a non-finite reduction (NaN or Inf, or finite entries whose sum overflowed)."""
+    grads = [local(g) for g in grads]
+    if not grads:
+        return []
+    devices = _foreach_devices()
+    sums: list[Any] = [None] * len(grads)
+    buckets: dict[tuple[Any, Any], list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad.device.type in devices:
+            buckets.setdefault((grad.device, grad.dtype), []).append(i)
+        else:
+            sums[i] = _finiteness_sum(grad)
+    for (_, dtype), members in buckets.items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
+        norms = torch._foreach_norm([grads[i] for i in members], 1, torch.float32 if low else None)
+        for i, norm in zip(members, norms, strict=True):
+            sums[i] = norm
+    verdicts = torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).tolist()  # the one host read
+    return [bool(ok) or bool(torch.isfinite(grad).all()) for grad, ok in zip(grads, verdicts, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------- refused wrappers
+
+ALTERNATIVES = (
+    "the rotation needs each parameter's whole matrix: shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
+    "replicate with DistributedDataParallel (optionally with split_refresh=True, or under "
+    "ZeroRedundancyOptimizer) instead"
+)
+
+
+def hidden_shape(p: torch.Tensor) -> str | None:
+    """Why the optimizer cannot see the matrix of ``p`` (a clause naming the wrapper), or ``None`` when it can.
+
+    Relies on the marks the wrappers leave on the tensors the optimizer is given:
+
+    * FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): its ``FlatParamHandle`` sets
+      ``_fsdp_flattened = True`` on every original parameter it manages (``use_orig_params=True``: the
+      parameters become 1-D views into this rank's shard of the flat parameter) and on the ``FlatParameter``
+      itself (``use_orig_params=False``).  Every sharding strategy is refused, ``NO_SHARD`` too (use DDP, its
+      equivalent).
+    * DeepSpeed ZeRO-3: a partitioned parameter carries its true shape in ``ds_shape`` (with ``ds_id``,
+      ``ds_numel``, ``ds_tensor``) while the tensor itself is empty; refused unless it is gathered (its shape is
+      then ``ds_shape``).
+    """
+    if getattr(p, "_fsdp_flattened", False):
+        return (
+            f"is managed by FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel), which hands the optimizer "
+            f"flat 1-D shards of its parameters (this one has shape {tuple(p.shape)})"
+        )
+    ds_shape = getattr(p, "ds_shape", None)
+    if ds_shape is not None and tuple(ds_shape) != tuple(p.shape):
+        return (
+            f"is partitioned by DeepSpeed ZeRO-3: its matrix has shape {tuple(ds_shape)} (ds_shape), the "
+            f"optimizer is given a tensor of shape {tuple(p.shape)}"
+        )
+    return None
+
+
+def shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str | None:
+    """How a group's parameter shapes changed since it was added (a clause), or ``None`` if they did not."""
+    if len(now) != len(was):
+        return f"held {len(was)} parameters when it was given to the optimizer and holds {len(now)} now"
+    for before, after in zip(was, now, strict=True):
+        if before != after:
+            return f"has a parameter of shape {after} that was {before} when it was given to the optimizer"
     return None
 
 

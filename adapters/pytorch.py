@@ -394,7 +394,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         jobs = kept + self._engines_for(work, counts)
         if not agreed:  # agreed: every gradient was found finite, exactly, on every rank
             off_engine = [item for item in work if not item.engine]
-            finite = _exactly_finite([_sharded.local(item.grad) for item in off_engine])
+            finite = _sharded.exactly_finite([item.grad for item in off_engine])
             self._raise_first_nonfinite([item for item, ok in zip(off_engine, finite, strict=True) if not ok])
             for job in jobs:  # every engine's verdict before any writes
                 if not bool(job.held.engine.finite(job.grads)):
@@ -477,54 +477,31 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
-        the step (:func:`_sharded.exchange`, one all-reduce; per parameter: gradient present, valid and exactly
-        finite, and the step counter) and return ``True``, or raise the same ``ValueError`` on every rank with
-        nothing changed.  ``False`` (nothing exchanged) without a process group of more than one rank.
+        the step (:func:`_sharded.agree`: per parameter, gradient present, valid and exactly finite, and the step
+        counter) and return ``True``, or raise the same ``ValueError`` on every rank with nothing changed.
+        ``False`` (nothing exchanged) otherwise.
 
         A step's collectives (the bases' broadcasts of ``split_refresh``, FSDP2's gathers) follow from these
         facts alone, so ranks that agree on them enter the same collectives in the same order; ranks that do not
         learn it here together, instead of waiting in different collectives (a hang) or stepping different
         parameters (ranks that silently diverge under DDP)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.process_group) <= 1:
+        if not _sharded.several_ranks(self.process_group):
             return False
-        codes, counts, wheres, tested = [], [], [], []
+        grads, refused, counts, wheres = [], [], [], []
         for group_index, group in enumerate(self.param_groups):
             names = group.get("param_names")
             for index, p in enumerate(group["params"]):
-                wheres.append(_where(names, index, group_index))
-                grad, flat = p.grad, self.state.get(p)
+                flat, grad = self.state.get(p), p.grad
+                grads.append(grad)
+                refused.append(grad is not None and _refusal(p, grad, "") is not None)
                 counts.append(int(flat["step"]) if flat and grad is not None else 0)
-                if grad is None:
-                    codes.append(_sharded.NO_GRAD)
-                elif _refusal(p, grad, "") is not None:
-                    codes.append(_sharded.HAS_GRAD | _sharded.INVALID)
-                else:
-                    codes.append(_sharded.HAS_GRAD)
-                    tested.append((len(codes) - 1, _sharded.local(grad)))
-        for (j, _), finite in zip(tested, _exactly_finite([g for _, g in tested]), strict=True):
-            codes[j] |= 0 if finite else _sharded.NONFINITE
-        backend = str(dist.get_backend(self.process_group))
-        device = "cpu" if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
-        table = _sharded.exchange(codes, counts, group=self.process_group, device=device)
-        if table is None:
-            return True
-        message = _sharded.disagreement(table, wheres, _sharded.group_ranks(self.process_group))
-        if message is None:  # only the counters of parameters without a gradient anywhere differ: nothing steps them
-            return True
-        raise ValueError(
-            f"{message}; every rank raises this error, and no parameter and no optimizer state was changed"
-        )
+                wheres.append(_where(names, index, group_index))
+        _sharded.agree(grads, refused, counts, wheres, group=self.process_group)
+        return True
 
     def _split(self) -> bool:
         """Whether a refresh is split over the ranks (``split_refresh`` under more than one rank)."""
-        dist = torch.distributed
-        return (
-            self.split_refresh
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self.process_group) > 1
-        )
+        return self.split_refresh and _sharded.several_ranks(self.process_group)
 
     def _engines_for(self, work: list[_Work], counts: list[int], *, keep: bool = True) -> list[_Job]:
         """Per param group, the job of its plain parameters (``item.engine``; ``counts``: the host counters of
@@ -857,102 +834,6 @@ def _where(names: Any, index: int, group_index: int) -> str:
     return f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
 
 
-_SHARDED_ALTERNATIVES = (
-    "the rotation needs each parameter's whole matrix: shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
-    "replicate with DistributedDataParallel (optionally with split_refresh=True, or under "
-    "ZeroRedundancyOptimizer) instead"
-)
-
-
-def _hidden_shape(p: torch.Tensor) -> str | None:
-    """Why the optimizer cannot see the matrix of ``p`` (a clause naming the wrapper), or ``None`` when it can.
-
-    Relies on the marks the wrappers leave on the tensors the optimizer is given:
-
-    * FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): its ``FlatParamHandle`` sets
-      ``_fsdp_flattened = True`` on every original parameter it manages (``use_orig_params=True``: the
-      parameters become 1-D views into this rank's shard of the flat parameter) and on the ``FlatParameter``
-      itself (``use_orig_params=False``).  Every sharding strategy is refused, ``NO_SHARD`` too (use DDP, its
-      equivalent).
-    * DeepSpeed ZeRO-3: a partitioned parameter carries its true shape in ``ds_shape`` (with ``ds_id``,
-      ``ds_numel``, ``ds_tensor``) while the tensor itself is empty; refused unless it is gathered (its shape is
-      then ``ds_shape``).
-    """
-    if getattr(p, "_fsdp_flattened", False):
-        return (
-            f"is managed by FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel), which hands the optimizer "
-            f"flat 1-D shards of its parameters (this one has shape {tuple(p.shape)})"
-        )
-    ds_shape = getattr(p, "ds_shape", None)
-    if ds_shape is not None and tuple(ds_shape) != tuple(p.shape):
-        return (
-            f"is partitioned by DeepSpeed ZeRO-3: its matrix has shape {tuple(ds_shape)} (ds_shape), the "
-            f"optimizer is given a tensor of shape {tuple(p.shape)}"
-        )
-    return None
-
-
-def _refuse_hidden_shapes(
-    groups: list[dict[str, Any]], registered: list[list[tuple[int, ...]]] | None = None, *, first_group_index: int = 0
-) -> None:
-    """``RuntimeError`` when a parameter's true shape is hidden from the optimizer, so that no other optimizer
-    (AdamW on a flat shard) runs silently in its place.
-
-    Two tests: the wrappers' marks (:func:`_hidden_shape`), and, with ``registered`` (the shapes of each group's
-    parameters when it was added), a group whose parameters changed count or shape since: what DeepSpeed ZeRO
-    stages 1 and 2 (and 3) do when they replace ``param_group["params"]`` with one flat partition of the group,
-    a tensor without any mark.  Nothing is changed by the check."""
-    for offset, group in enumerate(groups):
-        group_index = first_group_index + offset
-        names = group.get("param_names")
-        for index, p in enumerate(group["params"]):
-            if reason := _hidden_shape(p):
-                raise RuntimeError(
-                    f"{_where(names, index, group_index)} {reason}; {_SHARDED_ALTERNATIVES}; no parameter and no "
-                    "optimizer state was changed"
-                )
-        if registered is not None and offset < len(registered):
-            if change := _shape_change(registered[offset], [tuple(p.shape) for p in group["params"]]):
-                raise RuntimeError(
-                    f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
-                    f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
-                    f"see their matrices; {_SHARDED_ALTERNATIVES} (a parameter resized on purpose needs a new "
-                    "optimizer); no parameter and no optimizer state was changed"
-                )
-
-
-def _shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str | None:
-    """How a group's parameter shapes changed since it was added (a clause), or ``None`` if they did not."""
-    if len(now) != len(was):
-        return f"held {len(was)} parameters when it was given to the optimizer and holds {len(now)} now"
-    for before, after in zip(was, now, strict=True):
-        if before != after:
-            return f"has a parameter of shape {after} that was {before} when it was given to the optimizer"
-    return None
-
-
-def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
-    """``sum(G)`` (0-d), accumulated in float32 at least: non-finite whenever an entry of ``G`` is NaN or Inf.
-
-    IEEE sums never leave NaN or Inf again (``inf - inf`` is NaN), so a finite sum proves every entry finite in
-    one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
-    can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
-    float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
-    if grad.dtype in (torch.float16, torch.bfloat16):
-        return torch.sum(grad, dtype=torch.float32)
-    return torch.sum(grad)
-
-
-def _foreach_devices() -> tuple[str, ...]:
-    """Device types with multi-tensor kernels (torch's own list: ``cuda``, ``xpu``, ...; ``cpu`` is not one)."""
-    try:
-        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-        return tuple(_get_foreach_kernels_supported_devices())
-    except (ImportError, AttributeError):  # pragma: no cover - a torch without the helper
-        return ("cuda",)
-
-
 def _counts_of(counters: list[torch.Tensor]) -> list[int]:
     """The values of host counters (0-d tensors), read together: one stack, one host view."""
     if any(c.device.type != "cpu" or type(c) is not torch.Tensor for c in counters):
@@ -960,30 +841,27 @@ def _counts_of(counters: list[torch.Tensor]) -> list[int]:
     return torch.stack(counters).numpy().tolist() if counters else []  # one stack, one host view
 
 
-def _exactly_finite(grads: list[torch.Tensor]) -> list[bool]:
-    """``isfinite(G).all()`` per plain, dense gradient (a DTensor's local shard: the ranks agree on every shard's
-    finiteness in :meth:`CoreOptimizer._agreed`): one reduction per gradient and no gradient-sized temporary
-    (:func:`_finiteness_sum` on the CPU; ``torch._foreach_norm(G, 1)``, the sum of ``|G|``, one call per device and
-    dtype where torch has multi-tensor kernels: on the CPU it takes a norm per tensor, 4.4x slower, 10.4 against
-    2.35 ms over the 4-block LLaMA-60M's gradients, 1 thread), one host read, and the exact per-entry test only
-    for a non-finite reduction (NaN or Inf, or finite entries whose sum overflowed)."""
-    if not grads:
-        return []
-    devices = _foreach_devices()
-    sums: list[Any] = [None] * len(grads)
-    buckets: dict[tuple[Any, Any], list[int]] = {}
-    for i, grad in enumerate(grads):
-        if grad.device.type in devices:
-            buckets.setdefault((grad.device, grad.dtype), []).append(i)
-        else:
-            sums[i] = _finiteness_sum(grad)
-    for (_, dtype), members in buckets.items():
-        low = dtype in (torch.float16, torch.bfloat16)  # accumulated in float32, as _finiteness_sum does
-        norms = torch._foreach_norm([grads[i] for i in members], 1, torch.float32 if low else None)
-        for i, norm in zip(members, norms, strict=True):
-            sums[i] = norm
-    verdicts = torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).tolist()  # the one host read
-    return [bool(ok) or bool(torch.isfinite(grad).all()) for grad, ok in zip(grads, verdicts, strict=True)]
+def _refuse_hidden_shapes(
+    groups: list[dict[str, Any]], registered: list[list[tuple[int, ...]]] | None = None, *, first_group_index: int = 0
+) -> None:
+    """``RuntimeError`` when a wrapper hides a parameter's matrix from the optimizer (:func:`_sharded.hidden_shape`:
+    FSDP1, DeepSpeed ZeRO-3) or, with ``registered`` (each group's parameter shapes when it was added), replaced
+    the group's parameters by a flat partition (:func:`_sharded.shape_change`: DeepSpeed ZeRO), so that no other
+    optimizer (AdamW on a flat shard) runs silently in its place.  Nothing is changed by the check."""
+    for offset, group in enumerate(groups):
+        group_index, names = first_group_index + offset, group.get("param_names")
+        for index, p in enumerate(group["params"]):
+            if reason := _sharded.hidden_shape(p):
+                raise RuntimeError(f"{_where(names, index, group_index)} {reason}; {_sharded.ALTERNATIVES}; "
+                                   "no parameter and no optimizer state was changed")  # fmt: skip
+        was = registered[offset] if registered is not None and offset < len(registered) else None
+        if was is not None and (change := _sharded.shape_change(was, [tuple(p.shape) for p in group["params"]])):
+            raise RuntimeError(
+                f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
+                f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
+                f"see their matrices; {_sharded.ALTERNATIVES} (a parameter resized on purpose needs a new "
+                "optimizer); no parameter and no optimizer state was changed"
+            )
 
 
 def _refusal(p: torch.Tensor, grad: torch.Tensor, where: str) -> Exception | None:

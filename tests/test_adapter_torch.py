@@ -14,6 +14,7 @@ import io
 import _adapter_import  # noqa: F401  (registers adadiag_ref.adapters from a source checkout)
 import pytest
 import torch
+from adadiag_ref.adapters import _sharded
 from adadiag_ref.adapters import pytorch as at
 
 import adadiag_ref as ar
@@ -522,13 +523,13 @@ def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, plain):
 
 
 def test_the_ranks_finiteness_takes_one_sum_per_cpu_gradient(monkeypatch):
-    """The agreement's exact finiteness (``_exactly_finite``, every step under ``torch.distributed``) sums each CPU
-    gradient (``torch.sum``) instead of ``torch._foreach_norm``, 4.4x slower on the CPU; the verdicts are exact:
-    NaN and Inf found, finite entries whose sum overflows cleared."""
+    """The agreement's exact finiteness (``_sharded.exactly_finite``, every step under ``torch.distributed``) sums
+    each CPU gradient (``torch.sum``) instead of ``torch._foreach_norm``, 4.4x slower on the CPU; the verdicts are
+    exact: NaN and Inf found, finite entries whose sum overflows cleared."""
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: pytest.fail("_foreach_norm on CPU gradients"))
     big = torch.finfo(torch.float32).max
     grads = [torch.randn(4, 3), torch.full((5,), big), torch.tensor([1.0, float("nan")]), torch.tensor([-float("inf")])]
-    assert at._exactly_finite(grads) == [True, True, False, False]
+    assert _sharded.exactly_finite(grads) == [True, True, False, False]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
