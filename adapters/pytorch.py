@@ -208,17 +208,10 @@ class CoreOptimizer(torch.optim.Optimizer):
     the host.
 
     FSDP2 (``torch.distributed.fsdp.fully_shard``: DTensor parameters, rows split over the ranks) is handled by
-    :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged: where the rows a rank holds form a block of
-    whole, unrotated work-frame columns (or rows) and the family's direction is entrywise (the Adam family:
-    AdamW; AdaDiag on tall, 1-D and tall conv parameters), the step runs on the local shard with the moments
-    sharded like the parameter and nothing sent but the ranks' agreement (``process_group``); otherwise the whole
-    gradient (and ``W`` where the update reads it) is all-gathered, the state is whole on every rank and each
-    rank keeps its rows of the update; a ``batch_dims`` stack (experts) split on dim 0 is stepped and refreshed
-    by the rank that holds each matrix, its state sharded like it, nothing sent.  Each refresh decomposes every
-    matrix once across the ranks (an owner per matrix, round-robin; the bases are broadcast).  The shards equal
-    the single-process run (docs/adapters.md, "Exactness"), and DCP
-    (``get_/set_optimizer_state_dict``) saves and restores the sharded state (docs/adapters.md, "Sharded
-    training").
+    :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged (the local shard where its rows are a block the
+    family can step alone, else the gathered matrix; expert stacks by the rank that holds each matrix; each
+    refresh decomposes every matrix once across the ranks).  The shards equal the single-process run, and DCP
+    saves and restores the sharded state (docs/adapters.md, "Exactness" and "Sharded training").
 
     Initialisation step: a ``step()`` on an optimizer without any state, with every group's ``lr`` equal to 0 and
     every gradient exactly zero, creates the states (``ar.init``, step 0) and counts no step, so the first real
@@ -442,7 +435,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         if not all(g is not None and g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
                    for g, p in zip(grads, params, strict=True)):  # fmt: skip
             return None
-        if not held.holds_these(params, [self.state.get(p) for p in params], cfg, held.counters.numpy().tolist()):
+        if not held.holds(params, [self.state.get(p) for p in params], cfg, held.counters.numpy().tolist()):
             return None
         if split and any(ar.refresh_due(count, cfg) for count in set(held.counts)):
             return None
@@ -516,7 +509,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         for group_index, members in by_group.items():
             items, group_counts = [item for item, _ in members], [count for _, count in members]
             held = self._engines.get(group_index)
-            if held is None or not held.holds(items, group_counts):
+            if held is None or not held.holds(
+                [i.p for i in items], [i.flat for i in items], items[0].cfg, group_counts
+            ):
                 if keep:
                     held = self._engines[group_index] = _GroupEngine(items, group_counts)
                 else:
@@ -767,11 +762,7 @@ class _GroupEngine:
         self.counts = list(counts)
         self.cfg = cfg  # the last config found to differ from the engine's in betas and weight_decay only
 
-    def holds(self, items: list[_Work], counts: list[int]) -> bool:
-        """Whether this engine can take the step of ``items`` (their host counters ``counts``)."""
-        return self.holds_these([item.p for item in items], [item.flat for item in items], items[0].cfg, counts)
-
-    def holds_these(self, params: list[torch.Tensor], flats: list[Any], cfg: BaseConfig, counts: list[int]) -> bool:
+    def holds(self, params: list[torch.Tensor], flats: list[Any], cfg: BaseConfig, counts: list[int]) -> bool:
         """Whether this engine can step ``params``, whose state dicts are ``flats`` and host counters ``counts``,
         under ``cfg``: the very parameters (same dtypes and shapes) and state dicts it was built over, each still
         holding the tensors it handed them, the counters it keeps, and a config it takes (:meth:`_takes`)."""
@@ -810,15 +801,10 @@ def _plain_parameter(p: torch.Tensor) -> bool:
 
 def _initialisation_only(work: list[_Work]) -> bool:
     """Whether a first ``step()`` (no state yet) only initialises the states: every group's ``lr`` is 0 and every
-    gradient is exactly zero.
-
-    That is the step ``torch.distributed.checkpoint.state_dict`` takes in ``_init_optim_state`` (called by
-    ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` on an optimizer without state): it sets every
-    gradient to ``zeros_like``, every ``lr`` to 0 and calls ``step()``.  Such a step can change no parameter
-    (``-0 * D``) and carries no information about the gradients, so it creates the states of ``ar.init`` and counts
-    no step: the first real step is ``t = 1`` and refreshes the basis.  Counting it would leave ``step = 1`` with the
-    identity basis, so the first refresh would come only at ``t = 1 + T``.  The gradients are read (one
-    synchronisation per parameter) only when every ``lr`` is already 0."""
+    gradient is exactly zero (:class:`CoreOptimizer`, "Initialisation step": what
+    ``torch.distributed.checkpoint.state_dict``'s ``_init_optim_state`` takes).  Such a step can change no parameter
+    and carries no information about the gradients; counting it would put the first refresh at ``t = 1 + T``.  The
+    gradients are read (one synchronisation per parameter) only when every ``lr`` is already 0."""
     return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
 
 
