@@ -350,6 +350,34 @@ def test_a_frozen_parameter_keeps_the_steady_path(monkeypatch):
     _assert_same(runs)
 
 
+def test_a_steady_group_stays_steady_beside_a_changing_one(monkeypatch):
+    """Two param groups, the second's parameter frozen and thawed in turn (its engine built again each time): the
+    first group is stepped by its kept engine throughout, without a per-parameter record, whatever the second does;
+    bit for bit ``ar.step`` per parameter, also in the second group."""
+    import adadiag_ref as ar
+
+    params = _params()
+    first, second = params[:3], params[3:]
+    opt = at.AdaDiag([{"params": first}, {"params": second, "weight_decay": 0.1}], lr=0.01, update_freq=3)
+    recorded = []  # the group of each per-parameter record a step makes (each names its parameter once)
+    label = at._label
+    monkeypatch.setattr(at, "_label", lambda names, i, group: recorded.append(group) or label(names, i, group))
+    weights = [p.detach().clone() for p in params]
+    cfgs = [opt.config(0)] * len(first) + [opt.config(1)] * len(second)
+    states = [ar.init(w, cfg) for w, cfg in zip(weights, cfgs, strict=True)]
+    for k in range(7):
+        _grads(params, k)
+        if k % 2:
+            second[0].grad = None  # frozen on odd steps
+        opt.step()
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                weights[i], states[i] = ar.step(states[i], p.grad, cfgs[i], weights[i], lr=0.01)
+        assert all(torch.equal(p.detach(), w) for p, w in zip(params, weights, strict=True)), k
+    assert recorded.count(0) == len(first)  # the first step only: its engine is kept from then on
+    assert recorded.count(1) == 4 * len(second) + 3 * (len(second) - 1)  # its gradients change: records each step
+
+
 def test_moment_storage_moved_by_hand_is_followed():
     """``Tensor.set_`` on a moment (the same tensor object, new memory): the kernels write the new memory."""
 
