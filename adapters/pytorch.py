@@ -397,7 +397,9 @@ class CoreOptimizer(torch.optim.Optimizer):
                 self._commit(item, {})  # the states of ar.init, step 0: the first real step refreshes
             return
         self._whole_grads: dict[int, torch.Tensor] = {}  # DTensor gradients gathered by a refresh, for the update
-        refreshes = iter(self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine]))
+        refreshes = iter(
+            self._refresh([item for item, d in zip(work, due, strict=True) if d and not item.engine], split)
+        )
         for job in jobs:
             for item in job.items:
                 self._commit(item, {})  # a fresh state enters self.state
@@ -593,8 +595,9 @@ class CoreOptimizer(torch.optim.Optimizer):
             "no parameter and no optimizer state was changed"
         )
 
-    def _refresh(self, items: list[_Work]) -> list[tuple[dict[str, torch.Tensor], bool]]:
-        """``({"P"[, "Q"]}, refreshed)`` per parameter due (``refresh_basis``), split over ranks when asked.
+    def _refresh(self, items: list[_Work], split: bool) -> list[tuple[dict[str, torch.Tensor], bool]]:
+        """``({"P"[, "Q"]}, refreshed)`` per parameter due (``refresh_basis``), split over the ranks when ``split``
+        (:meth:`_split`, decided once per step).
 
         ``refreshed`` is the core's (:func:`adadiag_ref.step`): False when the refresh kept the previous basis
         (a failed decomposition), which ``refresh_basis`` returns as the very same tensors.  The bases are then
@@ -603,11 +606,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         states = [to_core_state(item.flat, item.cfg) for item in items]
         sharded = [_sharded.is_sharded(item.p) for item in items]
         if any(sharded):  # FSDP2: gathered gradients, an owner per matrix (adapters/_sharded.py)
-            plain = iter(self._refresh([item for item, s in zip(items, sharded, strict=True) if not s]))
+            plain = iter(self._refresh([item for item, s in zip(items, sharded, strict=True) if not s], split))
             mine = [j for j, s in enumerate(sharded) if s]
-            split = iter(_sharded.refresh([items[j] for j in mine], [states[j] for j in mine], self._whole_grads))
-            return [next(split) if s else next(plain) for s in sharded]
-        if not self._split():
+            owned = iter(_sharded.refresh([items[j] for j in mine], [states[j] for j in mine], self._whole_grads))
+            return [next(owned) if s else next(plain) for s in sharded]
+        if not split:
             # batched per config (ar.refresh_bases): one stacked decomposition per work shape on a device
             by_config: dict[BaseConfig, list[int]] = {}
             for j, item in enumerate(items):
@@ -728,9 +731,8 @@ class _Job(NamedTuple):
     grads: list[torch.Tensor]  # negated under ``maximize``
     cfg: BaseConfig
     lr: Any
-    items: list[
-        _Work
-    ]  # the parameters' records; none for a kept engine's steady step (:meth:`CoreOptimizer._kept_engine`)
+    # the parameters' records; none for a kept engine's steady step (:meth:`CoreOptimizer._kept_engine`)
+    items: list[_Work]
     group_index: int
 
 
