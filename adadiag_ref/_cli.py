@@ -32,7 +32,7 @@ __all__ = [
     "plot_file",
     "plot_problem",
     "positive_int",
-    "run_parsed",
+    "pyplot",
 ]
 
 PROG = "adadiag-ref"
@@ -46,7 +46,7 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (
     zipfile.BadZipFile,  # a truncated or corrupt .npz
     json.JSONDecodeError,
 )
-"""What a command's bad input raises; :func:`run_parsed` turns them into one error line."""
+"""What a command's bad input raises; :func:`parse_and_run` turns them into one error line."""
 
 
 def fail(message: str) -> int:
@@ -65,8 +65,10 @@ class ErrorParser(argparse.ArgumentParser):
         sys.exit(fail(message + hint))
 
 
-def run_parsed(args: argparse.Namespace) -> int:
-    """Call ``args.func(args)``; an input error becomes one line on stderr and exit status 2."""
+def parse_and_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """``parser.parse_args(argv)``, then call ``args.func(args)``; an input error becomes one line on stderr and
+    exit status 2."""
+    args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         return int(func(args))
@@ -74,11 +76,6 @@ def run_parsed(args: argparse.Namespace) -> int:
         if isinstance(exc, KeyError) and exc.args:
             return fail(str(exc.args[0]))
         return fail(str(exc) or type(exc).__name__)
-
-
-def parse_and_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """``parser.parse_args(argv)`` then :func:`run_parsed`."""
-    return run_parsed(parser.parse_args(argv))
 
 
 def finite_positive(text: str) -> float:
@@ -103,18 +100,14 @@ def finite_nonnegative(text: str) -> float:
     return value
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """argparse ``type=`` factory: an integer ``>= minimum`` (counts, sizes, seeds)."""
 
     def convert(text: str) -> int:
-        value = _int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
         return value
@@ -222,6 +215,21 @@ def add_progress_flags(parser: Any) -> None:
 def bar_disable(progress: bool | None) -> bool | None:
     """tqdm's ``disable`` for a ``progress`` flag: ``None`` (only when stderr is a terminal) stays ``None``."""
     return None if progress is None else not progress
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; ``RuntimeError`` naming the ``plot`` extra when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - matplotlib is installed in the test environment
+        raise RuntimeError(
+            "plotting needs matplotlib: pip install 'adadiag-ref[plot]' (or pip install matplotlib)"
+        ) from exc
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def check_output_file(path: str, flag: str) -> None:

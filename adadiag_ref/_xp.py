@@ -36,7 +36,6 @@ __all__ = [
     "count_nonfinite",
     "creation_device",
     "float_dtype_name",
-    "is_float64",
     "namespace",
     "native_module",
     "plain_cpu_tensor",
@@ -209,11 +208,6 @@ def creation_device(x: Array) -> Any:
     if device_set is not None and len(device_set) > 1:
         return None
     return dev
-
-
-def is_float64(dtype: Any, xp: Namespace) -> bool:
-    """True when ``dtype`` is the namespace's float64."""
-    return bool(dtype == xp.float64)
 
 
 def float_dtype_name(dtype: Any, xp: Namespace) -> str:

@@ -133,7 +133,7 @@ class _Shape:
 
     def __add__(self, other: _Shape) -> _Shape:
         """The broadcast sum's shape (``init`` stacks identity bases as ``I + zeros((*B, k, k))``)."""
-        return _Shape(tuple(int(d) for d in _broadcast_shape(self.shape, other.shape)), self.dtype)
+        return _Shape(tuple(int(d) for d in np.broadcast_shapes(self.shape, other.shape)), self.dtype)
 
 
 class _ShapeNamespace:
@@ -154,11 +154,6 @@ class _ShapeNamespace:
 _SHAPE_XP = _ShapeNamespace()
 
 
-def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """NumPy's broadcast of two shapes, without arrays."""
-    return tuple(np.broadcast_shapes(a, b))
-
-
 def _state_elements(shape: tuple[int, ...], cfg: BaseConfig) -> int:
     """Elements of every array of ``init``'s state except the step counter."""
     with warnings.catch_warnings():  # counting, not training: no refresh will run
@@ -174,9 +169,7 @@ def _baseline_elements(shape: tuple[int, ...], cfg: BaseConfig) -> int:
 
 
 def _as_specs(params: Any) -> list[ParamSpec]:
-    if isinstance(params, str):
-        return llama_parameters(params)
-    if isinstance(params, LlamaConfig):
+    if isinstance(params, str | LlamaConfig):
         return llama_parameters(params)
     if isinstance(params, Mapping):
         return [ParamSpec(str(k), tuple(getattr(v, "shape", v) or ())) for k, v in params.items()]

@@ -25,7 +25,6 @@ import contextlib
 import importlib
 import importlib.util
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import OPTIMIZERS, init, make_config, refresh_due, step
-from ._cli import plot_problem
+from ._cli import bar_disable, check_output_file, plot_problem, pyplot
 from ._xp import to_numpy
 from .optim.families import family_of
 
@@ -83,11 +82,6 @@ run's drift so far (another library's rounding is not exactly a 1e-15 change of 
 problem, the ratio stays at most 57: docs/golden.md)."""
 ODE_T_END = 10.0
 ODE_REFRESH_PERIOD = 5.0
-
-
-def _bar_disabled(progress: bool | None) -> bool | None:
-    """tqdm's ``disable``: ``None`` (the default here) shows the bar only when stderr is a terminal."""
-    return None if progress is None else not progress
 
 
 class LeastSquares(NamedTuple):
@@ -424,15 +418,8 @@ def check_options(steps: int, plot: str | None = None, ode: bool = True, backend
     problem = plot_problem(plot)
     if problem:
         raise ValueError(f"--plot {plot}: {problem}")
-    targets = [Path(plot), *([ode_plot_path(plot)] if ode else [])]
-    for target in targets:
-        folder = target.parent
-        if not folder.is_dir():
-            raise ValueError(f"--plot {plot}: folder {str(folder)!r} does not exist")
-        if target.is_dir():
-            raise ValueError(f"--plot {plot}: {str(target)!r} is a folder, not a file")
-        if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-            raise ValueError(f"--plot {plot}: {str(target)!r} is not writable")
+    for target in [plot, *([str(ode_plot_path(plot))] if ode else [])]:
+        check_output_file(target, "--plot")
 
 
 def run_report(
@@ -475,7 +462,7 @@ def run_report(
     out("-" * len(header))
     rows: list[ReportRow] = []
     with tqdm(
-        total=len(loaded) * len(OPTIMIZERS), desc="optimizers x backends", unit="run", disable=_bar_disabled(progress)
+        total=len(loaded) * len(OPTIMIZERS), desc="optimizers x backends", unit="run", disable=bar_disable(progress)
     ) as bar:
         for b in loaded.values():
             for name in OPTIMIZERS:
@@ -494,15 +481,6 @@ def run_report(
     return rows
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 _BACKEND_STYLE = {"numpy": "-", "torch": "--", "jax": ":", "array_api_strict": "-.", "cupy": (0, (5, 1, 1, 1))}
 
 
@@ -511,7 +489,7 @@ def plot_curves(rows: Sequence[ReportRow], path: str | Path) -> None:
 
     Colour = optimizer, line style = backend; the refresh steps are dotted vertical lines.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, ax_dev) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
     names = list(dict.fromkeys(r.optimizer for r in rows))
     colour = {name: f"C{i}" for i, name in enumerate(names)}
@@ -579,7 +557,7 @@ def ode_summary(
     out(header)
     out("-" * len(header))
     rows: list[ODERow] = []
-    with tqdm(OPTIMIZERS, desc="ODE checks", unit="system", disable=_bar_disabled(progress)) as bar:
+    with tqdm(OPTIMIZERS, desc="ODE checks", unit="system", disable=bar_disable(progress)) as bar:
         for name in bar:
             bar.set_postfix_str(name)
             skipped = ode.no_system_reason(name)
@@ -599,7 +577,7 @@ def ode_summary(
 
 def plot_ode(rows: Sequence[ODERow], path: str | Path) -> None:
     """``H(t) - L*`` of every optimizer's ODE on one log axis, steps where ``H`` rose in red, refreshes dotted."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
     rose = False
     for i, row in enumerate(rows):
@@ -633,9 +611,7 @@ def golden_summary(out: Callable[[str], None] = print, progress: bool | None = N
     from .golden.verify import verify_case
 
     cases = load_cases()
-    results = [
-        verify_case(c) for c in tqdm(cases, desc="golden fixtures", unit="case", disable=_bar_disabled(progress))
-    ]
+    results = [verify_case(c) for c in tqdm(cases, desc="golden fixtures", unit="case", disable=bar_disable(progress))]
     failed = [r for r in results if not r.passed]
     out(f"golden fixtures: {len(results) - len(failed)}/{len(results)} cases match the live core")
     for r in failed:

@@ -114,10 +114,10 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _finite_at_least(value: Any, low: float, high: float = math.inf, *, closed_high: bool = False) -> bool:
+def _finite_at_least(value: Any, low: float, high: float = math.inf) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return False
-    return low <= value <= high if closed_high else low <= value < high
+    return low <= value < high
 
 
 def validate_hyperparameters(group: Mapping[str, Any]) -> None:

@@ -30,6 +30,7 @@ from adadiag_ref import _kernels
 from adadiag_ref.optim.core import prepare_step
 from adadiag_ref.optim.engine import routed_direction, routed_update
 from adadiag_ref.optim.families.adafactor import numba_route as adafactor_kernels
+from adadiag_ref.optim.families.adam import group_route
 from adadiag_ref.optim.families.adam import numba_route as adam_kernels
 from adadiag_ref.optim.families.hfac import numba_route as hfac_kernels
 
@@ -265,7 +266,7 @@ def test_parallel_inplace_kernels_equal_serial() -> None:
 
 PARALLEL_PAIRS = [
     (module, name[: -len("_parallel")], name)
-    for module in (_kernels, adam_kernels)
+    for module in (_kernels, adam_kernels, group_route)
     for name in sorted(dir(module))
     if name.endswith("_parallel") and hasattr(module, name[: -len("_parallel")])
 ]

@@ -973,7 +973,7 @@ def compare(
     )
     max_abs, max_rel, max_ratio = _parameter_errors(traj, case, rtols, atols)
     mismatch, got = _first_mismatch(case, traj, port_states, rtols, atols, state_rtols)
-    status = _field_status(case, traj, port_states, compared, max_ratio, rtols, state_rtols)
+    status = _field_status(case, traj, port_states, compared, max_ratio, state_rtols)
     first = mismatch.step if mismatch is not None else None
     if error_step is not None and (first is None or error_step <= first):
         first, mismatch = error_step, None
@@ -1122,7 +1122,6 @@ def _field_status(
     states: Mapping[str, Any],
     compared: tuple[str, ...],
     w_ratio: np.ndarray,
-    rtols: np.ndarray,
     state_rtols: np.ndarray,
 ) -> tuple[tuple[str, int | None, float], ...]:
     """``(field, first step out of tolerance or None, worst error / tolerance)`` for ``W`` and every compared

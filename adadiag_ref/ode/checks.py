@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
+from .._cli import bar_disable
 from .._xp import Array, namespace
 from . import events as _events
 from .controllers import ConstantStepSize, PIController, Tolerance
@@ -255,10 +256,6 @@ def _richardson_h_error(
     return estimate, full.n_evals + half1.n_evals + half2.n_evals
 
 
-def _default_dt(integrator: str, t_end: float) -> float:
-    return t_end / (200.0 if integrator in ("rk4", "dopri5") else 2000.0)
-
-
 def check(
     system: System | ODETerm,
     problem: Problem | None = None,
@@ -392,7 +389,9 @@ def _check(
     ]
     adaptive = solver.error_order is not None
     controller = PIController(rtol=rtol, atol=atol) if adaptive else ConstantStepSize()
-    step = dt if dt is not None else (None if adaptive else _default_dt(solver.name, t_end))
+    step = dt
+    if step is None and not adaptive:  # the default fixed step
+        step = t_end / (200.0 if solver.name in ("rk4", "dopri5") else 2000.0)
     sol = integrate(
         term,
         solver,
@@ -484,11 +483,6 @@ def _with_order(result: CheckResult, od: OrderResult) -> CheckResult:
     )
 
 
-def _tqdm_disable(progress: bool | None) -> bool | None:
-    """tqdm's ``disable`` for the library's ``progress`` flag (``None``: only when stderr is a terminal)."""
-    return None if progress is None else not progress
-
-
 def rate_fd_error(term: Any, t: float, y: Array, args: Any) -> tuple[float, int]:
     r"""Relative gap between the closed-form ``dH/dt`` and the derivative of ``H`` along the field at ``y``.
 
@@ -536,7 +530,7 @@ def _analyse(
     n = len(sol.ts)
     # about two evaluations of dH/dt per accepted step: as long as the integration itself, so it shows progress
     # (``disable=None`` is tqdm's "only on a terminal", the integrator's ``progress=None``)
-    bar = tqdm(total=2 * n - 1, desc="checking H, dH/dt", unit="eval", leave=False, disable=_tqdm_disable(progress))
+    bar = tqdm(total=2 * n - 1, desc="checking H, dH/dt", unit="eval", leave=False, disable=bar_disable(progress))
     ys = [sol.ys[i, :] for i in range(n)]
     # the structured states of the library's families (second-moment invariants, well-posedness notes)
     states = [term.unpack(y) for y in ys] if isinstance(term, SystemTerm) else []

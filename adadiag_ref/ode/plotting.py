@@ -1,33 +1,20 @@
 """Figures: one :func:`~.checks.check` run (``H(t)``, ``L(t)``, ``||grad L||(t)``, the step size) and one
 :func:`~.discrete.discrete_limit` (the error against ``h``, log-log, with a slope-1 guide).
 
-matplotlib is optional (the ``plot`` extra); it is imported here, lazily, with
-the non-interactive Agg backend, and a clear error is raised when it is missing.
+matplotlib is optional (the ``plot`` extra); it is imported lazily, with the
+non-interactive Agg backend (``adadiag_ref._cli.pyplot``), and a clear error is
+raised when it is missing.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from .._cli import pyplot
 from .checks import CheckResult
 from .discrete import DiscreteLimit
 
 __all__ = ["plot_check", "plot_discrete_limit"]
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as exc:  # pragma: no cover - matplotlib is installed in the test environment
-        raise RuntimeError(
-            "plotting needs matplotlib: pip install 'adadiag-ref[plot]' (or pip install matplotlib)"
-        ) from exc
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _positive(x: np.ndarray) -> np.ndarray:
@@ -47,7 +34,7 @@ def plot_check(result: CheckResult, path: str) -> str:
     """
     if result.trajectory is None:
         raise ValueError("this result carries no trajectory")
-    plt = _pyplot()
+    plt = pyplot()
     tr = result.trajectory
     shift = result.optimal_value or 0.0
     fig, axes = plt.subplots(3, 1, figsize=(8.0, 9.0), sharex=True, constrained_layout=True)
@@ -95,7 +82,7 @@ def plot_check(result: CheckResult, path: str) -> str:
 def plot_discrete_limit(result: DiscreteLimit, path: str) -> str:
     """Draw ``max |W_h(T) - W(T)|`` against ``h`` (log-log) with a line of slope 1 through the finest point, to
     ``path`` (PNG, PDF, SVG by extension); returns ``path``."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 4.5), constrained_layout=True)
     ax.loglog(result.hs, _positive(result.errors), "o-", color="C0", lw=1.6, label=f"fitted order {result.order:.3f}")
     guide = result.errors[-1] * result.hs / result.hs[-1]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .._xp import Array, Namespace, namespace
-from ..config import OPTIMIZERS
+from ..config import OPTIMIZERS, _check
 from ..linalg import canonical_svd
 from ..optim.families import (
     FAMILIES,
@@ -118,11 +118,6 @@ ALIASES: dict[str, str] = {"sgd": "momentum_sgd", "momentum": "momentum_sgd", "s
 
 _MOMENTUM_FORMS = ("gradient", "update", "none")
 _NORMALIZATIONS = ("paper", "algorithm")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)

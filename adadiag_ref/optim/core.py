@@ -14,7 +14,6 @@ its input, decides on the refresh with a Python ``if`` and applies the update.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +31,7 @@ from .._xp import (
     state_dtype,
     warn_at_caller,
 )
-from ..config import BaseConfig, check_learning_rate, step_config
+from ..config import BaseConfig, _is_traced, check_learning_rate, step_config
 from ..linalg import DecompositionError, DecompositionWarning, NonFiniteInputError, canonical_svd, canonical_svd_batch
 from . import rotation as _rotation
 from .families import Moments, State, family_of
@@ -247,12 +246,6 @@ def check_backends(state: State, param: Array, *, name: str | None = None) -> No
             )
 
 
-def _traced(*arrays: Array) -> bool:
-    """Whether any of ``arrays`` is a JAX tracer (inside ``jax.jit``, ``jax.grad``, ...)."""
-    jax = sys.modules.get("jax")
-    return jax is not None and any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
 JIT_TOOLKIT = (
     "under jax.jit use adadiag_ref.update (traceable) with adadiag_ref.refresh_when_due (the refresh as one "
     "lax.cond and host callback) and adadiag_ref.traced_refresh_due; docs/embedding.md, 'Your own jitted loop'"
@@ -262,7 +255,7 @@ JIT_TOOLKIT = (
 def _refuse_traced(function: str, *arrays: Array) -> None:
     """One-line ``TypeError`` for an eager function called under ``jax.jit`` (instead of JAX's
     ``TracerBoolConversionError`` deep inside), pointing to the traceable toolkit."""
-    if _traced(*arrays):
+    if any(_is_traced(a) for a in arrays):
         raise TypeError(f"adadiag_ref.{function} is eager (it reads values on the host); {JIT_TOOLKIT}")
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import array_api_compat.numpy as compat_numpy
 import numpy as np
 
-from .._xp import Array, Namespace, creation_device, is_float64, sqrt
+from .._xp import Array, Namespace, creation_device, sqrt
 
 __all__ = [
     "adafactor_beta2",
@@ -49,7 +49,7 @@ def host_step(count: int, dtype: Any, xp: Namespace) -> np.ndarray:
 
     On NumPy it equals ``astype(state.count + 1, dtype)`` (the device counter's ``t``) exactly.
     """
-    return np.asarray(count + 1, dtype=np.float64 if is_float64(dtype, xp) else np.float32)
+    return np.asarray(count + 1, dtype=np.float64 if dtype == xp.float64 else np.float32)
 
 
 def _is_numpy(xp: Namespace) -> bool:

@@ -52,6 +52,7 @@ from .params import (
     gradient_with_spectrum,
     is_rotated,
     torch_direct_adadiag,
+    torch_params,
 )
 
 
@@ -357,31 +358,16 @@ def bench_functional(
     return statistics.median(times)
 
 
-def _torch_params(specs: list[ParamSpec], torch: Any) -> list[Any]:
-    gen = torch.Generator().manual_seed(3)
-    params = []
-    for s in specs:
-        p = torch.nn.Parameter(torch.randn(s.shape, generator=gen))
-        p.grad = torch.randn(s.shape, generator=gen)
-        params.append(p)
-    return params
-
-
 def torch_adamw(specs: list[ParamSpec], **kw: Any) -> Any:
     import torch
 
-    return torch.optim.AdamW(_torch_params(specs, torch), lr=1e-3, weight_decay=0.0, **kw)
-
-
-def torch_adadiag_step(specs: list[ParamSpec], rule: str = "paper") -> Callable[[], None]:
-    """AdaDiag (non-refresh step) written directly in torch ops on the CPU: the yardstick of the torch adapter
-    (``bench --steady``: adapter time / this time); :func:`~adadiag_ref.perf.params.torch_direct_adadiag`."""
-    return torch_direct_adadiag(specs, rule, device="cpu")
+    return torch.optim.AdamW(torch_params(specs), lr=1e-3, weight_decay=0.0, **kw)
 
 
 def bench_torch_adadiag(specs: list[ParamSpec], reps: int, rule: str = "paper") -> float:
-    """Median time of :func:`torch_adadiag_step` (AdaDiag written directly in torch ops)."""
-    return median_time(torch_adadiag_step(specs, rule), reps)
+    """Median time of AdaDiag's non-refresh step written directly in torch ops on the CPU
+    (:func:`~adadiag_ref.perf.params.torch_direct_adadiag`: the yardstick of the torch adapter)."""
+    return median_time(torch_direct_adadiag(specs, rule, device="cpu"), reps)
 
 
 def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str, Callable[[], None]]:
@@ -397,7 +383,7 @@ def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str
     import adadiag_ref as ar
 
     pytorch = import_torch_adapter()
-    params = _torch_params(specs, torch)
+    params = torch_params(specs)
     rotated = [p for p, s in zip(params, specs) if is_rotated(s, rule)]
     others = [p for p, s in zip(params, specs) if not is_rotated(s, rule)]
     opts = [pytorch.AdaDiag(rotated, lr=1e-3, update_freq=None)] if rotated else []
@@ -445,7 +431,10 @@ def torch_adapter_ratio(
     reported, so a load change on a shared machine shifts both sides of a ratio alike.  Returns
     ``{"adapter": median s, "direct": median s, "ratio": median of the per-round ratios, "ratios": [...]}``.
     """
-    fns = {"adapter": torch_adapter_steps(specs, rule)["adapter"], "direct": torch_adadiag_step(specs, rule)}
+    fns = {
+        "adapter": torch_adapter_steps(specs, rule)["adapter"],
+        "direct": torch_direct_adadiag(specs, rule, device="cpu"),
+    }
     times = interleaved_times(fns, reps, warmup=warmup, pause=pause)
     ratios = [a / d for a, d in zip(times["adapter"], times["direct"], strict=True)]
     return {

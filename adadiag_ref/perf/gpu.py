@@ -82,7 +82,17 @@ from tqdm import tqdm
 
 from .._cli import bar_disable
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
-from .params import BETAS, EPS, LR, QUICK, gradient_with_spectrum, is_rotated, torch_direct_adadiag, work_shape
+from .params import (
+    BETAS,
+    EPS,
+    LR,
+    QUICK,
+    gradient_with_spectrum,
+    is_rotated,
+    torch_direct_adadiag,
+    torch_params,
+    work_shape,
+)
 
 __all__ = [
     "CORE_OPTIMIZERS",
@@ -150,15 +160,9 @@ def device_times(
     return times
 
 
-def _median_ms(
-    fn: Callable[[], Any],
-    sync: Callable[[], Any],
-    reps: int,
-    inner: int = 1,
-    warmup: int = 2,
-    budget_s: float | None = None,
-) -> float:
-    return 1e3 * statistics.median(device_times(fn, sync, reps, inner, warmup, budget_s))
+def _median_ms(*args: Any, **kwargs: Any) -> float:
+    """Milliseconds: the median of :func:`device_times` (same arguments)."""
+    return 1e3 * statistics.median(device_times(*args, **kwargs))
 
 
 #: Seconds of timing after the warm-up a refresh row may take before it stops repeating (:func:`device_times`).
@@ -235,16 +239,6 @@ def _gemm_ms(cp: Any, shapes: list[tuple[int, int]], sides: int, reps: int) -> f
 # ----------------------------------------------------------------------------- torch
 
 
-def _torch_params(torch: Any, specs: list[ParamSpec], device: Any, seed: int = 3) -> list[Any]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    params = []
-    for s in specs:
-        p = torch.nn.Parameter(torch.randn(s.shape, generator=gen, device=device))
-        p.grad = torch.randn(s.shape, generator=gen, device=device)
-        params.append(p)
-    return params
-
-
 class _TorchEngineSteps:
     """AdamW through :class:`adadiag_ref.Engine` over torch parameters on ``device``; a call is one
     ``engine.step(grads, params, check=False)`` (the host counter: nothing read back), in place."""
@@ -252,7 +246,7 @@ class _TorchEngineSteps:
     def __init__(self, torch: Any, specs: list[ParamSpec], device: Any) -> None:
         import adadiag_ref as ar
 
-        self.params = _torch_params(torch, specs, device)
+        self.params = torch_params(specs, device)
         self.grads = [p.grad for p in self.params]
         self.engine = ar.Engine(self.params, ar.make_config("adamw", lr=LR, update_freq=None))
 
@@ -267,7 +261,7 @@ def _torch_adapter_step(
     (``options``: more hyperparameters of both, e.g. ``kernels="reference"``)."""
     from adadiag_ref.adapters import pytorch
 
-    params = _torch_params(torch, specs, torch.device(device))
+    params = torch_params(specs, torch.device(device))
     rotated = [p for p, s in zip(params, specs, strict=True) if name != "adamw" and is_rotated(s, rule)]
     ids = {id(p) for p in rotated}
     others = [p for p in params if id(p) not in ids]
@@ -572,7 +566,7 @@ def run(
 
         def measure_torch(key: str) -> float:
             if key == "torch_fused_adamw":
-                params = _torch_params(torch, specs, torch.device("cuda"))
+                params = torch_params(specs, torch.device("cuda"))
                 fn = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
                 del params  # held by the optimizer: freed with it
             elif key == "torch_direct_adadiag":

@@ -31,6 +31,7 @@ __all__ = [
     "gradient_with_spectrum",
     "is_rotated",
     "torch_direct_adadiag",
+    "torch_params",
     "work_shape",
 ]
 
@@ -96,6 +97,20 @@ def coefficients(t: int, betas: tuple[float, float], dtype: Any) -> tuple[Any, A
     b2 = beta_hat(betas[1], tt, np)
     one = np.asarray(1.0, dtype=dtype)
     return b1[()], (one - b1)[()], b2[()], (one - b2)[()]
+
+
+def torch_params(specs: list[ParamSpec], device: Any = "cpu") -> list[Any]:
+    """A ``torch.nn.Parameter`` of every shape of ``specs`` on ``device``, with a ``.grad``: Gaussian entries from a
+    generator seeded 3 (parameter, then gradient, spec by spec)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    params = []
+    for s in specs:
+        p = torch.nn.Parameter(torch.randn(s.shape, generator=gen, device=device))
+        p.grad = torch.randn(s.shape, generator=gen, device=device)
+        params.append(p)
+    return params
 
 
 def torch_direct_adadiag(specs: list[ParamSpec], rule: str = "paper", device: Any = "cuda") -> Callable[[], None]:

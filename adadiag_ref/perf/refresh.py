@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from .._cli import pyplot
 from ..linalg import canonical_svd, canonicalize_svd
 from ..memory import LLAMA_CONFIGS, llama_parameters
 from .bench import (
@@ -141,8 +142,6 @@ CANDIDATES: dict[str, Route] = {
     "warm-start": _warm_start,
 }
 """Every evaluated route: ``route(G, P_previous) -> P`` (canonical, ``G``'s dtype)."""
-
-LIBRARY_ROUTES = ("svd", "gram", "auto")
 
 
 def _threads(threads: int | None) -> int | None:
@@ -308,11 +307,7 @@ def _fitted_exponent(points: list[tuple[int, float]]) -> float:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for key, entry in result.items():
         pts = entry["points"]

@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .._cli import pyplot
+
 
 def plot_comparison(result: dict[str, Any], path: str | Path) -> None:
     """One line per optimizer and seed (same colour per optimizer), validation loss against step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     selected = result["selected_lr"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours: dict[str, Any] = {}

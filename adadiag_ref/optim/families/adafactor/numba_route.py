@@ -19,7 +19,7 @@ from ...._kernels import _fortran, _jit, rows_in_memory_order, scalar
 from ...._xp import Array, Namespace
 from ....config import AdafactorConfig, BaseConfig
 from ...schedules import first_moment_decay
-from ..common import Moments
+from ..common import Moments, ema
 from .reference import second_moment_decay
 
 __all__ = ["adafactor_direction", "direction", "factored", "normalised_with_sum"]
@@ -70,10 +70,6 @@ def _clip(U, divisor):  # type: ignore[no-untyped-def]
     for i in range(m):
         for j in range(n):
             U[i, j] = U[i, j] / divisor
-
-
-def ema(beta_t: Any, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    return beta_t * old + (1.0 - beta_t) * new  # type: ignore[no-any-return]
 
 
 def factored(r0: np.ndarray, s0: np.ndarray, g: np.ndarray, eps: float, beta2_t: Any) -> tuple:

@@ -33,6 +33,7 @@ import numpy as np
 from .... import _kernels, buffers
 from ...._kernels import (
     _inline,
+    _jit,
     _serial_and_parallel,
     alike,
     delta_entry,
@@ -156,7 +157,7 @@ adam_direction_flat, adam_direction_flat_parallel = _serial_and_parallel(_adam_d
 adam_moments_over_flat, adam_moments_over_flat_parallel = _serial_and_parallel(_adam_moments_over_flat)
 
 
-adam_moments_own_flat, adam_moments_own_flat_parallel = _serial_and_parallel(_adam_moments_own_flat)
+adam_moments_own_flat = _jit(_adam_moments_own_flat)  # serial: group_route's engine_moments cuts the rows
 
 
 adam_delta_flat, adam_delta_flat_parallel = _serial_and_parallel(_adam_delta_flat)

@@ -17,8 +17,8 @@ from ...._kernels import _fortran, _jit, scalar
 from ...._xp import Array, Namespace
 from ....config import BaseConfig, HfacConfig
 from ...schedules import beta_hats
-from ..adafactor.numba_route import clip_divisor, ema, factored, normalised_with_sum
-from ..common import Moments
+from ..adafactor.numba_route import clip_divisor, factored, normalised_with_sum
+from ..common import Moments, ema
 
 __all__ = ["direction", "hfac_direction"]
 
