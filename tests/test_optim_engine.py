@@ -133,6 +133,44 @@ def test_engine_equals_step_per_parameter(name: str, dtype: Any, backend: str) -
         assert engine.count(i) == 5
 
 
+# a 2 x 3 matrix first puts every later block's first entry off a fresh tensor's 64-byte alignment
+OFF_ALIGNMENT = [(2, 3), (8, 8), (8, 8), (8, 20), (20, 8), (20, 8), (5, 7), (5, 7), (7,)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", ["adadiag", "adadiag_pp"])
+def test_cpu_torch_blocks_off_alignment_step_like_the_core_with_one_copy_per_block(
+    name: str, dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU torch the GEMMs of a small rotation block whose first entry is off a fresh tensor's alignment (MKL
+    rounds otherwise there) read and write the block's own aligned arrays, one copy per block: ``ar.step``'s bits,
+    refresh steps included, and no copy of a matrix whose size is a multiple of 64 bytes (each was copied apart,
+    as it was used, before)."""
+    pytest.importorskip("torch")
+    from adadiag_ref.optim import engine as engine_module
+
+    copied: Counter[tuple[int, ...]] = Counter()
+    fresh_alignment = engine_module._fresh_alignment
+
+    def counting(x: Any) -> Any:
+        out = fresh_alignment(x)
+        if out is not x:
+            copied[tuple(x.shape)] += 1
+        return out
+
+    monkeypatch.setattr(engine_module, "_fresh_alignment", counting)
+    cfg = ar.make_config(name, update_freq=3, weight_decay=0.1, kernels="reference")
+    host_params, stream = _stream(OFF_ALIGNMENT, dtype, steps=5)
+    params = [_torch(p) for p in host_params]
+    engine = ar.Engine(params, cfg)
+    singles, states = _in_lockstep(engine, params, host_params, stream, cfg, _torch)
+    for i, want in enumerate(singles):
+        _assert_close(params[i], want, True, dtype)
+        _assert_states(engine.state(i), states[i], True, dtype)
+    assert not {shape: n for shape, n in copied.items() if 4 * shape[0] * shape[1] % 64 == 0}, copied
+    assert copied, "the 5 x 7 matrices (35 entries) lie off the alignment in their own block too: copied apart"
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_live_engine_writes_the_states_it_handed_out(name: str, backend: str) -> None:

@@ -112,6 +112,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -194,6 +195,7 @@ class _Block:
         # in host memory (CPU torch): per direction, the bases it was made of and their factors as lists of matrices
         self.factors: dict[bool, tuple[Any, Any, list[Any], list[Any]]] = {}
         self.views: dict[int, tuple[Array, list[Array], list[bool]]] = {}  # per flat array: its matrices, aligned
+        self.staging: dict[tuple[str, Any], Array] = {}  # per role and dtype, CPU torch: Engine._staged
 
 
 class _FlatGroup:
@@ -298,14 +300,17 @@ def _factors(block: _Block, P: Array, Q: Array | None, back: bool) -> tuple[Arra
     return (None if Q is None else _transpose(Q), P) if block.transposed else (_transpose(P), Q)
 
 
-def _sandwich(x: Array, L: Array | None, R: Array | None, left_first: bool, out: Array | None = None) -> Array:
+def _sandwich(x: Array, L: Array | None, R: Array | None, left_first: bool, out: Array | None = None,
+              product: Callable[..., Array] = _product) -> Array:  # fmt: skip
     """``L X R`` by :func:`~adadiag_ref.optim.rotation._product`: ``(L X) R`` when ``left_first`` (a wide
-    parameter's order), else ``L (X R)`` (a tall one's); the last product into ``out`` where given."""
+    parameter's order), else ``L (X R)`` (a tall one's); the last product into ``out`` where given.  ``product``:
+    ``torch.mm`` for CPU torch matrices, the call ``_product`` makes for them (the same bits), without its
+    dispatch, which costs more than a tiny product itself."""
     if L is None:
-        return _product(x, R, out)
+        return product(x, R, out=out)
     if R is None:
-        return _product(L, x, out)
-    return _product(_product(L, x), R, out) if left_first else _product(L, _product(x, R), out)
+        return product(L, x, out=out)
+    return product(product(L, x), R, out=out) if left_first else product(L, product(x, R), out=out)
 
 
 def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
@@ -350,6 +355,11 @@ def _fresh_alignment(x: Array) -> Array:
     :func:`~adadiag_ref.step`'s operands are fresh tensors; the blocks of real models (sizes multiples of 16
     entries) are aligned, so no copy is made for them."""
     return x if x.data_ptr() % _ALIGNMENT == 0 else x.clone()
+
+
+_STAGED_SIZE = 1 << 16
+"""Entries: a rotation block off a fresh tensor's alignment up to this size goes through arrays of its own
+(:meth:`Engine._staged`), kept; a larger one copies its matrices one at a time, as they are used."""
 
 
 def _transpose(x: Array) -> Array:
@@ -1296,11 +1306,19 @@ class Engine:
             return flat
         xp = self.xp
         if self._host and type(flat) is not np.ndarray:
+            mm = sys.modules["torch"].mm  # CPU torch tensors here: torch is imported
             result = xp.empty((group.size,), dtype=flat.dtype, device=group.device) if into is None else into
             kept = [id(x) for x in group.scratch.values()]  # the group's own arrays persist: their views are kept
             for b, block in enumerate(group.blocks):
-                sources, _ = self._matrices(block, flat, id(flat) in kept)
+                sources, fresh = self._matrices(block, flat, id(flat) in kept)
+                small = block.stop - block.start <= _STAGED_SIZE
+                if small and not all(fresh):  # the block copied once to a fresh tensor's alignment, not per matrix
+                    sources, _ = self._matrices(block, self._staged(block, "sources", flat, flat), True)
                 targets, aligned = self._matrices(block, result, id(result) in kept)
+                staged = None
+                if small and not all(aligned):  # the products into one such array, copied into ``result`` at once
+                    staged = self._staged(block, "targets", result)
+                    targets, aligned = self._matrices(block, staged, True)
                 if plain is not None:
                     Ls, Rs = self._host_factors(block, *plain[0][b], plain[1])
                 for i, (source, out) in enumerate(zip(sources, targets, strict=True)):
@@ -1308,9 +1326,11 @@ class Engine:
                     if plain is None:
                         made = product(b, block, _fresh_alignment(source), target, i)
                     else:
-                        made = _sandwich(_fresh_alignment(source), Ls[i], Rs[i], not block.transposed, target)
+                        made = _sandwich(_fresh_alignment(source), Ls[i], Rs[i], not block.transposed, target, mm)
                     if made is not out:
                         out[...] = made
+                if staged is not None:
+                    result[block.start : block.stop] = staged
             result[group.unrotated_start :] = flat[group.unrotated_start :]
             return result
         if type(flat) is np.ndarray:
@@ -1374,15 +1394,30 @@ class Engine:
             stack, block, *_bases_part(stacks[b], part), out), into, (stacks, True))  # fmt: skip
 
     def _matrices(self, block: _Block, flat: Array, keep: bool) -> tuple[list[Array], list[bool]]:
-        """The block's matrices in ``flat`` (CPU torch) as views, and whether each lies at a fresh tensor's
-        alignment; with ``keep`` (one of the group's scratch arrays, which persist) made once and kept."""
+        """The block's matrices in ``flat`` (CPU torch; a group's flat array, or one of the block's own,
+        :meth:`_staged`) as views, and whether each lies at a fresh tensor's alignment; with ``keep`` (one of the
+        group's scratch arrays or the block's own, which persist) made once and kept."""
         kept = block.views.get(id(flat))
         if kept is None or kept[0] is not flat:
-            views = list(self.xp.reshape(flat[block.start : block.stop], (block.matrices, block.a, block.b)).unbind(0))
+            span = flat if any(flat is own for own in block.staging.values()) else flat[block.start : block.stop]
+            views = list(self.xp.reshape(span, (block.matrices, block.a, block.b)).unbind(0))
             kept = (flat, views, [v.data_ptr() % _ALIGNMENT == 0 for v in views])
             if keep:
                 block.views[id(flat)] = kept
         return kept[1], kept[2]
+
+    def _staged(self, block: _Block, role: str, like: Array, source: Array | None = None) -> Array:
+        """The block's kept array ``role`` (its entries only) at a fresh tensor's alignment, one per dtype (that of
+        ``like``; CPU torch); holding ``source``'s block entries where given.  A block off that alignment (tiny
+        parameters) has its GEMM operands and outputs there: one copy per block instead of one per matrix."""
+        key = (role, like.dtype)
+        stage = block.staging.get(key)
+        if stage is None:
+            stage = block.staging[key] = self.xp.empty((block.stop - block.start,), dtype=like.dtype,
+                                                       device=like.device)  # fmt: skip
+        if source is not None:
+            stage.copy_(source[block.start : block.stop])
+        return stage
 
     def _host_factors(self, block: _Block, P: Array, Q: Array | None, back: bool) -> tuple[list[Any], list[Any]]:
         """:func:`_factors` of the block's bases ``P``, ``Q`` (stacks) as lists of matrices (``None`` entries for
