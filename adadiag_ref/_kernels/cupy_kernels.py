@@ -83,19 +83,12 @@ def coefficient(x: Any, dtype: Any) -> Any:
     if isinstance(x, bool):
         return None
     if isinstance(x, np.generic | np.ndarray):  # before float: numpy.float64 is a float, and not weak
-        return _host_array(x, dtype)
+        return np.asarray(x)[()] if x.dtype == dtype and x.ndim == 0 else None
     if isinstance(x, int | float):
         return np.asarray(x, dtype=dtype)[()]
     if is_cupy_array(x) and x.ndim == 0 and x.dtype == dtype:
         return x
     return None
-
-
-def _host_array(x: Any, dtype: Any) -> Any:
-    """A NumPy scalar or 0-d array of ``dtype`` as a NumPy scalar; ``None`` for another dtype or shape."""
-    if x.dtype != dtype or x.ndim != 0:
-        return None
-    return np.asarray(x)[()]
 
 
 def ema_coefficients(beta_t: Any, dtype: Any) -> tuple[Any, Any] | None:

@@ -413,14 +413,6 @@ def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str
     return {"adapter": adapter_step, "core": core_step}
 
 
-def bench_torch_adapter(specs: list[ParamSpec], reps: int, rule: str = "paper") -> dict[str, float]:
-    """Median times of :func:`torch_adapter_steps`' ``adapter`` and ``core`` steps (measured one after the other)."""
-    steps = torch_adapter_steps(specs, rule)
-    res = {"adapter": median_time(steps["adapter"], reps)}
-    res["core"] = median_time(steps["core"], reps)
-    return res
-
-
 def torch_adapter_ratio(
     specs: list[ParamSpec], reps: int, rule: str = "paper", warmup: int = 2, pause: float = 0.3
 ) -> dict[str, Any]:
@@ -592,7 +584,7 @@ def _run(
             steps = torch_adapter_steps(specs, rule)
         except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
             out(f"  torch adapter not importable: {exc}")
-        else:  # as bench_torch_adapter, through CallLogs
+        else:  # the adapter's and the core's steps, through CallLogs
             for key, name in (("torch_adadiag_adapter", "adapter"), ("torch_adadiag_core", "core")):
                 logs[key] = CallLog(steps[name], warmup=1)
                 res[key] = median_time(logs[key], max(3, reps // 2), warmup=1)
