@@ -321,7 +321,7 @@ def test_torch_engine_row_steps_the_engine_over_torch_tensors_on_the_cpu() -> No
     from adadiag_ref.perf.gpu import _TorchEngineSteps
     from adadiag_ref.perf.params import QUICK
 
-    steps = _TorchEngineSteps(torch, llama_parameters(QUICK), torch.device("cpu"))
+    steps = _TorchEngineSteps(llama_parameters(QUICK), torch.device("cpu"))
     before = [p.detach().clone() for p in steps.params]
     steps()
     steps()

@@ -195,7 +195,8 @@ class _Block:
         # in host memory (CPU torch): per direction, the bases it was made of and their factors as lists of matrices
         self.factors: dict[bool, tuple[Any, Any, list[Any], list[Any]]] = {}
         self.views: dict[int, tuple[Array, list[Array], list[bool]]] = {}  # per flat array: its matrices, aligned
-        self.staging: dict[tuple[str, Any], Array] = {}  # per role and dtype, CPU torch: Engine._staged
+        # per role and dtype, CPU torch: an aligned array of the block's entries, its matrices, their alignment
+        self.staging: dict[tuple[str, Any], tuple[Array, list[Array], list[bool]]] = {}  # Engine._staged
 
 
 class _FlatGroup:
@@ -1313,12 +1314,11 @@ class Engine:
                 sources, fresh = self._matrices(block, flat, id(flat) in kept)
                 small = block.stop - block.start <= _STAGED_SIZE
                 if small and not all(fresh):  # the block copied once to a fresh tensor's alignment, not per matrix
-                    sources, _ = self._matrices(block, self._staged(block, "sources", flat, flat), True)
+                    _, sources, _ = self._staged(block, "sources", flat, flat)
                 targets, aligned = self._matrices(block, result, id(result) in kept)
                 staged = None
                 if small and not all(aligned):  # the products into one such array, copied into ``result`` at once
-                    staged = self._staged(block, "targets", result)
-                    targets, aligned = self._matrices(block, staged, True)
+                    staged, targets, aligned = self._staged(block, "targets", result)
                 if plain is not None:
                     Ls, Rs = self._host_factors(block, *plain[0][b], plain[1])
                 for i, (source, out) in enumerate(zip(sources, targets, strict=True)):
@@ -1394,30 +1394,36 @@ class Engine:
             stack, block, *_bases_part(stacks[b], part), out), into, (stacks, True))  # fmt: skip
 
     def _matrices(self, block: _Block, flat: Array, keep: bool) -> tuple[list[Array], list[bool]]:
-        """The block's matrices in ``flat`` (CPU torch; a group's flat array, or one of the block's own,
-        :meth:`_staged`) as views, and whether each lies at a fresh tensor's alignment; with ``keep`` (one of the
-        group's scratch arrays or the block's own, which persist) made once and kept."""
+        """The block's matrices in ``flat`` (CPU torch) as views, and whether each lies at a fresh tensor's
+        alignment; with ``keep`` (one of the group's scratch arrays, which persist) made once and kept."""
         kept = block.views.get(id(flat))
         if kept is None or kept[0] is not flat:
-            span = flat if any(flat is own for own in block.staging.values()) else flat[block.start : block.stop]
-            views = list(self.xp.reshape(span, (block.matrices, block.a, block.b)).unbind(0))
-            kept = (flat, views, [v.data_ptr() % _ALIGNMENT == 0 for v in views])
+            kept = (flat, *self._stack_views(block, flat[block.start : block.stop]))
             if keep:
                 block.views[id(flat)] = kept
         return kept[1], kept[2]
 
-    def _staged(self, block: _Block, role: str, like: Array, source: Array | None = None) -> Array:
+    def _stack_views(self, block: _Block, span: Array) -> tuple[list[Array], list[bool]]:
+        """The block's matrices in ``span`` (its entries) as views, and whether each lies at a fresh tensor's
+        alignment."""
+        views = list(self.xp.reshape(span, (block.matrices, block.a, block.b)).unbind(0))
+        return views, [v.data_ptr() % _ALIGNMENT == 0 for v in views]
+
+    def _staged(
+        self, block: _Block, role: str, like: Array, source: Array | None = None
+    ) -> tuple[Array, list[Array], list[bool]]:
         """The block's kept array ``role`` (its entries only) at a fresh tensor's alignment, one per dtype (that of
-        ``like``; CPU torch); holding ``source``'s block entries where given.  A block off that alignment (tiny
-        parameters) has its GEMM operands and outputs there: one copy per block instead of one per matrix."""
+        ``like``; CPU torch), with its matrices' views and their alignment (:meth:`_stack_views`); holding
+        ``source``'s block entries where given.  A block off that alignment (tiny parameters) has its GEMM operands
+        and outputs there: one copy per block instead of one per matrix."""
         key = (role, like.dtype)
-        stage = block.staging.get(key)
-        if stage is None:
-            stage = block.staging[key] = self.xp.empty((block.stop - block.start,), dtype=like.dtype,
-                                                       device=like.device)  # fmt: skip
+        kept = block.staging.get(key)
+        if kept is None:
+            stage = self.xp.empty((block.stop - block.start,), dtype=like.dtype, device=like.device)
+            kept = block.staging[key] = (stage, *self._stack_views(block, stage))
         if source is not None:
-            stage.copy_(source[block.start : block.stop])
-        return stage
+            kept[0].copy_(source[block.start : block.stop])
+        return kept
 
     def _host_factors(self, block: _Block, P: Array, Q: Array | None, back: bool) -> tuple[list[Any], list[Any]]:
         """:func:`_factors` of the block's bases ``P``, ``Q`` (stacks) as lists of matrices (``None`` entries for

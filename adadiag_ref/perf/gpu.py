@@ -243,7 +243,7 @@ class _TorchEngineSteps:
     """AdamW through :class:`adadiag_ref.Engine` over torch parameters on ``device``; a call is one
     ``engine.step(grads, params, check=False)`` (the host counter: nothing read back), in place."""
 
-    def __init__(self, torch: Any, specs: list[ParamSpec], device: Any) -> None:
+    def __init__(self, specs: list[ParamSpec], device: Any) -> None:
         import adadiag_ref as ar
 
         self.params = torch_params(specs, device)
@@ -572,7 +572,7 @@ def run(
             elif key == "torch_direct_adadiag":
                 fn = torch_direct_adadiag(specs, rule, torch.device("cuda"))
             elif key == "torch_engine_adamw":
-                fn = _TorchEngineSteps(torch, specs, torch.device("cuda"))
+                fn = _TorchEngineSteps(specs, torch.device("cuda"))
             elif key.endswith("_no_cupy"):  # kernels="reference": the engine's route where CuPy is not installed
                 name = key.removeprefix("torch_adapter_").removesuffix("_no_cupy")
                 fn = _torch_adapter_step(torch, name, specs, rule, kernels="reference")
