@@ -8,10 +8,12 @@ The core is written against the Python array API standard.  Public functions tak
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import types
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +40,7 @@ __all__ = [
     "float_dtype_name",
     "namespace",
     "native_module",
-    "plain_cpu_tensor",
+    "plain_cpu_tensors",
     "require_linalg",
     "sqrt",
     "state_dtype",
@@ -143,30 +145,37 @@ def _numpy_root(x: Any, out: Any) -> Any:
     return result
 
 
-def plain_cpu_tensor(x: Any) -> bool:
-    """Whether ``x`` is a plain strided float32/float64 CPU torch tensor (no subclass such as a DTensor, no lazily
-    negated or conjugated view): one whose memory NumPy and the numba kernels may read as it is."""
+def plain_cpu_tensors(xs: Sequence[Any]) -> bool:
+    """Whether every one of ``xs`` is a plain strided float32/float64 CPU torch tensor (no subclass such as a
+    DTensor, no lazily negated or conjugated view): one whose memory NumPy and the numba kernels may read as it
+    is.  Each property is read by ``map`` over all of them, a loop in C: the engine asks it of every gradient at
+    every step, where a Python frame per tensor cost more than a tiny tensor's arithmetic."""
     torch = sys.modules.get("torch")  # x is no torch tensor unless torch is imported (and this is called per step)
+    if torch is None:
+        return False
+    plain = {torch.Tensor, torch.nn.Parameter}
     return (
-        torch is not None
-        and type(x) in (torch.Tensor, torch.nn.Parameter)
-        and x.is_cpu
-        and x.dtype in (torch.float32, torch.float64)
-        and x.layout == torch.strided
-        and not x.is_neg()
-        and not x.is_conj()
+        set(map(type, xs)) <= plain
+        and all(map(_IS_CPU, xs))
+        and set(map(_DTYPE, xs)) <= {torch.float32, torch.float64}
+        and set(map(_LAYOUT, xs)) <= {torch.strided}
+        and not any(map(_IS_NEG, xs))
+        and not any(map(_IS_CONJ, xs))
     )
 
 
+_IS_CPU, _DTYPE, _LAYOUT = operator.attrgetter("is_cpu"), operator.attrgetter("dtype"), operator.attrgetter("layout")
+_IS_NEG, _IS_CONJ = operator.methodcaller("is_neg"), operator.methodcaller("is_conj")
+
+
 def _numpy_may_root(*tensors: Any) -> bool:
-    """Whether NumPy may take the root of these torch tensors (``None`` entries aside): each a
-    :func:`plain_cpu_tensor` with no autograd graph to record, and no graph being traced."""
+    """Whether NumPy may take the root of these torch tensors (``None`` entries aside): :func:`plain_cpu_tensors`
+    with no autograd graph to record, and no graph being traced."""
     import torch
 
-    grad = torch.is_grad_enabled()
-    for x in tensors:
-        if x is not None and (not plain_cpu_tensor(x) or (x.requires_grad and grad)):
-            return False
+    present = [x for x in tensors if x is not None]
+    if not plain_cpu_tensors(present) or (torch.is_grad_enabled() and any(x.requires_grad for x in present)):
+        return False
     return not torch.compiler.is_compiling()
 
 

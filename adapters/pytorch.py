@@ -146,6 +146,10 @@ def validate_hyperparameters(group: Mapping[str, Any]) -> None:
         raise ValueError(f"Invalid foreach value: {foreach!r} (expected None, True or False)")
 
 
+_GRAD, _DTYPE, _SHAPE, _LAYOUT = (operator.attrgetter(a) for a in ("grad", "dtype", "shape", "layout"))
+"""Read by ``map`` over a group's parameters at every step: a loop in C, no Python frame per parameter."""
+
+
 _CONFIG_CACHE_SIZE = 64
 """Configs kept per optimizer: OneCycleLR changes ``betas`` at every step, so the cache must not grow without end."""
 
@@ -372,12 +376,13 @@ class CoreOptimizer(torch.optim.Optimizer):
         work: list[_Work] = []
         for group_index, group in enumerate(self.param_groups):
             cfg = self._build_config(group)
-            params = [p for p in group["params"] if p.grad is not None]  # frozen parameters have none
-            held = self._kept_engine(group_index, params, cfg, split)
+            grads = list(map(_GRAD, group["params"]))
+            params = [p for p, g in zip(group["params"], grads, strict=True) if g is not None]  # frozen: none
+            grads = [g for g in grads if g is not None]
+            held = self._kept_engine(group_index, params, grads, cfg, split)
             if held is None:
                 work += self._work_of(group_index, checked=True)
                 continue
-            grads = [p.grad for p in params]
             grads = list(torch._foreach_neg(grads)) if group["maximize"] else grads
             kept.append(_Job(held, grads, cfg, _number(group["lr"]), [], group_index))
         counts = _counts_of([item.flat["step"] for item in work])  # host counters: no device sync
@@ -424,20 +429,20 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._whole_grads = {}
 
     def _kept_engine(
-        self, group_index: int, params: list[torch.Tensor], cfg: BaseConfig, split: bool
+        self, group_index: int, params: list[torch.Tensor], grads: list[torch.Tensor], cfg: BaseConfig, split: bool
     ) -> _GroupEngine | None:
-        """The group's kept engine when it takes this step of ``params`` (the group's parameters with a gradient)
-        whole, else ``None``, having changed nothing: it holds exactly these parameters, their state dicts, tensors
-        and counters, under a config it takes; every gradient is dense with its parameter's dtype and shape (any
-        other is :meth:`_work_of`'s to refuse, naming it); no refresh due is split over the ranks."""
+        """The group's kept engine when it takes this step of ``params`` (the group's parameters with a gradient,
+        ``grads``) whole, else ``None``, having changed nothing: it holds exactly these parameters, their state
+        dicts, tensors and counters, under a config it takes; every gradient is dense with its parameter's dtype and
+        shape (any other is :meth:`_work_of`'s to refuse, naming it); no refresh due is split over the ranks.
+        Each property is read by ``map``, a loop in C, as every step asks it of every parameter."""
         held = self._engines.get(group_index)
         if held is None or not params:
             return None
-        grads = [p.grad for p in params]
-        if not all(g is not None and g.layout is torch.strided and g.dtype == p.dtype and g.shape == p.shape
-                   for g, p in zip(grads, params, strict=True)):  # fmt: skip
-            return None
-        if not held.holds(params, [self.state.get(p) for p in params], cfg, held.counters.numpy().tolist()):
+        if (set(map(_LAYOUT, grads)) != {torch.strided} or list(map(_DTYPE, grads)) != held.dtypes
+                or list(map(_SHAPE, grads)) != held.shapes):  # fmt: skip
+            return None  # the parameters' own dtypes and shapes are held's: held.holds
+        if not held.holds(params, list(map(self.state.get, params)), cfg, held.counters.numpy().tolist()):
             return None
         if split and any(ar.refresh_due(count, cfg) for count in set(held.counts)):
             return None
@@ -754,13 +759,15 @@ class _GroupEngine:
         self.flats = [item.flat for item in items]
         # the host counters as views of one int32 buffer: advanced by one addition, read by one host view
         self.counters = torch.tensor(counts, dtype=torch.int32)
-        self.held: list[tuple[tuple[str, torch.Tensor], ...]] = []
+        # (state dict, key, tensor) of every tensor handed out, as three lists for holds' loops in C
+        held: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]] = []
         for i, flat in enumerate(self.flats):
             state = self.engine.state(i)
             tensors = {f: getattr(state, f) for f in state._fields[1:] if f != "param_shape"}
             tensors["step"] = self.counters[i]
             flat.update({f: t for f, t in tensors.items() if t is not None})
-            self.held.append(tuple((f, t) for f, t in tensors.items() if t is not None))
+            held += [(flat, f, t) for f, t in tensors.items() if t is not None]
+        self.held_flats, self.held_keys, self.held_tensors = (list(column) for column in zip(*held, strict=True))
         self.counts = list(counts)
         self.cfg = cfg  # the last config found to differ from the engine's in betas and weight_decay only
 
@@ -772,10 +779,9 @@ class _GroupEngine:
             return False
         if not all(map(operator.is_, params, self.params)) or not all(map(operator.is_, flats, self.flats)):
             return False
-        if any(p.dtype != dtype or p.shape != shape for p, dtype, shape in zip(params, self.dtypes, self.shapes,
-                                                                              strict=True)):  # fmt: skip
+        if list(map(_DTYPE, params)) != self.dtypes or list(map(_SHAPE, params)) != self.shapes:
             return False
-        return all(flat.get(f) is t for flat, held in zip(flats, self.held, strict=True) for f, t in held)
+        return all(map(operator.is_, map(dict.get, self.held_flats, self.held_keys), self.held_tensors))
 
     def _takes(self, cfg: BaseConfig) -> bool:
         """``cfg`` is the engine's, or differs from it only in what a step may change (betas, weight decay)."""

@@ -131,7 +131,7 @@ def test_default_cpu_route_op_count_grows_only_by_the_rotations(name):
     Before the group kernels AdamW made ~20 aten calls per parameter."""
     small, large = _ops_of_one_step(name, 4, foreach=False), _ops_of_one_step(name, 32, foreach=False)
     # GEMMs, stack's allocation; the copies of a matrix off a fresh tensor's 64-byte alignment (these tiny shapes;
-    # engine._fresh_alignment: MKL rounds otherwise there), none for the blocks of real models
+    # engine._aligned_copy: MKL rounds otherwise there), none for the blocks of real models
     gemm = {"aten.mm.default", "aten.mm.out", "aten.empty.memory_format", "aten.clone.default", "aten.copy_.default"}
     fixed = lambda c: {k: v for k, v in c.ops.items() if k not in gemm}  # noqa: E731
     assert fixed(small) == fixed(large), (small.ops, large.ops)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import re
 import time
 
 import _adapter_import  # noqa: F401
@@ -109,6 +110,44 @@ def test_group_kernels_are_taken_and_bit_identical(name, monkeypatch):
                for k in rotated), routes  # fmt: skip
     assert all(r["engine"].startswith("flat group") for r in routes.values())
     assert not any("group_route" in r["moments"] for r in runs[1][1].routes().values())
+
+
+def _set_data(p, data):
+    p.grad.data = data  # torch refuses a grad of another shape or dtype, but not such .data
+
+
+BAD_GRADIENTS = {  # how to give parameter 0, of shape (5, 7), a gradient it refuses; the error
+    "dtype": (lambda p: _set_data(p, torch.zeros(p.shape, dtype=torch.float32)), ValueError,
+              "gradient of parameter 0 of param_groups[0] has dtype torch.float32, the parameter torch.float64"),
+    "shape": (lambda p: _set_data(p, torch.zeros(5, 7, 1, dtype=p.dtype)), ValueError,
+              "gradient of parameter 0 of param_groups[0] has shape (5, 7, 1), the parameter (5, 7)"),
+    "sparse": (lambda p: setattr(p, "grad", torch.ones(p.shape, dtype=p.dtype).to_sparse()), RuntimeError,
+               "sparse gradients (torch.sparse_coo) are not supported"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", BAD_GRADIENTS)
+@pytest.mark.parametrize("name", NAMES)
+def test_a_kept_engine_refuses_a_bad_gradient_as_the_first_step_does(name, bad):
+    """In the steady state (the group's engine kept), a gradient of another dtype, shape or layout than its
+    parameter's is refused with the message of a first step, naming the parameter, and nothing changes: the run
+    then goes on as one that never saw it."""
+    give, error, message = BAD_GRADIENTS[bad]
+    runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=3)
+    _steps(runs, range(2))
+    params, opt = runs[0]
+    engine = opt._engines[0]
+    _grads(params, 2)
+    give(params[0])
+    before = [p.clone() for p in params], copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(error, match=re.escape(message)):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before[0], strict=True))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], before[1][i][k]) for i in after for k in after[i])
+    assert opt._engines[0] is engine
+    _steps(runs, range(2, 6))
+    _assert_same(runs)
 
 
 @pytest.mark.parametrize("name", NAMES)

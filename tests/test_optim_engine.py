@@ -150,15 +150,14 @@ def test_cpu_torch_blocks_off_alignment_step_like_the_core_with_one_copy_per_blo
     from adadiag_ref.optim import engine as engine_module
 
     copied: Counter[tuple[int, ...]] = Counter()
-    fresh_alignment = engine_module._fresh_alignment
+    aligned_copy = engine_module._aligned_copy
 
     def counting(x: Any) -> Any:
-        out = fresh_alignment(x)
-        if out is not x:
-            copied[tuple(x.shape)] += 1
-        return out
+        assert x.data_ptr() % 64, "a matrix at a fresh tensor's alignment is its own GEMM operand, not copied"
+        copied[tuple(x.shape)] += 1
+        return aligned_copy(x)
 
-    monkeypatch.setattr(engine_module, "_fresh_alignment", counting)
+    monkeypatch.setattr(engine_module, "_aligned_copy", counting)
     cfg = ar.make_config(name, update_freq=3, weight_decay=0.1, kernels="reference")
     host_params, stream = _stream(OFF_ALIGNMENT, dtype, steps=5)
     params = [_torch(p) for p in host_params]
@@ -169,6 +168,43 @@ def test_cpu_torch_blocks_off_alignment_step_like_the_core_with_one_copy_per_blo
         _assert_states(engine.state(i), states[i], True, dtype)
     assert not {shape: n for shape, n in copied.items() if 4 * shape[0] * shape[1] % 64 == 0}, copied
     assert copied, "the 5 x 7 matrices (35 entries) lie off the alignment in their own block too: copied apart"
+
+
+def _lazily_negated(g: Any) -> Any:
+    import torch
+
+    return torch._neg_view(-g)  # the values of g; its memory holds -g, to be negated as it is read
+
+
+def _not_contiguous(g: Any) -> Any:
+    return g.t().contiguous().t() if g.ndim == 2 else g[None].expand(2, *g.shape)[1]  # a 1-d one: stride 0 ahead
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("odd", [_lazily_negated, _not_contiguous], ids=["negated-view", "not-contiguous"])
+@pytest.mark.parametrize("name", ["adamw", "adadiag"])
+def test_cpu_torch_group_kernels_read_by_address_only_gradients_stored_as_they_are(name: str, odd: Any,
+                                                                                  dtype: Any) -> None:  # fmt: skip
+    """The group kernels read a CPU tensor's memory by address, so a gradient whose memory does not hold its values
+    in order (a lazily negated view, a non-contiguous one) among plain ones sends the step another way: each
+    step equals the step with every gradient materialised, bit for bit, and reads no memory as values."""
+    pytest.importorskip("torch")
+    if not _kernels_available():
+        pytest.skip("numba is not installed: no group kernels")
+    cfg = ar.make_config(name, update_freq=2, weight_decay=0.1)
+    shapes = [(4, 6), (6,), (6, 4), (5,)]
+    host_params, stream = _stream(shapes, dtype, steps=4)
+    plain_params, odd_params = [_torch(p) for p in host_params], [_torch(p) for p in host_params]
+    plain, oddly = ar.Engine(plain_params, cfg), ar.Engine(odd_params, cfg)
+    for step, grads in enumerate(stream):
+        plain.step([_torch(g) for g in grads], plain_params)
+        given_grads = [_torch(g) for g in grads]
+        given_grads[step % len(shapes)] = odd(given_grads[step % len(shapes)])  # one odd gradient a step
+        oddly.step(given_grads, odd_params)
+        for want, got in zip(plain_params, odd_params, strict=True):
+            _assert_close(got, want, True, dtype)
+    for i in range(len(shapes)):
+        _assert_states(oddly.state(i), plain.state(i), True, dtype)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

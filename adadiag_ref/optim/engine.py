@@ -112,6 +112,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -345,17 +346,21 @@ def _product_into(product: Callable[..., Array], b: int, block: _Block, source: 
         out[...] = made
 
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
 _ALIGNMENT = 64
 """Bytes: the alignment of a fresh CPU torch tensor, which the host path's GEMM operands keep."""
 
 
-def _fresh_alignment(x: Array) -> Array:
-    """A CPU torch matrix (a view into a flat array) as a GEMM operand aligned as a fresh tensor is: itself when
-    its first entry lies on a :data:`_ALIGNMENT`-byte boundary, else a copy.  MKL's GEMM rounds otherwise on an
-    operand at another alignment (measured: a 6 x 4 float32 view at an 80-byte offset gave other last bits), and
+def _aligned_copy(x: Array) -> Array:
+    """A CPU torch matrix (a view into a flat array) whose first entry is off a :data:`_ALIGNMENT`-byte boundary,
+    copied to a fresh tensor's alignment to be a GEMM operand.  MKL's GEMM rounds otherwise on an operand at
+    another alignment (measured: a 6 x 4 float32 view at an 80-byte offset gave other last bits), and
     :func:`~adadiag_ref.step`'s operands are fresh tensors; the blocks of real models (sizes multiples of 16
-    entries) are aligned, so no copy is made for them."""
-    return x if x.data_ptr() % _ALIGNMENT == 0 else x.clone()
+    entries) are aligned, so no copy is made for them.  Which views are off is known when they are made
+    (:meth:`Engine._stack_views`), not asked per matrix and step."""
+    return x.clone()
 
 
 _STAGED_SIZE = 1 << 16
@@ -930,13 +935,13 @@ class Engine:
         ``check=False``.  A gradient of another shape or dtype than its parameter's raises ``ValueError`` naming
         it, before any gradient is read."""
         grads_l = _as_ordered(grads, self._keys, "grads")
-        for i, (g, shape, dtype) in enumerate(zip(grads_l, self._shapes, self._param_dtypes, strict=True)):
-            if getattr(g, "dtype", None) != dtype or g.shape != shape:  # the kernels read by address: sizes first
-                raise ValueError(
-                    f"gradient {self._keys[i]!r} has shape {tuple(g.shape)} and dtype {getattr(g, 'dtype', None)}; "
-                    f"the engine was built for shape {self._shapes[i]} and dtype {self._param_dtypes[i]} (nothing was "
-                    "read)"
-                )
+        if not self._built_like(grads_l):  # the kernels read by address: sizes first
+            for key, g, shape, dtype in zip(self._keys, grads_l, self._shapes, self._param_dtypes, strict=True):
+                if getattr(g, "dtype", None) != dtype or g.shape != shape:
+                    raise ValueError(
+                        f"gradient {key!r} has shape {tuple(g.shape)} and dtype {getattr(g, 'dtype', None)}; the "
+                        f"engine was built for shape {shape} and dtype {dtype} (nothing was read)"
+                    )
         summed: list[Array] = []
         counts: list[Any] = []
         for group in self._flat:
@@ -950,6 +955,15 @@ class Engine:
         verdict = self._verdict(summed, counts)
         return bool(verdict) if self._host else verdict  # a CPU torch sum is a 0-d tensor: read it here
 
+    def _built_like(self, arrays: list[Array]) -> bool:
+        """Whether ``arrays`` have exactly the shapes and dtypes the engine was built for, read by ``map`` (a loop
+        in C: at every step, for every parameter, a Python frame cost more than a tiny one's arithmetic).  ``False``
+        leaves the verdict, and the message naming the array, to the caller's check of each."""
+        try:
+            return list(map(_SHAPE, arrays)) == self._shapes and list(map(_DTYPE, arrays)) == self._param_dtypes
+        except AttributeError:
+            return False
+
     def _writable(self) -> Any:
         """``torch.no_grad()`` for torch (a leaf parameter that requires grad is written in place), else nothing."""
         if is_torch_namespace(self.xp):
@@ -962,6 +976,8 @@ class Engine:
         """The gradients and parameters in the engine's order, checked against it (shapes, dtypes; no values)."""
         grads_l = _as_ordered(grads, self._keys, "grads")
         params_l = _as_ordered(params, self._keys, "params")
+        if self._built_like(params_l) and self._built_like(grads_l):
+            return grads_l, params_l
         xp = self.xp
         for i, (g, p) in enumerate(zip(grads_l, params_l, strict=True)):
             shape = tuple(p.shape)  # ints on every backend the engine takes (torch.Size, a tuple)
@@ -1066,9 +1082,9 @@ class Engine:
         the group's scratch where the backend's ``concatenate`` takes ``out=`` (NumPy, CuPy, torch), else a new
         array of ``xp.concat`` (``array_api_strict``, JAX)."""
         xp = self.xp
-        pieces = [xp.reshape(arrays[m.index], (-1,)) for m in group.members]
         if self._native is None:
-            return xp.concat(pieces)
+            return xp.concat([xp.reshape(arrays[m.index], (-1,)) for m in group.members])
+        pieces = [arrays[m.index].reshape(-1) for m in group.members]  # the native method: no wrapper per member
         out = group.scratch.get(which)
         if out is None:  # allocated on first use, then kept (a group its kernels step never needs one)
             out = group.scratch[which] = xp.empty((group.size,), dtype=group.param_dtype, device=group.device)
@@ -1299,7 +1315,7 @@ class Engine:
         else a new one), not concatenated afterwards; on NumPy the products are spread over threads with BLAS
         single-threaded (:func:`~adadiag_ref.optim.blas_threads.run_balanced`), on CPU torch one ``torch.mm`` per
         matrix (as :func:`~adadiag_ref.optim.rotation.rotate` calls it: ``ar.step``'s bits), an output off a
-        fresh tensor's alignment computed apart and copied (:func:`_fresh_alignment`); there ``plain`` (the
+        fresh tensor's alignment computed apart and copied (:func:`_aligned_copy`); there ``plain`` (the
         blocks' bases and the direction, for a product without a refresh step's structure) takes the products
         through the blocks' factors and matrix views, made once and kept while the arrays are the same
         (:meth:`_matrices`)."""
@@ -1314,7 +1330,7 @@ class Engine:
                 sources, fresh = self._matrices(block, flat, id(flat) in kept)
                 small = block.stop - block.start <= _STAGED_SIZE
                 if small and not all(fresh):  # the block copied once to a fresh tensor's alignment, not per matrix
-                    _, sources, _ = self._staged(block, "sources", flat, flat)
+                    _, sources, fresh = self._staged(block, "sources", flat, flat)
                 targets, aligned = self._matrices(block, result, id(result) in kept)
                 staged = None
                 if small and not all(aligned):  # the products into one such array, copied into ``result`` at once
@@ -1323,10 +1339,11 @@ class Engine:
                     Ls, Rs = self._host_factors(block, *plain[0][b], plain[1])
                 for i, (source, out) in enumerate(zip(sources, targets, strict=True)):
                     target = out if aligned[i] else None
+                    operand = source if fresh[i] else _aligned_copy(source)
                     if plain is None:
-                        made = product(b, block, _fresh_alignment(source), target, i)
+                        made = product(b, block, operand, target, i)
                     else:
-                        made = _sandwich(_fresh_alignment(source), Ls[i], Rs[i], not block.transposed, target, mm)
+                        made = _sandwich(operand, Ls[i], Rs[i], not block.transposed, target, mm)
                     if made is not out:
                         out[...] = made
                 if staged is not None:

@@ -33,7 +33,7 @@ from array_api_compat import is_numpy_namespace, is_torch_namespace
 
 from .... import _kernels
 from ...._kernels import is_host_number, prange, scalar
-from ...._xp import Namespace, float_dtype_name, plain_cpu_tensor
+from ...._xp import Namespace, float_dtype_name, plain_cpu_tensors
 from ....config import BaseConfig
 from ...schedules import beta_hats
 from ...tail import decays
@@ -138,6 +138,11 @@ else:  # pragma: no cover
     engine_tail = engine_tail_parallel = engine_moments = engine_moments_parallel = None
 
 
+_DATA_PTR, _IS_CONTIGUOUS = operator.methodcaller("data_ptr"), operator.methodcaller("is_contiguous")
+_DEREFERENCE = weakref.ref.__call__
+"""Read by ``map`` over a group's tensors at every step: a loop in C, no Python frame per tensor."""
+
+
 CHUNK = 1 << 16
 """Entries per work item of the engine's group kernels: a member larger than this is cut into pieces, so that
 the parallel kernels share a few large members as evenly as many small ones."""
@@ -221,9 +226,9 @@ class NumpyGroup:
         """The arrays' addresses, or ``None`` unless each is a C-contiguous ``numpy.ndarray`` (with ``tensors``: a
         dense CPU torch tensor; the engine has checked their dtypes and shapes against the group's)."""
         if self.tensors:
-            if not all(plain_cpu_tensor(a) and a.is_contiguous() for a in arrays):
+            if not (plain_cpu_tensors(arrays) and all(map(_IS_CONTIGUOUS, arrays))):
                 return None
-            return np.array([a.data_ptr() for a in arrays], dtype=np.int64)
+            return np.array(list(map(_DATA_PTR, arrays)), dtype=np.int64)
         out = np.empty(len(arrays), dtype=np.int64)
         for k, a in enumerate(arrays):
             if type(a) is not np.ndarray:
@@ -238,13 +243,17 @@ class NumpyGroup:
     def _same_memory(tensors: Sequence[Any], table: np.ndarray) -> bool:
         """Whether the tensors of a kept table still lie, dense, at its addresses (``t.data = ...`` and ``set_``
         give a tensor object other memory, or another layout over the same)."""
-        return table.tolist() == [t.data_ptr() for t in tensors] and all(t.is_contiguous() for t in tensors)
+        return table.tolist() == list(map(_DATA_PTR, tensors)) and all(map(_IS_CONTIGUOUS, tensors))
 
     def _param_table(self, params: Sequence[Any]) -> np.ndarray | None:
         # a NumPy array's memory never moves; a torch tensor's may (``p.data = ...``, ``set_``): its address is read
         # every step, and the table checked again when an address changed
         kept = self._params
-        same = kept is not None and all(r() is p for r, p in zip(kept[0], params, strict=True))
+        same = (
+            kept is not None
+            and len(kept[0]) == len(params)
+            and all(map(operator.is_, map(_DEREFERENCE, kept[0]), params))
+        )
         if same and self.tensors:
             same = self._same_memory(params, kept[1])  # type: ignore[index]
         if same:
