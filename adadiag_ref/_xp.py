@@ -150,7 +150,7 @@ def plain_cpu_tensors(xs: Sequence[Any]) -> bool:
     DTensor, no lazily negated or conjugated view): one whose memory NumPy and the numba kernels may read as it
     is.  Each property is read by ``map`` over all of them, a loop in C: the engine asks it of every gradient at
     every step, where a Python frame per tensor cost more than a tiny tensor's arithmetic."""
-    torch = sys.modules.get("torch")  # x is no torch tensor unless torch is imported (and this is called per step)
+    torch = sys.modules.get("torch")  # no tensor among xs unless torch is imported (and this is called per step)
     if torch is None:
         return False
     plain = {torch.Tensor, torch.nn.Parameter}
