@@ -1327,19 +1327,19 @@ class Engine:
             result = xp.empty((group.size,), dtype=flat.dtype, device=group.device) if into is None else into
             kept = [id(x) for x in group.scratch.values()]  # the group's own arrays persist: their views are kept
             for b, block in enumerate(group.blocks):
-                sources, fresh = self._matrices(block, flat, id(flat) in kept)
+                sources, sources_aligned = self._matrices(block, flat, id(flat) in kept)
                 small = block.stop - block.start <= _STAGED_SIZE
-                if small and not all(fresh):  # the block copied once to a fresh tensor's alignment, not per matrix
-                    _, sources, fresh = self._staged(block, "sources", flat, flat)
-                targets, aligned = self._matrices(block, result, id(result) in kept)
+                if small and not all(sources_aligned):  # the block copied once to an aligned array, not per matrix
+                    _, sources, sources_aligned = self._staged(block, "sources", flat, flat)
+                targets, targets_aligned = self._matrices(block, result, id(result) in kept)
                 staged = None
-                if small and not all(aligned):  # the products into one such array, copied into ``result`` at once
-                    staged, targets, aligned = self._staged(block, "targets", result)
+                if small and not all(targets_aligned):  # the products into one such array, then into ``result``
+                    staged, targets, targets_aligned = self._staged(block, "targets", result)
                 if plain is not None:
                     Ls, Rs = self._host_factors(block, *plain[0][b], plain[1])
                 for i, (source, out) in enumerate(zip(sources, targets, strict=True)):
-                    target = out if aligned[i] else None
-                    operand = source if fresh[i] else _aligned_copy(source)
+                    target = out if targets_aligned[i] else None
+                    operand = source if sources_aligned[i] else _aligned_copy(source)
                     if plain is None:
                         made = product(b, block, operand, target, i)
                     else:
