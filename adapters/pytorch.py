@@ -794,7 +794,7 @@ class _GroupEngine:
 
     def step(self, grads: list[torch.Tensor], cfg: BaseConfig, lr: Any) -> None:
         """The engine's step (no check: the optimizer validated every gradient), the host counters advanced."""
-        own = cfg is self.engine.cfg  # else a step's own betas and weight decay (the gathering path)
+        own = cfg is self.engine.cfg  # else a step's own betas and weight decay (a scheduler's)
         self.engine.step(grads, self.params, lr=lr, check=False, betas=None if own else cfg.betas,
                          weight_decay=None if own else cfg.weight_decay)  # fmt: skip
         self.counters += 1

@@ -59,9 +59,10 @@ the members' own arrays by address, so nothing is gathered and nothing written b
 NaN and Inf (the check), one call writes ``W``, ``M`` and ``V``: 7 array passes per entry (+1 for the check) where
 the gathering path makes 16 (+1).  On a device the step's launch takes the verdict as a device flag and writes
 nothing where it is false, so the one read-back still comes after everything is queued.
-The same per-entry arithmetic, so the same bits.  A step whose arrays the kernels do not take (a strided view, an
-array learning rate), ``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state
-handed out by :meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
+The same per-entry arithmetic, so the same bits; a step's own betas and weight decay are the kernels' scalars of
+that step.  A step whose arrays the kernels do not take (a strided view, an array learning rate),
+``in_place=False`` and :func:`~adadiag_ref.multi_step` take the gathering path.  A state handed out by
+:meth:`Engine.state` stays a snapshot: the group's next in-place step first copies its moments.
 Where a rotated optimizer has unrotated members (a side above ``cfg.max_basis_dim``: ``P = I``) and the kernels
 apply to them, they form a group of their own, stepped so.  A group with rotation blocks still gathers ``G`` (one
 stack per block for the batched GEMMs), but its kernels write the tail ``W <- W + (-eta)(D + lambda W)`` through
@@ -898,9 +899,9 @@ class Engine:
         shape and dtype the engine was built for, each gradient of its parameter's shape and dtype (``ValueError``
         naming the parameter otherwise, before any work).  ``lr``, ``weight_decay`` and ``betas`` override
         ``cfg.lr``, ``cfg.weight_decay`` and ``cfg.betas`` for this step (numbers or 0-d arrays, validated as by
-        :func:`~adadiag_ref.update`: an invalid one raises ``ValueError`` with nothing changed); a step with its
-        own ``weight_decay`` or ``betas`` takes the gathering path (the in-place group kernels were built for
-        ``cfg``), the same numbers as an engine built with them.  ``check`` (module
+        :func:`~adadiag_ref.update`: an invalid one raises ``ValueError`` with nothing changed), the same numbers
+        as an engine built with them, on the same routes (a scheduler's per-step betas, as OneCycleLR's
+        ``cycle_momentum``, or weight decay are the group kernels' scalars).  ``check`` (module
         docstring): one reduced finiteness verdict read back; a non-finite gradient raises ``ValueError`` naming
         its parameter, and then no state and no parameter has changed.
 
@@ -946,7 +947,7 @@ class Engine:
         counts: list[Any] = []
         for group in self._flat:
             members = self._members(group, grads_l)
-            prepared = None if group.kernels is None else group.kernels.prepare(None, members, 0.0)
+            prepared = None if group.kernels is None else group.kernels.prepare(None, members, 0.0, self._cfg)
             if prepared is None:
                 summed += members
             else:
@@ -995,10 +996,9 @@ class Engine:
     ) -> list[Array]:
         """One step under ``cfg`` (the engine's, or a step's :func:`~adadiag_ref.config.step_config` of it),
         committed: the new parameters (views of the groups' flat results, per member, or the very arrays a group's
-        kernels wrote).  The group kernels, built for the engine's config, run only under it."""
+        kernels wrote, with this step's betas and weight decay as their scalars)."""
         eta = learning_rate(cfg, lr)
-        kernels_apply = in_place and cfg is self._cfg
-        direct = [self._prepare(group, grads, params, eta) if kernels_apply else None for group in self._flat]
+        direct = [self._prepare(group, grads, params, eta, cfg) if in_place else None for group in self._flat]
         flats = [self._gather(group, grads) if d is None or group.blocks else None
                  for group, d in zip(self._flat, direct, strict=True)]  # fmt: skip
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
@@ -1027,14 +1027,14 @@ class Engine:
             return self._advance(grads, params, lr, False, in_place, cfg)
         return self._commit(pending, bases, params)
 
-    def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any) -> Any:
+    def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any, cfg: BaseConfig) -> Any:
         """The step prepared for ``group``'s kernels (in place; no gather), or ``None``: no kernels, or they do
-        not take this step's arrays or learning rate (then it is gathered)."""
+        not take this step's arrays, learning rate or config (then it is gathered)."""
         kernels = group.kernels
         if kernels is None:
             return None
         return kernels.prepare(self._members(group, params), None if group.blocks else self._members(group, grads),
-                               eta)  # fmt: skip
+                               eta, cfg)  # fmt: skip
 
     @staticmethod
     def _kernels_of(group: _FlatGroup) -> GroupKernels:
@@ -1205,7 +1205,7 @@ class Engine:
             if direct[number] is not None:  # the moments in place, gated by the verdict
                 into = self._scratch(group, "G~") if self._host else None  # on a device a product is a new array
                 g_rot = self._rotated(group, number, g, stacks, refreshed, into)
-                if self._kernels_of(group).moments(self._own_moments(group), g_rot, t, proceed):  # M, V; U~ over G~
+                if self._kernels_of(group).moments(direct[number], self._own_moments(group), g_rot, t, proceed):
                     tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D") if self._host
                                                     else None)  # fmt: skip
                     moments_out.append(None)

@@ -78,10 +78,12 @@ class GroupKernels(Protocol):
     tail_name: str
     moments_name: str
 
-    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Any:
-        """This step's members (their addresses), or ``None`` when it cannot run here: an array the kernels
-        cannot walk by address (not dense, or not in the memory order of the flat moments), or a learning rate
-        ``eta`` they do not take (not a host number).  ``None`` sends the step to the gathering path.
+    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any, cfg: Any) -> Any:
+        """This step's members (their addresses) under the step's learning rate ``eta`` and config ``cfg`` (the
+        engine's, or a step's :func:`~adadiag_ref.config.step_config` of it: its own betas and weight decay), or
+        ``None`` when it cannot run here: an array the kernels cannot walk by address (not dense, or not in the
+        memory order of the flat moments), or an ``eta`` or ``cfg`` they do not take (not host numbers).  ``None``
+        sends the step to the gathering path.
         ``grads=None``: the parameters only, for :meth:`tail`; ``params=None``: the gradients only, for
         :meth:`nonfinite`."""
         ...
@@ -103,9 +105,10 @@ class GroupKernels(Protocol):
         parameter's memory order); ``proceed`` as in :meth:`step`."""
         ...
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
-        """A rotated group's moments of step ``t`` in place: ``M <- M_t``, ``V <- V_t`` in the flat ``moments``
-        and ``U~`` written over the flat ``G~`` (``g_rot``, the engine's own array); ``proceed`` as in
+    def moments(self, prepared: Any, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+        """A rotated group's moments of step ``t`` under the config of ``prepared`` (:meth:`prepare`'s, for the
+        tail), in place: ``M <- M_t``, ``V <- V_t`` in the flat ``moments`` and ``U~`` written over the flat ``G~``
+        (``g_rot``, the engine's own array); ``proceed`` as in
         :meth:`step` (where it is false nothing is written, and the engine's tail kernel, gated alike, writes
         nothing either).  ``True`` when launched or written, ``False`` having written nothing (the engine then
         computes them into new arrays)."""

@@ -276,8 +276,12 @@ class CudaGroup:
             kept = self._tables[which] = (key, self.launcher.upload(np.array(key, dtype=np.uint64)))
         return kept[1]
 
-    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
-        return prepare_members(eta, None if params is None else lambda: self._table("W", params),
+    def prepare(
+        self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any, cfg: BaseConfig
+    ) -> Prepared | None:
+        if decays(cfg) != decays(self.cfg):  # a step's weight decay on or off: a variant ready() did not probe
+            return None
+        return prepare_members(eta, cfg, None if params is None else lambda: self._table("W", params),
                                None if grads is None else lambda: self._table("G", grads))  # fmt: skip
 
     def _launch(self, name: str, source: str, *args: Any) -> None:
@@ -297,26 +301,27 @@ class CudaGroup:
         return bad
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
-        w_at, g_at, eta = prepared
-        *sc, decay = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, eta, self.dtype)
+        w_at, g_at, eta, cfg = prepared
+        *sc, decay = kernel_scalars(*beta_hats(cfg, t, np), cfg, eta, self.dtype)
         dtype = self.dtype.name
         self._launch(_name("step", dtype, decay), step_source(dtype, decay), w_at, g_at, *self._members(),
                      moments["M"], moments["V"], self._flag(proceed), *sc)  # fmt: skip
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
-        w_at, _, eta = prepared
-        neg_lr, wd = scalar(-eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
-        decay, dtype = decays(self.cfg), self.dtype.name
+        w_at, _, eta, cfg = prepared
+        neg_lr, wd = scalar(-eta, self.dtype), scalar(cfg.weight_decay, self.dtype)
+        decay, dtype = decays(cfg), self.dtype.name
         self._launch(_name("tail", dtype, decay), tail_source(dtype, decay), w_at, *self._members(), direction,
                      self._flag(proceed), neg_lr, wd)  # fmt: skip
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+    def moments(self, prepared: Prepared, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
         """One launch of :func:`moments_source` over the flat ``G~`` and moments, gated by ``proceed``; ``False``,
         having launched nothing, unless the launcher can address the three."""
         arrays = (g_rot, moments["M"], moments["V"])
         if any(self.launcher.address(a) is None for a in arrays):
             return False
-        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
+        cfg = prepared.cfg
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(cfg, t, np), cfg, 0.0, self.dtype)
         dtype = self.dtype.name
         self._launch(_name("moments", dtype), moments_source(dtype), *arrays, np.int64(self.size),
                      self._flag(proceed), b1, c1, b2, c2, eps)  # fmt: skip
@@ -351,13 +356,13 @@ def probe(group: CudaGroup, xp: Any, device: Any) -> str | None:
     wanted = {"step": (w + decayed_step(u, w, eta, cfg, owned=False), new["M"], new["V"]),
               "moments": (u, new["M"], new["V"]), "tail": (w + decayed_step(g, w, eta, cfg, owned=False),)}  # fmt: skip
     params, moments = [xp.asarray(x, copy=True) for x in W], {"M": xp.concat(M), "V": xp.concat(V)}
-    group.step(group.prepare(params, G, eta), moments, t)  # type: ignore[arg-type]
+    group.step(group.prepare(params, G, eta, cfg), moments, t)  # type: ignore[arg-type]
     got: dict[str, tuple[Any, ...]] = {"step": (xp.concat(params), moments["M"], moments["V"])}
     g_rot, moments = xp.concat(G), {"M": xp.concat(M), "V": xp.concat(V)}
-    group.moments(moments, g_rot, t)
+    group.moments(Prepared(None, None, eta, cfg), moments, g_rot, t)
     got["moments"] = (g_rot, moments["M"], moments["V"])
     params = [xp.asarray(x, copy=True) for x in W]
-    group.tail(group.prepare(params, None, eta), g)  # type: ignore[arg-type]
+    group.tail(group.prepare(params, None, eta, cfg), g)  # type: ignore[arg-type]
     got["tail"] = (xp.concat(params),)
     for kernel, expected in wanted.items():
         for want, have in zip(expected, got[kernel], strict=True):

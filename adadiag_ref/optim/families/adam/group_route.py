@@ -165,29 +165,31 @@ def disjoint(addresses: Sequence[int], sizes: Sequence[int], itemsize: int) -> b
 
 class Prepared(NamedTuple):
     """One step's members (:meth:`~adadiag_ref.optim.families.registry.GroupKernels.prepare`): their address
-    tables (``g_at`` ``None`` for the tail only) and the learning rate."""
+    tables (``g_at`` ``None`` for the tail only), the learning rate and the step's config (its betas and weight
+    decay are the kernels' scalars: a scheduler's per-step values take the kernels too)."""
 
     w_at: Any
     g_at: Any
     eta: Any
+    cfg: Any
 
 
 def prepare_members(
-    eta: Any, params_at: Callable[[], Any] | None, grads_at: Callable[[], Any] | None
+    eta: Any, cfg: BaseConfig, params_at: Callable[[], Any] | None, grads_at: Callable[[], Any] | None
 ) -> Prepared | None:
     """:meth:`~adadiag_ref.optim.families.registry.GroupKernels.prepare`'s steps, whatever the address tables:
-    ``None`` unless ``eta`` is a host number and ``params_at()`` (unless ``None``: the gradients only, for the
-    check) then ``grads_at()`` (unless ``None``: the tail only) gives a table (``None``: an array the kernels
-    cannot walk)."""
-    if not is_host_number(eta):
+    ``None`` unless ``eta`` and ``cfg``'s betas and weight decay are host numbers and ``params_at()`` (unless
+    ``None``: the gradients only, for the check) then ``grads_at()`` (unless ``None``: the tail only) gives a
+    table (``None``: an array the kernels cannot walk)."""
+    if not all(map(is_host_number, (eta, *cfg.betas, cfg.weight_decay))):
         return None
     w_at = None if params_at is None else params_at()
     if w_at is None and params_at is not None:
         return None
     if grads_at is None:
-        return Prepared(w_at, None, eta)
+        return Prepared(w_at, None, eta, cfg)
     g_at = grads_at()
-    return None if g_at is None else Prepared(w_at, g_at, eta)
+    return None if g_at is None else Prepared(w_at, g_at, eta, cfg)
 
 
 class NumpyGroup:
@@ -203,8 +205,8 @@ class NumpyGroup:
     parameters are the same arrays every step); the gradients' is made per step, by a numba call per array
     (0.2 us, against 1.5 us for ``ndarray.ctypes.data``)."""
 
-    def __init__(self, cfg: BaseConfig, dtype: Any, sizes: list[int], tensors: bool = False) -> None:
-        self.cfg, self.dtype, self.tensors = cfg, np.dtype(dtype), tensors
+    def __init__(self, dtype: Any, sizes: list[int], tensors: bool = False) -> None:
+        self.dtype, self.tensors = np.dtype(dtype), tensors
         self.chunks = chunk_table(sizes)
         # the check scans the chunks last to first, so the step, which follows it first to last, finds the last
         # gradients the check read still in the cache
@@ -284,10 +286,12 @@ class NumpyGroup:
             self._grads = (list(grads), table)
         return table
 
-    def prepare(self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any) -> Prepared | None:
+    def prepare(
+        self, params: Sequence[Any] | None, grads: Sequence[Any] | None, eta: Any, cfg: BaseConfig
+    ) -> Prepared | None:
         if grads is None:  # a tail's members: a check's table (and the gradients it holds) is not kept past it
             self._grads = None
-        return prepare_members(eta, None if params is None else lambda: self._param_table(params),
+        return prepare_members(eta, cfg, None if params is None else lambda: self._param_table(params),
                                None if grads is None else lambda: self._grad_table(grads, params is None))  # fmt: skip
 
     def _run(
@@ -309,23 +313,24 @@ class NumpyGroup:
 
     def step(self, prepared: Prepared, moments: Mapping[str, Any], t: Any, proceed: Any = None) -> None:
         _ungated(proceed)
-        b1_t, b2_t = beta_hats(self.cfg, t, np)
-        sc = kernel_scalars(b1_t, b2_t, self.cfg, prepared.eta, self.dtype)
+        b1_t, b2_t = beta_hats(prepared.cfg, t, np)
+        sc = kernel_scalars(b1_t, b2_t, prepared.cfg, prepared.eta, self.dtype)
         self._run(engine_step, engine_step_parallel, (prepared.w_at, prepared.g_at),
                   (self.offsets, _host(moments["M"]), _host(moments["V"]), *sc))  # fmt: skip
 
-    def moments(self, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
+    def moments(self, prepared: Prepared, moments: Mapping[str, Any], g_rot: Any, t: Any, proceed: Any = None) -> bool:
         _ungated(proceed)
-        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(self.cfg, t, np), self.cfg, 0.0, self.dtype)
+        cfg = prepared.cfg
+        b1, c1, b2, c2, eps, *_ = kernel_scalars(*beta_hats(cfg, t, np), cfg, 0.0, self.dtype)
         arrays = (_host(moments["M"]), _host(moments["V"]), _host(g_rot))
         self._run(engine_moments, engine_moments_parallel, (), (self.offsets, *arrays, b1, c1, b2, c2, eps))
         return True
 
     def tail(self, prepared: Prepared, direction: Any, proceed: Any = None) -> None:
         _ungated(proceed)
-        neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(self.cfg.weight_decay, self.dtype)
+        neg_lr, wd = scalar(-prepared.eta, self.dtype), scalar(prepared.cfg.weight_decay, self.dtype)
         self._run(engine_tail, engine_tail_parallel, (prepared.w_at,),
-                  (self.offsets, _host(direction), neg_lr, wd, decays(self.cfg)))  # fmt: skip
+                  (self.offsets, _host(direction), neg_lr, wd, decays(prepared.cfg)))  # fmt: skip
 
 
 def _ungated(proceed: Any) -> None:
@@ -359,4 +364,4 @@ def engine_group(cfg: BaseConfig, dtype: Any, sizes: list[int], device: Any, xp:
     found = _host_dtype(dtype, device, xp) if AVAILABLE else None
     if found is None or not _kernels.selected(cfg, np, np.empty(1, dtype=found[0])):
         return None
-    return NumpyGroup(cfg, found[0], sizes, tensors=found[1])
+    return NumpyGroup(found[0], sizes, tensors=found[1])
