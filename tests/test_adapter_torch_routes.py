@@ -112,6 +112,34 @@ def test_group_kernels_are_taken_and_bit_identical(name, monkeypatch):
     assert not any("group_route" in r["moments"] for r in runs[1][1].routes().values())
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_scheduler_moving_betas_and_weight_decay_keeps_the_group_kernels(name, monkeypatch):
+    """OneCycleLR with ``cycle_momentum`` moves ``betas[0]`` at every step, and a hand schedule the weight decay:
+    the kept engine steps every one of them by its group kernels (one call per step, the engine never built
+    again), with the bits of ``kernels="reference"``."""
+    from adadiag_ref.optim.families.adam import group_route
+
+    calls = []
+    kernel = "engine_step" if name == "adamw" else "engine_moments"
+    original = getattr(group_route, kernel)
+    monkeypatch.setattr(group_route, kernel, lambda *a: calls.append(1) or original(*a))
+    runs = _pair(name, lr=0.01, weight_decay=0.1, update_freq=4)
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=9) for _, opt in runs]
+
+    def decay(params, opt, k):
+        opt.param_groups[0]["weight_decay"] = (0.1, 0.0, 0.05)[k % 3]
+
+    seen, engines = set(), set()
+    for k in range(8):
+        _steps(runs, [k], decay)
+        seen.add(runs[0][1].param_groups[0]["betas"])
+        engines.add(id(runs[0][1]._engines[0].engine))
+        for scheduler in schedulers:
+            scheduler.step()
+    _assert_same(runs)
+    assert len(seen) == 8 and len(calls) == 8 and len(engines) == 1, (seen, calls, engines)
+
+
 def _set_data(p, data):
     p.grad.data = data  # torch refuses a grad of another shape or dtype, but not such .data
 
