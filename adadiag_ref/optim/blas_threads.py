@@ -7,11 +7,16 @@ instead into whole products, one Python thread per core each calling BLAS with o
 GIL in BLAS), the cores stay busy without synchronising inside a product: measured on this project's 2-core
 VM over LLaMA-60M's 59.5 GFLOP of one rotation phase, 740-820 ms one after another against 374-503 ms so.
 
-Every product is the same BLAS call either way (one thread computes each output block with the same kernel), so
-the results do not depend on the split (``tests/test_optim_engine.py`` compares the bits).  The products are
-assigned to threads longest first, each to the least loaded (balanced by their flops).  Used only where it
-pays: ``threadpoolctl`` installed (it sets BLAS to one thread for the phase and restores it), more than one
-core, and a phase of at least :data:`MIN_FLOPS`; otherwise the products run in order on the calling thread.
+Each product is one call of single-threaded BLAS however the products are split, so the results do not depend on
+the split: they are those of each product with BLAS on one thread, what ``ar.update`` gives under
+``threadpoolctl.threadpool_limits(1)`` (``tests/test_optim_engine.py`` compares the bits).  A call on BLAS's own
+threads may round otherwise: OpenBLAS 0.3.31 (``Haswell`` kernels) gave other bits on 2 threads than on 1 for
+``A^T B`` of float32 ``n x n`` matrices from ``n = 96`` and of float64 ones at ``n = 300`` (docs/spec.md, "Bits
+across processors"), so a phase spread so agrees with ``ar.step`` on BLAS's own threads to rounding only.
+The products are assigned to threads longest first, each to the least loaded (balanced by their flops).  Used
+only where it pays: ``threadpoolctl`` installed (it sets BLAS to one thread for the phase and restores it), more
+than one core, and a phase of at least :data:`MIN_FLOPS`; otherwise the products run in order on the calling
+thread.
 """
 
 from __future__ import annotations
