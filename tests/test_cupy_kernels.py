@@ -1143,14 +1143,22 @@ class _HostLauncher:
         function(*values)
 
 
+SCHEDULED = [((0.9, 0.999), 0.1), ((0.85, 0.99), 0.05), ((0.95, 0.999), 0.2), ((0.3, 0.5), 0.1), ((0.9, 0.9), 0.01)]
+"""A scheduler's per-step ``(betas, weight_decay)``, the decay kept on (the CUDA kernel variant probed)."""
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["own", "scheduled"])
 @pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
 @pytest.mark.parametrize("name", ["adamw", "adadiag", "adadiag_pp"])
-def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, check: bool, tmp_path: Any) -> None:
+def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(
+    name: str, check: bool, scheduled: bool, tmp_path: Any
+) -> None:
     """The engine with the CUDA group kernels (``CudaGroup``, the CuPy and torch launchers' code) launched on the host,
     over ``array_api_strict`` arrays: every step the bits of per-parameter ``ar.step`` (AdamW: the whole step by the
     kernels; AdaDiag and AdaDiag++: the moments in place and the tail), the verdict left on the "device", gating
     the launches, and read after them; then a NaN at a step without refresh: the launches it gated wrote nothing
-    (the moments included), and the error names the parameter."""
+    (the moments included), and the error names the parameter.  ``scheduled``: every step with its own betas and
+    weight decay, the kernels' scalars of that step; a step turning the decay off is not the kernels' to take."""
     from adadiag_ref.optim.families.adam.cupy_group import CudaGroup
 
     xs = pytest.importorskip("array_api_strict")
@@ -1169,10 +1177,12 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, check: 
     stream = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(5)]
     moments_launched = []
     for k, grads in enumerate(stream):
+        hyper = dict(zip(("betas", "weight_decay"), SCHEDULED[k], strict=True)) if scheduled else {}
         before = launcher.launches.count("adadiag_adam_group_moments_float32")
-        engine.step([xs.asarray(g) for g in grads], params, check=check)
+        engine.step([xs.asarray(g) for g in grads], params, check=check, **hyper)
         moments_launched.append(launcher.launches.count("adadiag_adam_group_moments_float32") > before)
-        pairs = [ar.step(s, xs.asarray(g), cfg, w, count=k) for s, g, w in zip(states, grads, singles, strict=True)]
+        pairs = [ar.step(s, xs.asarray(g), cfg, w, count=k, **hyper)
+                 for s, g, w in zip(states, grads, singles, strict=True)]  # fmt: skip
         singles, states = [w for w, _ in pairs], [s for _, s in pairs]
     kinds = {n.split("_")[3] for n in launcher.launches}  # adadiag_adam_group_<kind>...
     if name == "adamw":
@@ -1180,6 +1190,10 @@ def test_the_engine_on_the_cuda_group_kernels_run_on_the_host(name: str, check: 
     else:  # the moments in place at every step, gated by the verdict where it is left on the device
         assert kinds == {"moments", "tail"}, kinds
         assert moments_launched == [True] * 5, moments_launched
+    if scheduled:
+        group = engine._flat[0]
+        members = [params[m.index] for m in group.members]
+        assert group.kernels.prepare(members, None, 1e-3, cfg.replace(weight_decay=0.0)) is None
     for i, (w, want) in enumerate(zip(params, singles, strict=True)):
         np.testing.assert_array_equal(np.asarray(w._array), np.asarray(want._array))
         for field in ("M", "V"):
