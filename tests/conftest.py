@@ -19,6 +19,12 @@ from hypothesis import HealthCheck, settings
 # H100).  Allocating on demand lets the workers share the device; a CPU machine is unaffected.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# Set before any test imports torch: its OpenMP workers (libgomp) spin for a while after every parallel region,
+# and under pytest-xdist (two workers on two cores) a test's second thread then waits for a core that a spinning
+# worker holds (a 2-thread adapter test took 15 s instead of 1.6 s).  Idle threads that sleep compute the same
+# numbers: the wait policy decides only when a waiting thread wakes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 settings.register_profile("default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("slow", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

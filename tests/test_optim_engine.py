@@ -610,9 +610,13 @@ def test_parameters_at_different_steps_form_groups_of_their_own() -> None:
 
 
 def test_jax_steps_functionally() -> None:
+    """JAX's immutable arrays: the engine returns new parameters, refuses ``in_place=True``, and gives
+    ``ar.step``'s parameters.  A wide, a tall (transposed work frame) and an unrotated member: eager JAX compiles
+    each operation anew per shape (about 30 ms a compile here), and the generic route's handling of every other
+    shape is :data:`BLOCK`'s on ``array_api_strict`` (:func:`test_engine_equals_step_per_parameter`)."""
     jnp = pytest.importorskip("jax.numpy")
     cfg = ar.make_config("adadiag", update_freq=2)
-    host_params, stream = _stream(BLOCK, np.float32, steps=3)
+    host_params, stream = _stream([(8, 20), (20, 8), (20,)], np.float32, steps=3)
     params = [jnp.asarray(p) for p in host_params]
     engine = ar.Engine(params, cfg)
     with pytest.raises(TypeError, match="immutable"):
