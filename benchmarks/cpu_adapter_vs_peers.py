@@ -5,6 +5,8 @@ head (float32, ``adadiag_ref.memory.llama_parameters``), one ``optimizer.step()`
 
 * ``fused AdamW``:   ``torch.optim.AdamW(fused=True)``;
 * ``adapter AdamW``: ``adadiag_ref.adapters.pytorch.AdamW`` (its group's engine);
+* ``engine AdamW, check=False``: the same engine called directly without the finiteness check (the adapter
+  checks every gradient before any write, one more read of ``G``; fused AdamW checks nothing): the check's cost;
 * ``adapter AdaDiag`` / ``GaLore``: the adapter's ``AdaDiag`` on the blocks' matrices (the embedding, head and
   norms by its ``AdamW``, the paper's rule) against the official ``galore_torch.GaLoreAdamW`` at full rank
   (``rank = min(m, n)``, one-sided: AdaDiag's form) on the same matrices, its plain Adam on the rest;
@@ -94,6 +96,18 @@ def _params(seed: int = 0) -> tuple[list[torch.nn.Parameter], list[bool]]:
     return params, rotated
 
 
+def unchecked_engine_step() -> Callable[[], Any]:
+    """``ar.Engine`` AdamW's ``step(check=False)`` on the parameters' own tensors: the adapter's steady step
+    without its all-or-nothing NaN/Inf scan (one more read of every gradient, which fused AdamW does not make), so
+    the table shows what that check costs."""
+    import adadiag_ref as ar
+
+    params, _ = _params()
+    tensors, grads = [p.detach() for p in params], [p.grad for p in params]
+    engine = ar.Engine(tensors, ar.make_config("adamw", lr=LR, update_freq=None))
+    return lambda: engine.step(grads, tensors, check=False)
+
+
 def contenders(refresh: bool) -> dict[str, Callable[[], Any]]:
     """Step functions, each on its own copy of the parameters, warmed past their first (refresh) step."""
     from adadiag_ref.adapters import pytorch as at
@@ -104,6 +118,7 @@ def contenders(refresh: bool) -> dict[str, Callable[[], Any]]:
         fns["fused AdamW"] = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True).step
         params, _ = _params()
         fns["adapter AdamW"] = at.AdamW(params, lr=LR, update_freq=None).step
+        fns["engine AdamW, check=False"] = unchecked_engine_step()
     params, rotated = _params()
     freq = 1 if refresh else None
     opts = [
@@ -305,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(f"{1e3 * statistics.median(t[name]):.1f}" for t in results.values()) + " |")
     pairs = [
         ("adapter AdamW", "fused AdamW"),
+        ("engine AdamW, check=False", "fused AdamW"),
         ("adapter AdaDiag", "GaLore"),
         ("adapter AdaDiag refresh", "GaLore refresh"),
     ]
