@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Set before any test imports torch: its OpenMP workers (libgomp) spin for a while after every parallel region,
 # and under pytest-xdist (two workers on two cores) a test's second thread then waits for a core that a spinning
-# worker holds (a 2-thread adapter test took 15 s instead of 1.6 s).  Idle threads that sleep compute the same
+# worker holds (a 2-thread adapter test took 15 s instead of under 1.5 s).  Idle threads that sleep compute the same
 # numbers: the wait policy decides only when a waiting thread wakes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
