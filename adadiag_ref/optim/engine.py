@@ -115,6 +115,7 @@ import functools
 import math
 import operator
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -239,9 +240,8 @@ class _Stack:
 class _ParamGroup:
     """A per-parameter group (a family that is not entrywise): its stacks (one per parameter shape) and counter."""
 
-    def __init__(self, label: str, count: int) -> None:
-        self.label, self.count = label, count
-        self.indices: list[int] = []
+    def __init__(self, label: str, count: int, indices: list[int]) -> None:
+        self.label, self.count, self.indices = label, count, indices
         self.stacks: list[_Stack] = []
         self.place: dict[int, tuple[int, int]] = {}  # index -> (stack, position in it)
 
@@ -316,17 +316,11 @@ def _sandwich(x: Array, L: Array | None, R: Array | None, left_first: bool, out:
     return product(product(L, x), R, out=out) if left_first else product(L, product(x, R), out=out)
 
 
-def _rotate_stack(g: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
+def _rotate_stack(x: Array, block: _Block, P: Array, Q: Array | None, back: bool, out: Array | None = None) -> Array:
     """``G~ = P^T G Q`` of every matrix of a block's stack ``(k, a, b)``, in memory order: ``Q^T (G P)`` for a
-    tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched); the last product into
-    ``out`` where given (NumPy)."""
-    return _sandwich(g, *_factors(block, P, Q, False), not block.transposed, out)
-
-
-def _unrotate_stack(u: Array, block: _Block, P: Array, Q: Array | None, out: Array | None = None) -> Array:
-    """``P U~ Q^T`` of every matrix of a block's stack, in memory order (:func:`~adadiag_ref.optim.rotation.
-    unrotate`'s products, batched); the last product into ``out`` where given (NumPy)."""
-    return _sandwich(u, *_factors(block, P, Q, True), not block.transposed, out)
+    tall parameter (:func:`~adadiag_ref.optim.rotation.rotate`'s products, batched); ``back``: ``P U~ Q^T``
+    (``unrotate``'s products).  The last product into ``out`` where given (NumPy)."""
+    return _sandwich(x, *_factors(block, P, Q, back), not block.transposed, out)
 
 
 def _bases_part(bases: tuple[Array, Array | None], part: slice | int) -> tuple[Array, Array | None]:
@@ -379,11 +373,9 @@ def key_mismatch(what: str, keys: Sequence[Any], given: Sequence[Any]) -> ValueE
     (``grads lacks 'fc2.bias'; has 'fc3.bias', which is not a parameter``)."""
     missing = [k for k in keys if k not in set(given)]
     extra = [k for k in given if k not in set(keys)]
-    parts = ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) + (
-        [f"has {', '.join(map(repr, extra))}, which {'is' if len(extra) == 1 else 'are'} not a parameter"]
-        if extra
-        else []
-    )
+    parts = [f"lacks {', '.join(map(repr, missing))}"] if missing else []
+    if extra:
+        parts.append(f"has {', '.join(map(repr, extra))}, which {'is' if len(extra) == 1 else 'are'} not a parameter")
     return ValueError(f"{what} must have the parameters' keys: it {'; it '.join(parts)}; nothing was changed")
 
 
@@ -523,8 +515,7 @@ class Engine:
         kind = "flat" if family.entrywise else "per-parameter"
         grouped: dict[tuple[Any, ...], list[int]] = {}
         for i, (p, s) in enumerate(zip(params, states, strict=True)):
-            device = creation_device(p)
-            key = (family.name, str(work_dtype(s)), str(p.dtype), str(device), kind, counts[i])
+            key = (family.name, str(work_dtype(s)), str(p.dtype), str(creation_device(p)), kind, counts[i])
             grouped.setdefault(key, []).append(i)
         self._flat: list[_FlatGroup] = []
         self._per_param: list[_ParamGroup] = []
@@ -564,8 +555,7 @@ class Engine:
     def _param_group(self, label: str, indices: list[int], states: list[State], count: int) -> _ParamGroup:
         """A per-parameter group over ``indices``: one :class:`_Stack` per parameter shape (module docstring)."""
         cfg = self.cfg
-        pgroup = _ParamGroup(label, count)
-        pgroup.indices = indices
+        pgroup = _ParamGroup(label, count, indices)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i in indices:
             by_shape.setdefault(self._shapes[i], []).append(i)
@@ -574,14 +564,11 @@ class Engine:
             self.xp, next(v for v in (state.param_shape, state.count, *state) if hasattr(v, "shape"))
         )
         for shape, members in by_shape.items():
-            one = len(members) == 1 or host
-            stacks = [[i] for i in members] if one else [members]
-            for stack_indices in stacks:
-                if len(stack_indices) == 1:
-                    i = stack_indices[0]
-                    stack = _Stack(stack_indices, cfg, states[i], [states[i].param_shape])
-                else:
-                    stack = self._stack(stack_indices, shape, states)
+            if len(members) == 1 or host:
+                stacks = [_Stack([i], cfg, states[i], [states[i].param_shape]) for i in members]
+            else:
+                stacks = [self._stack(members, shape, states)]
+            for stack in stacks:
                 for position, i in enumerate(stack.indices):
                     pgroup.place[i] = (len(pgroup.stacks), position)
                 pgroup.stacks.append(stack)
@@ -656,10 +643,9 @@ class Engine:
         """The group's direction code, chosen once: the family's first direction route that applies to a
         one-entry group of the group's dtype and device (routes decide by backend, dtype and ``cfg.kernels``,
         never by values), else the reference."""
-        xp = self.xp
         state, g, t = self._probe(group)
         for route in family.routes.direction:
-            if route(state, g, t, self.cfg, xp) is not None:
+            if route(state, g, t, self.cfg, self.xp) is not None:
                 return route, _describe(route)
         return family.direction, f"{_describe(family.direction)} (the family's reference)"
 
@@ -668,11 +654,10 @@ class Engine:
         update route (moments, direction and tail in one call, as :func:`routed_update` takes it
         for one unrotated parameter) that applies to a one-entry group, else ``None`` (the direction route and
         the shared tail)."""
-        xp = self.xp
         state, g, t = self._probe(group)
         eta = learning_rate(self.cfg, None)
         for route in family.routes.update:
-            if route(state, _row_layout(1), t, g, g, self.cfg, eta, unrotate, xp) is not None:
+            if route(state, _row_layout(1), t, g, g, self.cfg, eta, unrotate, self.xp) is not None:
                 return route, _describe(route)
         return None, ""
 
@@ -683,11 +668,8 @@ class Engine:
         if self._immutable or group.param_dtype != group.dtype or family.step_size is not constant_step_size:
             return None
         sizes = [m.size for m in group.members]
-        for factory in family.routes.group:
-            kernels: GroupKernels | None = factory(self.cfg, group.dtype, sizes, group.device, self.xp)
-            if kernels is not None:
-                return kernels
-        return None
+        found = (factory(self.cfg, group.dtype, sizes, group.device, self.xp) for factory in family.routes.group)
+        return next((kernels for kernels in found if kernels is not None), None)
 
     def _probe(self, group: _FlatGroup) -> tuple[State, Array, Any]:
         """A one-entry stand-in of ``group`` for choosing its routes: its state as a ``1 x 1`` row, ``G`` and
@@ -795,27 +777,22 @@ class Engine:
     def routes(self) -> dict[Key, Route]:
         """Which code runs each part of a step, per parameter key (:class:`Route`; decided when the engine was
         built, never per step)."""
-        out: dict[Key, Route] = {}
         numpy = is_numpy_namespace(self.xp)
-        refresh_members: dict[tuple[Any, ...], int] = {}
         layouts = {i: layout_for(s, self.cfg) for i, s in enumerate(self._shapes)}
-        for i, lay in layouts.items():
-            if lay.rotate_left and not lay.batch:
-                dtype = self._state_dtype(i)
-                key = ((lay.rows, lay.cols), str(dtype), lay.rotate_right)
-                refresh_members[key] = refresh_members.get(key, 0) + 1
-        for i, lay in layouts.items():
-            out[self._keys[i]] = Route(*self._route_parts(i, lay, numpy, refresh_members))
-        return out
+        refresh_members = Counter(
+            self._refresh_key(i, lay) for i, lay in layouts.items() if lay.rotate_left and not lay.batch
+        )
+        return {self._keys[i]: Route(*self._route_parts(i, lay, numpy, refresh_members)) for i, lay in layouts.items()}
 
-    def _state_dtype(self, i: int) -> Any:
+    def _refresh_key(self, i: int, lay: Layout) -> tuple[Any, ...]:
+        """What the single matrices one stacked decomposition refreshes share: work shape, state dtype, sides."""
         kind, number, _ = self._home[i]
-        if kind == "flat":
-            return self._flat[number].dtype
-        return work_dtype(self._member_state(self._per_param[number], i))
+        flat = kind == "flat"
+        dtype = self._flat[number].dtype if flat else work_dtype(self._member_state(self._per_param[number], i))
+        return (lay.rows, lay.cols), str(dtype), lay.rotate_right
 
     def _route_parts(
-        self, i: int, lay: Layout, numpy: bool, refresh_members: dict[tuple[Any, ...], int]
+        self, i: int, lay: Layout, numpy: bool, refresh_members: Counter[tuple[Any, ...]]
     ) -> tuple[str, str, str, str, str]:
         kind, number, position = self._home[i]
         sides = "P and Q" if lay.rotate_right else "P"
@@ -823,7 +800,7 @@ class Engine:
             refresh = rotate = unrotate = "none: no side rotates (P = I)"
         else:
             method = self.cfg.basis_method
-            peers = refresh_members.get(((lay.rows, lay.cols), str(self._state_dtype(i)), lay.rotate_right), 0)
+            peers = refresh_members[self._refresh_key(i, lay)]
             if lay.batch:
                 refresh = (f"refresh_basis: one canonical_svd_batch over the parameter's {math.prod(lay.batch)} "
                            f"matrices {lay.rows} x {lay.cols} (basis_method={method})")  # fmt: skip
@@ -1002,21 +979,17 @@ class Engine:
         flats = [self._gather(group, grads) if d is None or group.blocks else None
                  for group, d in zip(self._flat, direct, strict=True)]  # fmt: skip
         stacked = [[self._stacked(stack, grads) for stack in pgroup.stacks] for pgroup in self._per_param]
-        due = [refresh_due(g.count, self.cfg) for g in self._flat] + [
-            refresh_due(g.count, self.cfg) for g in self._per_param
-        ]
+        groups: list[_FlatGroup | _ParamGroup] = [*self._flat, *self._per_param]
+        due = [refresh_due(group.count, self.cfg) for group in groups]
         checked = [f for f in flats if f is not None] + [g for stacks in stacked for g in stacks]
         counts = [self._kernels_of(g).nonfinite(d) for g, d in zip(self._flat, direct, strict=True)
                   if d is not None and not g.blocks and check]  # fmt: skip
-        verdict_first = check and (any(due) or self._host)
-        if verdict_first:  # before any decomposition (LAPACK never sees NaN or Inf); in host memory, no device
-            self._raise_unless(self._verdict(checked, counts), grads)
-        verdict: Any = None
-        if check and not verdict_first:  # on a device: left there, gating every write of the kernels below
-            verdict = self._verdict(checked, counts)
-            if isinstance(verdict, bool):  # known on the host already: settled before any work
-                self._raise_unless(verdict, grads)
-                verdict = None
+        verdict: Any = self._verdict(checked, counts) if check else None
+        # read first: before any decomposition (LAPACK never sees NaN or Inf); in host memory, no device; known on
+        # the host already.  Else left on the device, gating every write of the kernels below
+        if verdict is not None and (any(due) or self._host or isinstance(verdict, bool)):
+            self._raise_unless(verdict, grads)
+            verdict = None
         bases, refreshed, fresh_states = self._refresh(grads, due)
         with np.errstate(all="ignore") if verdict is not None else contextlib.nullcontext():  # NaN may flow
             pending = self._compute(flats, stacked, params, lr, bases, refreshed, fresh_states, direct, cfg, verdict)
@@ -1025,7 +998,7 @@ class Engine:
             self._raise_unless(False, grads)  # NaN or Inf: raised, and the gated kernels wrote nothing
             # finite entries whose sum overflowed: nothing was written, nothing refreshed; the step again, unchecked
             return self._advance(grads, params, lr, False, in_place, cfg)
-        return self._commit(pending, bases, params)
+        return self._commit(pending, params)
 
     def _prepare(self, group: _FlatGroup, grads: list[Array], params: list[Array], eta: Any, cfg: BaseConfig) -> Any:
         """The step prepared for ``group``'s kernels (in place; no gather), or ``None``: no kernels, or they do
@@ -1049,15 +1022,12 @@ class Engine:
         """The direct groups' kernels, in place: a rotated group's tail from its computed direction, another's
         whole step; ``proceed`` (a 0-d device boolean, or ``None``) gates their writes on the device.  A group
         whose moments were handed out (:meth:`state`) writes into copies."""
-        xp = self.xp
         for number, (group, prepared) in enumerate(zip(self._flat, direct, strict=True)):
-            if prepared is None:
-                continue
-            if group.blocks:
+            if prepared is not None and group.blocks:
                 self._kernels_of(group).tail(prepared, tails[number], proceed)
-                continue
-            t = host_step(group.count, group.dtype, xp)
-            self._kernels_of(group).step(prepared, self._own_moments(group), t, proceed)
+            elif prepared is not None:
+                t = host_step(group.count, group.dtype, self.xp)
+                self._kernels_of(group).step(prepared, self._own_moments(group), t, proceed)
 
     def _own_moments(self, group: _FlatGroup) -> dict[str, Array | None]:
         """The group's flat moments, for its kernels to write in place: copied first when a snapshot of them was
@@ -1192,50 +1162,41 @@ class Engine:
         (:meth:`_run_kernels`)."""
         xp, family = self.xp, self._family
         eta = learning_rate(cfg, lr)
-        moments_out: list[dict[str, Array | None] | None] = []
-        flat_params: list[Array | None] = []
+        moments_out: list[dict[str, Array | None] | None] = [None] * len(self._flat)  # None: written in place
+        flat_params: list[Array | None] = [None] * len(self._flat)  # None: the parameters written by the kernels
         tails: dict[int, Array] = {}
         for number, (group, g) in enumerate(zip(self._flat, flats, strict=True)):
             if g is None:  # the group's kernels step it in place, after the verdict (_run_kernels)
-                moments_out.append(None)
-                flat_params.append(None)
                 continue
             stacks = [bases.get((number, b), (blk.P, blk.Q)) for b, blk in enumerate(group.blocks)]
             t = host_step(group.count, group.dtype, xp)
-            if direct[number] is not None:  # the moments in place, gated by the verdict
+            if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
                 into = self._scratch(group, "G~") if self._host else None  # on a device a product is a new array
                 g_rot = self._rotated(group, number, g, stacks, refreshed, into)
                 if self._kernels_of(group).moments(direct[number], self._own_moments(group), g_rot, t, proceed):
+                    # the moments in place, gated by the verdict (U~ written over G~)
                     tails[number] = self._unrotated(group, g_rot, stacks, self._scratch(group, "D") if self._host
                                                     else None)  # fmt: skip
-                    moments_out.append(None)
-                    flat_params.append(None)
-                    continue
-            else:
-                g_rot = self._rotated(group, number, g, stacks, refreshed)
-            if direct[number] is not None:  # rotated, its tail by the kernels: W neither gathered nor written back
-                u_rot, moments = self._direction(group, g_rot, t, cfg)
-                tails[number] = self._unrotated(group, u_rot, stacks)
-                moments_out.append(moments)
-                flat_params.append(None)
+                else:
+                    u_rot, moments_out[number] = self._direction(group, g_rot, t, cfg)
+                    tails[number] = self._unrotated(group, u_rot, stacks)
                 continue
+            g_rot = self._rotated(group, number, g, stacks, refreshed)
             w_param = self._gathered(group, "W", params)
             w = xp.astype(w_param, group.dtype, copy=False)
             fused = self._fused_update(group, g, w, t, eta, cfg)
             if fused is not None:
-                delta, moments = fused
-                moments_out.append(moments)
-                flat_params.append(w_param + xp.astype(delta, group.param_dtype, copy=False))
+                delta, moments_out[number] = fused
+                flat_params[number] = w_param + xp.astype(delta, group.param_dtype, copy=False)
                 continue
-            u_rot, moments = self._direction(group, g_rot, t, cfg)
+            u_rot, moments_out[number] = self._direction(group, g_rot, t, cfg)
             direction = self._unrotated(group, u_rot, stacks)
             eta_t = family.step_size(cfg, t, w, eta, xp)
             # with rotation blocks the direction is the fresh concatenation of _unrotated: the tail may overwrite
             # it (the same bits, tail.parameter_delta); without, it is the family's U~, which may share a moment
             owned = bool(group.blocks) and not self._immutable
             delta = xp.astype(decayed_step(direction, w, eta_t, cfg, owned=owned), group.param_dtype, copy=False)
-            moments_out.append(moments)
-            flat_params.append(w_param + delta)
+            flat_params[number] = w_param + delta
         new_states: dict[tuple[int, int], State] = {}
         new_params: dict[int, Array] = {}
         for number, (pgroup, grad_stacks) in enumerate(zip(self._per_param, stacked, strict=True)):
@@ -1280,9 +1241,8 @@ class Engine:
             return None
         xp, shape = self.xp, (1, group.size)
         state = self._row_state(group.moments, group.size)
-        layout = _row_layout(group.size)
-        found = group.update_route(state, layout, t, xp.reshape(g, shape), xp.reshape(w, shape), cfg, eta,
-                                   unrotate, xp)  # fmt: skip
+        found = group.update_route(state, _row_layout(group.size), t, xp.reshape(g, shape), xp.reshape(w, shape), cfg,
+                                   eta, unrotate, xp)  # fmt: skip
         if found is None:
             return None
         delta, moments = found
@@ -1393,7 +1353,7 @@ class Engine:
             flags = refreshed.get((number, b), False)
             if flags is not True and flags is not False:
                 flags = flags[part]  # one flag per matrix
-            r = _rotate_stack(stack, block, *_bases_part(stacks[b], part), out if flags is False else None)
+            r = _rotate_stack(stack, block, *_bases_part(stacks[b], part), False, out if flags is False else None)
             if flags is False:
                 return r
             work = _transpose(r) if block.transposed else r
@@ -1407,8 +1367,8 @@ class Engine:
         self, group: _FlatGroup, u_rot: Array, stacks: list[tuple[Any, Any]], into: Array | None = None
     ) -> Array:
         """``D = P U~ Q^T`` of the whole group, flat (per block batched, the unrotated entries as they are)."""
-        return self._per_block(group, u_rot, lambda b, block, stack, out, part: _unrotate_stack(
-            stack, block, *_bases_part(stacks[b], part), out), into, (stacks, True))  # fmt: skip
+        return self._per_block(group, u_rot, lambda b, block, stack, out, part: _rotate_stack(
+            stack, block, *_bases_part(stacks[b], part), True, out), into, (stacks, True))  # fmt: skip
 
     def _matrices(self, block: _Block, flat: Array, keep: bool) -> tuple[list[Array], list[bool]]:
         """The block's matrices in ``flat`` (CPU torch) as views, and whether each lies at a fresh tensor's
@@ -1460,9 +1420,7 @@ class Engine:
             out = group.scratch[which] = self.xp.empty((group.size,), dtype=group.dtype, device=group.device)
         return out
 
-    def _commit(
-        self, pending: _Pending, bases: dict[tuple[int, int], tuple[Array, Array | None]], params: list[Array]
-    ) -> list[Array]:
+    def _commit(self, pending: _Pending, params: list[Array]) -> list[Array]:
         """Make a computed step the engine's (moments and bases replaced, counters advanced); returns the new
         parameters, in the engine's order (views of the flat results; a direct group's own arrays, written)."""
         xp = self.xp
@@ -1473,8 +1431,8 @@ class Engine:
                 new = {f: moments.get(f, group.moments[f]) for f in group.moments}
                 group.moments = self._kept(group.moments, new)
             for b, block in enumerate(group.blocks):
-                if (number, b) in bases:
-                    block.P, block.Q = self._kept((block.P, block.Q), bases[(number, b)])
+                if (number, b) in pending.bases:
+                    block.P, block.Q = self._kept((block.P, block.Q), pending.bases[(number, b)])
             group.count += 1
             for m in group.members:  # the parameters written by the kernels, or views of the flat result
                 out[m.index] = params[m.index] if w_new is None else xp.reshape(w_new[m.offset : m.offset + m.size],
@@ -1553,5 +1511,4 @@ def explain_route(cfg: BaseConfig, shape: Sequence[int], dtype: Any = None, *, x
 
         xp = compat_numpy
     param = xp.zeros(tuple(shape), dtype=xp.float32 if dtype is None else dtype)
-    route: Route = Engine([param], cfg, xp=xp).routes()[0]
-    return route
+    return Engine([param], cfg, xp=xp).routes()[0]
