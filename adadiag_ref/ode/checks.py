@@ -34,11 +34,12 @@ factored families need ``r, s > 0`` (``V^ = r s^T / 1^T r`` is ``0/0`` at zero);
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -49,7 +50,7 @@ from . import events as _events
 from .controllers import ConstantStepSize, PIController, Tolerance
 from .integrate import BasisSchedule, SaveAt, Solution, integrate
 from .problems import Problem
-from .reference import OrderResult, StepLimitError, observed_order
+from .reference import StepLimitError, observed_order
 from .solvers import Solver, interpolate, make_solver
 from .systems import AdafactorODEState, AdamODEState, Basis, HfacODEState, System
 from .terms import ODETerm, SystemTerm
@@ -66,6 +67,7 @@ __all__ = [
 ]
 
 _EPS64 = float(np.finfo(np.float64).eps)
+_P = ParamSpec("_P")
 
 FD_SAMPLES = 9
 """States (evenly spaced among the saved ones) where the closed-form dH/dt meets its finite difference."""
@@ -187,9 +189,7 @@ def _json_value(value: Any) -> Any:
     """``value`` with non-finite floats (alone or in a tuple) as ``None`` and tuples as lists."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(value, tuple):
-        return [None if isinstance(x, float) and not math.isfinite(x) else x for x in value]
-    return value
+    return [_json_value(x) for x in value] if isinstance(value, tuple) else value
 
 
 def well_posedness(system: System, state: Any) -> tuple[bool, list[str]]:
@@ -256,6 +256,38 @@ def _richardson_h_error(
     return estimate, full.n_evals + half1.n_evals + half2.n_evals
 
 
+def _summarise_warnings(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
+    """``"<count> x <Category>: <message>"`` per distinct warning, in order of first appearance."""
+    counts: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.category.__name__}: {w.message}"
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(f"{count} x {key}" for key, count in counts.items())
+
+
+def _collecting_warnings(run: Callable[_P, CheckResult]) -> Callable[_P, CheckResult]:
+    """``run`` with the warnings raised during it kept from the console and collected in ``runtime_warnings``."""
+
+    @functools.wraps(run)
+    def collecting(*args: _P.args, **kwargs: _P.kwargs) -> CheckResult:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run(*args, **kwargs)
+        return replace(result, runtime_warnings=_summarise_warnings(caught)) if caught else result
+
+    return collecting
+
+
+class _Subject(NamedTuple):
+    """What is checked: the library's ``system`` (``None`` for a user's :class:`~.terms.ODETerm`) and the names."""
+
+    system: System | None
+    system_name: str
+    problem_name: str
+    optimal_value: float | None
+
+
+@_collecting_warnings
 def check(
     system: System | ODETerm,
     problem: Problem | None = None,
@@ -308,56 +340,6 @@ def check(
     Warnings raised during the run (NumPy's floating-point ``RuntimeWarning`` of a rejected trial stage, for
     one) do not reach the console: they are collected, counted, in ``CheckResult.runtime_warnings``.
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = _check(
-            system, problem, integrator, t_end, dt, rtol, atol, refresh_period, moments, floor, y0, basis, order,
-            order_t_end, order_dt0, progress, max_steps, grad_tol, loss_threshold, events,
-        )  # fmt: skip
-    return replace(result, runtime_warnings=_summarise_warnings(caught)) if caught else result
-
-
-def _summarise_warnings(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
-    """``"<count> x <Category>: <message>"`` per distinct warning, in order of first appearance."""
-    counts: dict[str, int] = {}
-    for w in caught:
-        key = f"{w.category.__name__}: {w.message}"
-        counts[key] = counts.get(key, 0) + 1
-    return tuple(f"{count} x {key}" for key, count in counts.items())
-
-
-class _Subject(NamedTuple):
-    """What is checked: the library's ``system`` (``None`` for a user's :class:`~.terms.ODETerm`) and the names."""
-
-    system: System | None
-    system_name: str
-    problem_name: str
-    optimal_value: float | None
-
-
-def _check(
-    system: System | ODETerm,
-    problem: Problem | None,
-    integrator: str | Solver,
-    t_end: float,
-    dt: float | None,
-    rtol: Any,
-    atol: Any,
-    refresh_period: float | None,
-    moments: str,
-    floor: float,
-    y0: Array | None,
-    basis: Basis | None,
-    order: bool,
-    order_t_end: float | None,
-    order_dt0: float | None,
-    progress: bool | None,
-    max_steps: int,
-    grad_tol: float | None,
-    loss_threshold: float | None,
-    events: Sequence[Callable[[float, Array, Any], bool]],
-) -> CheckResult:
-    """:func:`check` without the collection of warnings."""
     solver = make_solver(integrator) if isinstance(integrator, str) else integrator
     term: SystemTerm | ODETerm
     if isinstance(system, ODETerm):
@@ -418,7 +400,14 @@ def _check(
         except StepLimitError as exc:  # --max-steps bounds every integration, the order runs too
             note = f"observed order not measured: {exc}"
             return replace(result, status="max_steps", notes=(*result.notes, note))
-        result = _with_order(result, od)
+        result = replace(
+            result,
+            observed_order=od.slope,
+            order_dts=tuple(float(x) for x in od.dts),
+            order_errors=tuple(float(x) for x in od.errors),
+            order_fit_range=tuple(od.fit_range),
+            order_refused=od.refused,
+        )
     return result
 
 
@@ -426,9 +415,15 @@ def _ill_posed(
     subject: _Subject, solver: Solver, term: SystemTerm, y0: Array, t_end: float, notes: list[str]
 ) -> CheckResult:
     """The result for an initial state where the system is not defined: nothing is integrated."""
-    nan = math.nan
     g0 = term.grad_norm(y0)
     loss0 = term.loss(y0)
+    # the figures of an integration and of the checks along it: none was run
+    unmeasured: dict[str, Any] = dict.fromkeys(
+        "h0 h_end max_h_increase max_h_increase_rel t_max_h_increase local_error_estimate increase_tolerance "
+        "max_dhdt t_max_dhdt energy_drop energy_integral energy_residual energy_residual_rel rate_fd_error "
+        "t_rate_fd_error".split(),
+        math.nan,
+    )
     return CheckResult(
         system=subject.system_name,
         problem=subject.problem_name,
@@ -437,25 +432,10 @@ def _ill_posed(
         status="ill_posed",
         verdict="ill_posed",
         message="the initial state is outside the domain of the system: " + "; ".join(notes),
-        h0=nan,
-        h_end=nan,
         loss0=loss0,
         loss_end=loss0,
         optimal_value=subject.optimal_value,
-        max_h_increase=nan,
-        max_h_increase_rel=nan,
-        t_max_h_increase=nan,
-        local_error_estimate=nan,
-        increase_tolerance=nan,
-        max_dhdt=nan,
-        t_max_dhdt=nan,
-        energy_drop=nan,
-        energy_integral=nan,
-        energy_residual=nan,
-        energy_residual_rel=nan,
         energy_tolerance=ENERGY_TOLERANCE,
-        rate_fd_error=nan,
-        t_rate_fd_error=nan,
         grad_norm0=g0,
         grad_norm_end=g0,
         grad_norm_tail=g0,
@@ -469,17 +449,7 @@ def _ill_posed(
         n_check_evals=1,
         wall_time=0.0,
         trajectory=None,
-    )
-
-
-def _with_order(result: CheckResult, od: OrderResult) -> CheckResult:
-    return replace(
-        result,
-        observed_order=od.slope,
-        order_dts=tuple(float(x) for x in od.dts),
-        order_errors=tuple(float(x) for x in od.errors),
-        order_fit_range=tuple(od.fit_range),
-        order_refused=od.refused,
+        **unmeasured,
     )
 
 
@@ -538,12 +508,10 @@ def _analyse(
     # where a refresh starts the next step, dH/dt again with the new basis (H itself does not change)
     H, L, gnorm, rate_end = (np.empty(n) for _ in range(4))
     for i in range(n):
-        d = term.diagnostics(float(sol.ts[i]), ys[i], sol.bases[int(sol.segments[i])])
-        H[i], L[i], gnorm[i], rate_end[i] = d
+        H[i], L[i], gnorm[i], rate_end[i] = term.diagnostics(float(sol.ts[i]), ys[i], sol.bases[int(sol.segments[i])])
         bar.update()
     check_evals = n
-    rate_start = np.empty(max(n - 1, 0))
-    rate_mid = np.empty(max(n - 1, 0))
+    rate_start, rate_mid = np.empty(n - 1), np.empty(n - 1)  # the saved states include t_0: n >= 1
     assert sol.dense is not None
     for k in range(n - 1):
         basis = sol.bases[int(sol.segments[k + 1])]
@@ -573,20 +541,18 @@ def _analyse(
 
     # largest increase of H and its local error estimate
     dH = np.diff(H)
-    if np.isfinite(dH).any():  # a blown-up state's NaN step is reported by the verdict, not ranked here
-        k_inc = int(np.argmax(np.where(np.isfinite(dH), dH, -np.inf)))
-        inc = max(0.0, float(dH[k_inc]))
-    else:
-        k_inc, inc = 0, 0.0
+    ranked = np.where(np.isfinite(dH), dH, -np.inf)  # a blown-up state's NaN step is reported by the verdict
+    k_inc = int(np.argmax(ranked)) if dH.size else 0
+    inc = max(0.0, float(ranked[k_inc])) if dH.size else 0.0
     estimate = 0.0
-    if dH.size and inc > 0:
+    if inc > 0:
         basis = sol.bases[int(sol.segments[k_inc + 1])]
         estimate, used = _richardson_h_error(term, solver, float(sol.ts[k_inc]), ys[k_inc], float(hs[k_inc]), basis)
         check_evals += used
         if sol.y_errs is not None and sol.y_errs.shape[0] > k_inc:
             embedded = abs(term.hamiltonian(ys[k_inc + 1]) - term.hamiltonian(ys[k_inc + 1] - sol.y_errs[k_inc, :]))
             estimate = max(estimate, embedded)
-    rounding = 64.0 * _EPS64 * float(np.max(np.abs(H[max(k_inc, 0) : k_inc + 2]))) if n > 1 else 0.0
+    rounding = 64.0 * _EPS64 * float(np.max(np.abs(H[k_inc : k_inc + 2]))) if n > 1 else 0.0
     tolerance = 3.0 * estimate + rounding
     rate_tol = 1e-10 * max(rate_scale, 1e-300)
 
@@ -607,7 +573,7 @@ def _analyse(
     # tail of the gradient norm
     t0 = float(sol.ts[0])
     tail = gnorm[sol.ts >= t0 + 0.9 * (sol.t_final - t0)]
-    vmin = _second_moment_min(states, xp) if states else None
+    vmin = _second_moment_min(states, xp)
     all_finite = bool(np.all(finite)) and bool(xp.all(xp.isfinite(sol.ys)))
     invariants_ok = all_finite and (vmin is None or vmin >= 0.0)
     ok, notes = well_posedness(subject.system, states[0]) if subject.system is not None else (True, [])
@@ -662,7 +628,6 @@ def _analyse(
 
     if sol.event is not None:
         message = f"stopped at t = {sol.t_final:.6g} ({sol.event}); {message}"
-    refresh_times = np.asarray(sol.piece_starts[1:]) if len(sol.piece_starts) > 1 else np.zeros(0)
     trajectory = Trajectory(
         t=np.asarray(sol.ts),
         H=H,
@@ -670,7 +635,7 @@ def _analyse(
         grad_norm=gnorm,
         dHdt=rate_end,
         step_sizes=sol.step_sizes,
-        refresh_times=refresh_times,
+        refresh_times=np.asarray(sol.piece_starts[1:]),  # every piece after the first starts with a refresh
     )
     return CheckResult(
         system=subject.system_name,

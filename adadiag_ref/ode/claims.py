@@ -32,7 +32,7 @@ import numpy as np
 from .._xp import Array, Namespace, namespace, sqrt
 from ..optim.families.common import clip_factor, factored
 from ..optim.families.hfac import normalization_constants
-from .problems import Problem, custom_problem
+from .problems import Problem, _namespace, custom_problem
 from .systems import (
     AdafactorODEState,
     AdamODEState,
@@ -339,15 +339,11 @@ def _rotation(theta: float) -> np.ndarray:
 
 def counterexample(key: str, *, xp: Namespace | None = None) -> Counterexample:
     """The concrete state behind ``key`` in :data:`COUNTEREXAMPLES` (float64, in namespace ``xp``)."""
-    if xp is None:
-        import array_api_compat.numpy as xp_np
-
-        xp = xp_np
     try:
         build = COUNTEREXAMPLES[key]
     except KeyError:
         raise ValueError(f"unknown counterexample {key!r}; choose one of {', '.join(COUNTEREXAMPLES)}") from None
-    return build(xp)
+    return build(_namespace(xp))
 
 
 def _arr(xp: Namespace, x: Any) -> Array:

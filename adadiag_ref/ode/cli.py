@@ -46,6 +46,7 @@ _INTEGRATOR_CHOICES = [*SOLVERS, "sie", "dp5"]
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(func=run)
     # no argparse choices: a family registered at run time (--import) is known only when run() starts
     parser.add_argument(
         "--optimizer",
@@ -122,7 +123,6 @@ def build_parser(prog: str = "adadiag-ref ode") -> argparse.ArgumentParser:
     """A standalone parser for the ``ode`` subcommand."""
     parser = ErrorParser(prog=prog, description=__doc__.split("\n")[0] if __doc__ else None)
     _configure(parser)
-    parser.set_defaults(func=run)
     return parser
 
 
@@ -134,7 +134,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Integrate one optimizer's continuous-time form on a test problem and check dH/dt <= 0.",
     )
     _configure(parser)
-    parser.set_defaults(func=run)
     return parser
 
 
@@ -254,19 +253,21 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             return fail(f"ode: {exc}")
     total = time.perf_counter() - start
-    if args.json:
-        payload = result.to_dict(trajectory=args.trajectory)
-        payload.update(
-            {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
-        )
-        if plot_path:
-            payload["plot"] = plot_path
-        print(json.dumps(payload, indent=2, sort_keys=True))
-    else:
-        print(format_report(result, system.describe(), problem.description or problem.name, total))
-        if plot_path:
-            print(f"  plot: {plot_path}")
+    payload = result.to_dict(trajectory=args.trajectory)
+    payload.update(
+        {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
+    )
+    report = format_report(result, system.describe(), problem.description or problem.name, total)
+    _print_result(args.json, payload, report, plot_path)
     return 0 if result.status in ("success", "event") else 1 if result.status != "ill_posed" else 3
+
+
+def _print_result(as_json: bool, payload: dict[str, Any], report: str, plot_path: str | None) -> None:
+    """``payload`` as one JSON object (``--json``), else the human-readable ``report``; either names the plot."""
+    if as_json:
+        print(json.dumps({**payload, "plot": plot_path} if plot_path else payload, indent=2, sort_keys=True))
+    else:
+        print(f"{report}\n  plot: {plot_path}" if plot_path else report)
 
 
 def _core_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -322,15 +323,9 @@ def run_discrete_limit(args: argparse.Namespace) -> int:
         from .plotting import plot_discrete_limit
 
         plot_path = plot_discrete_limit(result, args.plot)
-    if args.json:
-        payload = result.to_dict()
-        if plot_path:
-            payload["plot"] = plot_path
-        print(json.dumps(payload, indent=2, sort_keys=True))
-    else:
-        print(format_discrete_limit(result, problem.description or problem.name))
-        if plot_path:
-            print(f"  plot: {plot_path}")
+    _print_result(
+        args.json, result.to_dict(), format_discrete_limit(result, problem.description or problem.name), plot_path
+    )
     return 0
 
 

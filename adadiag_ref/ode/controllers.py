@@ -161,12 +161,9 @@ def initial_step(
     ``d2 = ||f(y0 + h0 f0) - f0|| / h0`` and ``h1 = (0.01 / max(d1, d2))^(1/(p+1))``;
     the result is ``min(100 h0, h1)``.  Norms are weighted RMS with ``atol + rtol |y0|``.
     """
-    xp = namespace(y0)
-    scale = tolerance_array(atol, y0) + tolerance_array(rtol, y0) * xp.abs(y0)
 
     def norm(x: Array) -> float:
-        r = x / scale
-        return float(sqrt(xp.mean(r * r), xp))
+        return weighted_rms(y0, y0, x, rtol, atol)  # the scale atol + rtol |y0|
 
     d0, d1 = norm(y0), norm(f0)
     h0 = 1e-6 if d0 < 1e-5 or d1 < 1e-5 else 0.01 * d0 / d1

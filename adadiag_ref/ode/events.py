@@ -38,16 +38,11 @@ def event_name(event: Callable[..., Any]) -> str:
     return event.name if isinstance(event, Event) else getattr(event, "__name__", repr(event))
 
 
-def _positive(value: float, what: str) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def gradient_tolerance(term: Any, tol: float) -> Event:
     """Stop once ``||grad L(W)||_F <= tol`` (``term.grad_norm``: a :class:`~.terms.SystemTerm`, or an
     :class:`~.terms.ODETerm` with ``grad_norm_fn``); one gradient evaluation per accepted step."""
-    tol = _positive(tol, "the gradient tolerance")
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"the gradient tolerance must be a finite number > 0, got {tol!r}")
     return Event(f"||grad L|| <= {tol:g}", lambda t, y, args: term.grad_norm(y) <= tol)
 
 

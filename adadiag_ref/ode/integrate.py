@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
+from .._cli import bar_disable
 from .._xp import Array, namespace
 from .controllers import ConstantStepSize, ControllerState, PIController, initial_step
 from .events import event_name
@@ -220,22 +221,19 @@ def integrate(
     if not t1 > t0:
         raise ValueError(f"need t1 > t0, got t0={t0!r}, t1={t1!r}")
     xp = namespace(y0)
-    if saveat is not None and saveat.ts is not None:
+    controller = ConstantStepSize() if controller is None else controller
+    saveat = SaveAt() if saveat is None else saveat
+    if saveat.ts is not None:
         requested = np.asarray(saveat.ts, dtype=np.float64)
         _check_span(requested, float(t0), float(t1), "SaveAt.ts")
         if np.any(np.diff(requested) < 0):
             raise ValueError(f"SaveAt.ts must be sorted, got {list(saveat.ts)[:5]}...")
-    controller = ConstantStepSize() if controller is None else controller
-    saveat = SaveAt() if saveat is None else saveat
     if not controller.adaptive:
         dt = controller.dt if isinstance(controller, ConstantStepSize) and controller.dt is not None else dt0
         if dt is None or not dt > 0:
             raise ValueError("a constant step size needs dt0 > 0 (or ConstantStepSize(dt))")
         dt0 = dt
-    # tqdm's disable=None is "only when stderr is a terminal", the meaning of progress=None here
-    bar = tqdm(
-        total=t1 - t0, desc=solver.name, bar_format=_BAR_FORMAT, disable=None if progress is None else not progress
-    )
+    bar = tqdm(total=t1 - t0, desc=solver.name, bar_format=_BAR_FORMAT, disable=bar_disable(progress))
 
     t, y = float(t0), y0
     h = dt0
@@ -325,14 +323,13 @@ def integrate(
         for tq in saveat.ts:
             if tq > t + 1e-12 * max(1.0, abs(t)):
                 break
+            ts.append(float(tq))
             if not dense or tq <= t0:
-                ts.append(float(tq))
                 ys.append(y0 if tq <= t0 else y)
                 segs.append(0)
-                continue
-            ts.append(float(tq))
-            ys.append(_evaluate_dense(dense, starts, float(tq)))
-            segs.append(int(np.searchsorted(np.array(piece_starts), tq, side="left") - 1) if tq > t0 else 0)
+            else:
+                ys.append(_evaluate_dense(dense, starts, float(tq)))
+                segs.append(int(np.searchsorted(np.array(piece_starts), tq, side="left") - 1))
     return Solution(
         ts=np.asarray(ts, dtype=np.float64),
         ys=xp.stack(ys, axis=0) if ys else xp.zeros((0, y0.shape[0]), dtype=y0.dtype),

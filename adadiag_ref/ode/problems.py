@@ -62,6 +62,7 @@ class Problem:
 
 
 def _namespace(xp: Namespace | None) -> Namespace:
+    """``xp`` as given (problems and counterexamples build their data in it), NumPy's array-API one for ``None``."""
     if xp is not None:
         return xp
     import array_api_compat.numpy as np_xp
@@ -190,11 +191,7 @@ def rosenbrock_problem(
     ``d_i = x_{i+1} - x_i^2``.  ``W0`` defaults to the classic ``(-1.2, 1, -1.2, 1, ...)``.
     """
     xp = _namespace(xp)
-    N = m * n
-    if W0 is None:
-        start = np.where(np.arange(N) % 2 == 0, -1.2, 1.0).reshape(m, n)
-    else:
-        start = np.asarray(W0, dtype=np.float64).reshape(m, n)
+    start = np.where(np.arange(m * n) % 2 == 0, -1.2, 1.0) if W0 is None else np.asarray(W0, dtype=np.float64)
 
     def loss(W: Array) -> Array:
         x = xp.reshape(W, (-1,))
@@ -213,7 +210,7 @@ def rosenbrock_problem(
         name="rosenbrock",
         loss=loss,
         grad=grad,
-        W0=xp.asarray(start),
+        W0=xp.asarray(start.reshape(m, n)),
         optimal_value=0.0,
         description=f"chained Rosenbrock, alpha {alpha:g}, W {m}x{n}",
     )

@@ -168,9 +168,8 @@ def observed_order(
     with np.errstate(all="ignore"):
         log_d, log_e = np.log(dts_a), np.log(errors_a)
         local = np.diff(log_e) / np.diff(log_d)
-    if fitted.size < 2:
-        return OrderResult(dts_a, errors_a, math.nan, method, (math.nan, math.nan), refused, local)
-    slope = float(np.polyfit(log_d[fitted], log_e[fitted], 1)[0])
-    return OrderResult(
-        dts_a, errors_a, slope, method, (float(dts_a[fitted[0]]), float(dts_a[fitted[-1]])), refused, local
-    )
+    slope, fit_range = math.nan, (math.nan, math.nan)
+    if fitted.size >= 2:
+        slope = float(np.polyfit(log_d[fitted], log_e[fitted], 1)[0])
+        fit_range = (float(dts_a[fitted[0]]), float(dts_a[fitted[-1]]))
+    return OrderResult(dts_a, errors_a, slope, method, fit_range, refused, local)

@@ -201,9 +201,9 @@ class System:
 
     def describe(self) -> str:
         """One line naming the system and its non-default constants."""
-        parts = [f"a={self.a:g}", f"b={self.b:g}"] if self.family != "momentum" else [f"a={self.a:g}"]
+        parts = [f"a={self.a:g}"]
         if self.family != "momentum":
-            parts.append(f"eps={self.eps:g}")
+            parts += [f"b={self.b:g}", f"eps={self.eps:g}"]
         for f in fields(self):
             if f.name in ("name", "family", "sides", "a", "b", "eps"):
                 continue
