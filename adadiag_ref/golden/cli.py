@@ -169,8 +169,7 @@ def add_parser(subparsers: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (used by the tests): ``main(["golden", "verify"])``."""
     parser = ErrorParser(prog="adadiag-ref")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_parser(subparsers)
+    add_parser(parser.add_subparsers(dest="command", required=True))
     return parse_and_run(parser, argv)
 
 

@@ -18,8 +18,8 @@ comparison with its traceback.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,16 +145,8 @@ class Mismatch:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "field": self.field,
-            "index": list(self.index),
-            "got": _json_float(self.got),
-            "want": _json_float(self.want),
-            "bound": _json_float(self.bound),
-            "violations": self.violations,
-            "note": self.note,
-        }
+        floats = {name: _json_float(getattr(self, name)) for name in ("got", "want", "bound")}
+        return {**asdict(self), "index": list(self.index), **floats}
 
 
 def _json_float(x: float) -> float | str:
@@ -233,13 +225,11 @@ class ComparisonReport:
 
     def field_verdicts(self) -> str:
         """Each compared field on its own: ``W agrees at all 12 steps; V differs from step 1; count agrees``."""
-        parts = []
         ordered = sorted(self.field_status, key=lambda f: f[0] != PARAMETER)  # W first, then the states
-        for name, first, _ in ordered:
-            parts.append(
-                f"{name} agrees at all {self.steps} steps" if first is None else f"{name} differs from step {first}"
-            )
-        return "; ".join(parts)
+        return "; ".join(
+            f"{name} agrees at all {self.steps} steps" if first is None else f"{name} differs from step {first}"
+            for name, first, _ in ordered
+        )
 
     @property
     def widened_from(self) -> int | None:
@@ -290,11 +280,9 @@ class ComparisonReport:
             text += f": {self.first_mismatch.describe()}"
         if len(self.field_status) > 1:
             text += f"; {self.field_verdicts()}"
-        if self.patterns and self.likely_cause not in self.patterns:
+        if self.patterns:
             text += f"; pattern: {'; '.join(self.patterns)}"
-        if self.patterns and self.likely_cause in self.patterns:
-            return f"{text}; pattern: {'; '.join(self.patterns)}"
-        return f"{text}; likely cause: {self.likely_cause}"
+        return text if self.likely_cause in self.patterns else f"{text}; likely cause: {self.likely_cause}"
 
     def table(self) -> str:
         """Per-step parameter errors, refresh steps marked with ``R`` (a rotated optimizer's); the row where ``W``
@@ -307,7 +295,7 @@ class ComparisonReport:
         w_first = next((first for name, first, _ in self.field_status if name == PARAMETER), None)
         if not self.field_status and self.first_mismatch is not None and self.first_mismatch.field == PARAMETER:
             w_first = self.first_mismatch.step
-        state_first = self.first_mismatch if self.first_mismatch is not None else None
+        state_first = self.first_mismatch
         for k in range(self.steps):
             t = k + 1
             mark = "R" if self.rotated and t in self.refresh_steps else " "
@@ -443,27 +431,33 @@ def _state_arrays(state: Any, names: Mapping[str, str]) -> dict[str, np.ndarray]
     return out
 
 
+def _outputs(step_fn: StepFn, case: GoldenCase) -> Iterator[tuple[np.ndarray, Any]]:
+    """``(W_{t+1}, state or None)`` for t = 1..K, ``step_fn`` driven on its own outputs over the case's gradients
+    (fresh copies of ``W_t`` and ``G_t`` each step); an exception of ``step_fn`` propagates."""
+    w = np.array(case.w0, copy=True)
+    for k in range(case.steps):
+        out = step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1)
+        state = None
+        if isinstance(out, tuple) and len(out) == 2:
+            out, state = out
+        w = np.asarray(to_numpy(out)).reshape(case.shape)
+        yield w, state
+
+
 def _drive(step_fn: StepFn, case: GoldenCase, names: Mapping[str, str]) -> _Run:
     """Run ``step_fn`` over the case's gradients; an exception ends the run and is recorded with its traceback."""
     run = _Run()
-    w = np.array(case.w0, copy=True)
-    for k in range(case.steps):
-        try:
-            out = step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1)
-            state = None
-            if isinstance(out, tuple) and len(out) == 2:
-                out, state = out
-            w = np.asarray(to_numpy(out)).reshape(case.shape)
+    try:
+        for w, state in _outputs(step_fn, case):
             fields_ = _state_arrays(state, names) if state is not None else {}
-        except Exception as exc:  # the port's failure is the result: recorded, and the other cases still run
-            run.error, run.error_step = port_traceback(exc), k + 1
-            break
-        run.params.append(w)
-        if state is not None and k == 0:
-            keys = state._fields if hasattr(state, "_fields") else list(dict(state))
-            run.renamed = _renamed(keys, names)
-        for name, value in fields_.items():
-            run.states.setdefault(name, []).append(value)
+            if state is not None and not run.params:
+                keys = state._fields if hasattr(state, "_fields") else list(dict(state))
+                run.renamed = _renamed(keys, names)
+            run.params.append(w)
+            for name, value in fields_.items():
+                run.states.setdefault(name, []).append(value)
+    except Exception as exc:  # the port's failure is the result: recorded, and the other cases still run
+        run.error, run.error_step = port_traceback(exc), len(run.params) + 1
     return run
 
 
@@ -475,14 +469,7 @@ def run_step_fn(step_fn: StepFn, case: GoldenCase) -> np.ndarray:
     ``(W_{t+1}, state)`` (the state is dropped here; :func:`compare` checks it).
     An exception of ``step_fn`` propagates.
     """
-    w = np.array(case.w0, copy=True)
-    out = []
-    for k in range(case.steps):
-        result = step_fn(np.array(w, copy=True), np.array(case.grads[k], copy=True), k + 1)
-        if isinstance(result, tuple) and len(result) == 2:
-            result = result[0]
-        w = np.asarray(to_numpy(result)).reshape(case.shape)
-        out.append(w)
+    out = [w for w, _ in _outputs(step_fn, case)]
     return np.stack(out, axis=0) if out else np.zeros((0, *case.shape), dtype=case.w0.dtype)
 
 
@@ -564,17 +551,13 @@ def likely_cause(
 # ----------------------------------------------------------------------------- entrywise checks
 
 
-def _bounds(want: np.ndarray, rtol: float, atol: float) -> np.ndarray:
-    return atol + rtol * np.abs(want)
-
-
 def _within(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
     """``|got - want| <= atol + rtol |want|`` everywhere (same shapes; non-finite ``got`` fails)."""
     if got.shape != want.shape:
         return False
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return bool(np.all(np.isfinite(diff) & (diff <= _bounds(want.astype(np.float64), rtol, atol))))
+    return bool(np.all(np.isfinite(diff) & (diff <= atol + rtol * np.abs(want.astype(np.float64)))))
 
 
 def _same_shape(got: np.ndarray, want: np.ndarray) -> np.ndarray | None:
@@ -586,45 +569,40 @@ def _same_shape(got: np.ndarray, want: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def _ratios(x: np.ndarray, y: np.ndarray, rtol: float, atol: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(|x - y| / (atol + rtol |y|), bound)`` entrywise, in float64 (non-finite ``x``: ``inf``)."""
+def _ratios(
+    x: np.ndarray, y: np.ndarray, rtol: float | np.ndarray, atol: float | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(|x - y| / bound, |x - y|, bound = atol + rtol |y|)`` entrywise, in float64 (non-finite ``x``: an ``inf``
+    error); ``rtol``, ``atol`` broadcast against ``y`` (one per step: a column)."""
     x, y = x.astype(np.float64), y.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         diff = np.where(np.isfinite(x), np.abs(x - y), np.inf)
-        bound = _bounds(y, rtol, atol)
+        bound = atol + rtol * np.abs(y)
         ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
-    return ratio, bound
+    return ratio, diff, bound
 
 
-def _max_ratio(name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> float:
-    """The worst ``error / tolerance`` of one field at one step (``inf``: another shape or count)."""
-    same = _same_shape(got, want)
-    if same is None:
-        return float("inf")
-    if name == "count":
-        return 0.0 if np.array_equal(same.astype(np.int64), want.astype(np.int64)) else float("inf")
-    ratio, _ = _ratios(same, want, rtol, atol)
-    return float(np.max(ratio)) if ratio.size else 0.0
-
-
-def _field_mismatch(t: int, name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> Mismatch | None:
-    """The worst entry of one field at one step when some entry is out of tolerance (or the shapes differ)."""
+def _check_field(
+    t: int, name: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float
+) -> tuple[float, Mismatch | None]:
+    """The worst ``error / tolerance`` of one field at one step (``inf``: another shape or count), and its worst
+    entry when some entry is out of tolerance (or the shapes differ)."""
     same = _same_shape(got, want)
     if same is None:
         note = f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        return Mismatch(t, name, (), float("nan"), float("nan"), 0.0, want.size, note)
-    got = same
+        return float("inf"), Mismatch(t, name, (), float("nan"), float("nan"), 0.0, want.size, note)
     if name == "count":
-        if np.array_equal(got.astype(np.int64), want.astype(np.int64)):
-            return None
-        return Mismatch(t, name, (), float(np.ravel(got)[0]), float(np.ravel(want)[0]), 0.0, 1)
-    x, y = got.astype(np.float64), want.astype(np.float64)
-    ratio, bound = _ratios(x, y, rtol, atol)
+        if np.array_equal(same.astype(np.int64), want.astype(np.int64)):
+            return 0.0, None
+        return float("inf"), Mismatch(t, name, (), float(np.ravel(same)[0]), float(np.ravel(want)[0]), 0.0, 1)
+    x, y = same.astype(np.float64), want.astype(np.float64)
+    ratio, _, bound = _ratios(x, y, rtol, atol)
+    worst = float(np.max(ratio)) if ratio.size else 0.0
     out = ratio > 1.0
     if not np.any(out):
-        return None
+        return worst, None
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), ratio.shape))
-    return Mismatch(t, name, index, float(x[index]), float(y[index]), float(bound[index]), int(np.sum(out)))
+    return worst, Mismatch(t, name, index, float(x[index]), float(y[index]), float(bound[index]), int(np.sum(out)))
 
 
 def _state_atol(want: np.ndarray, rtol: float) -> float:
@@ -863,7 +841,7 @@ def _first_mismatch(
                 r, a = state_rtol, _state_atol(want, state_rtol)
             else:
                 continue
-            found = _field_mismatch(t, name, got, want, r, a)
+            _, found = _check_field(t, name, got, want, r, a)
             if found is not None:
                 return found, got
     return None, None
@@ -877,12 +855,9 @@ def _parameter_errors(traj: np.ndarray, case: GoldenCase, rtol: np.ndarray, atol
     n = traj.shape[0]
     if n == 0:
         return max_abs, max_rel, max_ratio
-    x = traj.astype(np.float64).reshape(n, -1)
-    y = np.asarray(case.params[:n]).astype(np.float64).reshape(n, -1)
+    x, y = traj.reshape(n, -1), np.asarray(case.params[:n]).reshape(n, -1)
+    ratio, diff, _ = _ratios(x, y, rtol[:n, None], atol[:n, None])
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        diff = np.where(np.isfinite(x), np.abs(x - y), np.inf)
-        bound = atol[:n, None] + rtol[:n, None] * np.abs(y)
-        ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1.0), np.where(diff > 0, np.inf, 0.0))
         max_abs[:n] = diff.max(axis=1) if x.shape[1] else 0.0
         scale = np.abs(y).max(axis=1) if y.shape[1] else np.zeros(n)
         max_rel[:n] = np.where(
@@ -997,8 +972,7 @@ def compare(
             cause = patterns[0]
         elif set(compared) - {"count"}:  # a state beyond the counter agrees: the update from it is wrong
             cause = _state_hint(mismatch, patterns, case, compared)
-        else:
-            finite = bool(np.all(np.isfinite(traj[:first])))
+        else:  # a non-finite trajectory is named below, whatever this says
             cause = likely_cause(
                 first,
                 max_rel,
@@ -1006,7 +980,6 @@ def compare(
                 completion_steps=completion_steps(case),
                 fixture_dtype=case.dtype,
                 candidate_dtype=candidate_dtype,
-                finite=finite,
             )
             if cause == CAUSE_STEP1 and not cfg.sides:
                 cause = CAUSE_STEP1_UNROTATED
@@ -1133,7 +1106,7 @@ def _field_status(
             want = case.state(k + 1)[name]
             got = np.asarray(states[name][k])
             r = float(state_rtols[k])
-            ratio = _max_ratio(name, got, want, r, _state_atol(want, r))
+            ratio, _ = _check_field(k + 1, name, got, want, r, _state_atol(want, r))
             worst = max(worst, ratio)
             if first is None and ratio > 1.0:
                 first = k + 1

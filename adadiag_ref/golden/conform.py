@@ -196,11 +196,6 @@ def _library_defaults(optimizer: str, api: str) -> dict[str, Any]:
     return api_options(values, api)
 
 
-def _is_library_port(port: Any) -> bool:
-    """The library's own torch classes and optax aliases: they validate every keyword they get."""
-    return str(getattr(port, "__module__", "")).startswith("adadiag_ref.")
-
-
 def port_options(
     port: Callable[..., Any],
     case: GoldenCase,
@@ -219,11 +214,11 @@ def port_options(
     names = rename or {}
     options = applicable_options(case, api)
     label = getattr(port, "__name__", str(port))
+    if str(getattr(port, "__module__", "")).startswith("adadiag_ref."):  # the library's own validate every keyword
+        return options, []
     try:
         parameters = inspect.signature(port).parameters
     except (TypeError, ValueError):  # a builtin without a signature: give it everything
-        return options, []
-    if _is_library_port(port):
         return options, []
     named = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     swallows = next((n for n, p in parameters.items() if p.kind is p.VAR_KEYWORD), None)
@@ -657,12 +652,6 @@ def _pairs(text: str, flag: str, form: str) -> dict[str, str]:
     return out
 
 
-def _options(args: argparse.Namespace) -> ConformOptions:
-    return conform_options(
-        args.accepts, args.port_option, args.state_map, args.moments, args.rtol, args.state_rtol, args.rename
-    )
-
-
 def _target(args: argparse.Namespace) -> tuple[str, str] | None:
     """``(kind, target)`` of the port named on the command line, or ``None`` (``--list`` alone)."""
     for kind in ("cmd", "torch", "optax"):
@@ -693,7 +682,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(list_cases(select_cases(directory, args.optimizer, args.dtype, args.case, args.feature, args.exclude)))
         return 0
     kind, spec = target
-    runner, inferred = port_runner(kind, spec, args.timeout, _options(args))
+    options = conform_options(
+        args.accepts, args.port_option, args.state_map, args.moments, args.rtol, args.state_rtol, args.rename
+    )
+    runner, inferred = port_runner(kind, spec, args.timeout, options)
     optimizers = args.optimizer or inferred
     if optimizers is None and kind != "cmd" and not args.case:
         raise ValueError(

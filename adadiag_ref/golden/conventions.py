@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -74,25 +75,22 @@ def _run(
     return np.stack(out, axis=0)
 
 
-def _eps_before_bias(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
-    b2 = float(cfg.betas[1])
-    return _run(cfg, case, cfg_at=lambda t: dataclasses.replace(cfg, eps=cfg.eps / math.sqrt(1.0 - b2**t)))
-
-
-def _decay_after_update(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
-    bare = dataclasses.replace(cfg, weight_decay=0.0)
-    shrink = 1.0 - cfg.lr * cfg.weight_decay
-    return _run(bare, case, after=lambda w: w * np.asarray(shrink, dtype=w.dtype))
-
-
-def _hf_adamw(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
+def _hf_conventions(
+    cfg: BaseConfig, case: GoldenCase, *, eps_before_bias: bool = False, decay_after_update: bool = False
+) -> np.ndarray:
+    """HF's conventions, one or both: eps before the bias correction (``eps_t = eps / sqrt(1 - b2^t)``) and the
+    decay applied to the updated ``W`` (``W_{t+1} = (W_t - eta U)(1 - eta lambda)``)."""
     b2, shrink = float(cfg.betas[1]), 1.0 - cfg.lr * cfg.weight_decay
-    bare = dataclasses.replace(cfg, weight_decay=0.0)
+    base = dataclasses.replace(cfg, weight_decay=0.0) if decay_after_update else cfg
+
+    def eps_at(t: int) -> BaseConfig:
+        return dataclasses.replace(base, eps=cfg.eps / math.sqrt(1.0 - b2**t))
+
+    def decay_after(w: np.ndarray) -> np.ndarray:
+        return w * np.asarray(shrink, dtype=w.dtype)
+
     return _run(
-        bare,
-        case,
-        cfg_at=lambda t: dataclasses.replace(bare, eps=cfg.eps / math.sqrt(1.0 - b2**t)),
-        after=lambda w: w * np.asarray(shrink, dtype=w.dtype),
+        base, case, cfg_at=eps_at if eps_before_bias else None, after=decay_after if decay_after_update else None
     )
 
 
@@ -102,12 +100,9 @@ def _coupled_l2(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
     return _run(bare, case, grad_at=lambda w, g: g + np.asarray(wd, dtype=g.dtype) * w)
 
 
-def _missing_decay(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
-    return _run(dataclasses.replace(cfg, weight_decay=0.0), case)
-
-
-def _no_bias_correction(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
-    return _run(dataclasses.replace(cfg, bias_correction=False), case)
+def _changed(**changes: Any) -> Callable[[BaseConfig, GoldenCase], np.ndarray]:
+    """The rebuild of a convention that is one change of the config for the whole run."""
+    return lambda cfg, case: _run(dataclasses.replace(cfg, **changes), case)
 
 
 def _other_side(cfg: BaseConfig, case: GoldenCase) -> np.ndarray:
@@ -133,14 +128,14 @@ CONVENTIONS: tuple[Convention, ...] = (
         "eps added before the bias correction (HF's correct_bias, GaLore: lr sqrt(1 - b2^t) / (1 - b1^t) and "
         "sqrt(v) + eps); the spec adds eps to sqrt(V) of the bias-corrected V",
         _adam_bias_corrected,
-        _eps_before_bias,
+        partial(_hf_conventions, eps_before_bias=True),
     ),
     Convention(
         "decay_after_update",
         "the weight decay applied to the updated W ((W_t - eta U)(1 - eta lambda)); the spec decays W_t: "
         "W_{t+1} = W_t - eta (U + lambda W_t)",
         _decays,
-        _decay_after_update,
+        partial(_hf_conventions, decay_after_update=True),
     ),
     Convention(
         "hf_adamw",
@@ -148,7 +143,7 @@ CONVENTIONS: tuple[Convention, ...] = (
         "(W_t - eta sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps))(1 - eta lambda); the spec: "
         "W_{t+1} = W_t - eta (M / (sqrt(V) + eps) + lambda W_t) with the bias-corrected M, V",
         lambda cfg, case: _adam_bias_corrected(cfg, case) and _decays(cfg, case),
-        _hf_adamw,
+        partial(_hf_conventions, eps_before_bias=True, decay_after_update=True),
     ),
     Convention(
         "coupled_l2",
@@ -162,13 +157,13 @@ CONVENTIONS: tuple[Convention, ...] = (
         "no weight decay term (got - want = eta lambda W_t at the first step); the spec: "
         "W_{t+1} = W_t - eta (U + lambda W_t)",
         _decays,
-        _missing_decay,
+        _changed(weight_decay=0.0),
     ),
     Convention(
         "no_bias_correction",
         "the raw EMAs in the update (no 1 - beta^t): the fixture's M, V are bias-corrected",
         lambda cfg, case: bool(cfg.bias_correction) and isinstance(cfg, AdamConfig),
-        _no_bias_correction,
+        _changed(bias_correction=False),
     ),
     Convention(
         "other_side",

@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zipfile
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -235,14 +235,7 @@ class Tolerance:
     state_conditioning_factor: float = STATE_CONDITIONING_FACTOR
 
     def to_dict(self) -> dict[str, float]:
-        return {
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "state_rtol": self.state_rtol,
-            "atol_factor": self.atol_factor,
-            "conditioning_factor": self.conditioning_factor,
-            "state_conditioning_factor": self.state_conditioning_factor,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tolerance:
@@ -437,15 +430,11 @@ def load_case(name_or_path: str | Path, directory: str | Path | None = None) -> 
     """
     candidate = Path(name_or_path)
     if candidate.suffix == ".npz" and candidate.is_file():
-        directory, wanted = candidate.parent, candidate.name
-        manifest = load_manifest(directory)
-        entries = [e for e in manifest["cases"] if e["file"] == wanted]
+        path, key, wanted = candidate.parent, "file", candidate.name
     else:
         path = Path(directory) if directory is not None else default_data_dir()
-        manifest = load_manifest(path)
-        directory = path
-        entries = [e for e in manifest["cases"] if e["name"] == str(name_or_path)]
+        key, wanted = "name", str(name_or_path)
+    entries = [e for e in load_manifest(path)["cases"] if e[key] == wanted]
     if not entries:
-        raise KeyError(f"no golden case {str(name_or_path)!r} in {directory}")
-    entry = entries[0]
-    return GoldenCase.from_manifest_entry(entry, _read_arrays(Path(directory) / entry["file"]))
+        raise KeyError(f"no golden case {str(name_or_path)!r} in {path}")
+    return GoldenCase.from_manifest_entry(entries[0], _read_arrays(path / entries[0]["file"]))

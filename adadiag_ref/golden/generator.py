@@ -96,10 +96,7 @@ class Stream:
     features: tuple[str, ...] = ()
 
     def recipe(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed,
-            "events": {str(t): kind for t, kind in sorted(self.events.items())},
-        }
+        return {"seed": self.seed, "events": {str(t): kind for t, kind in sorted(self.events.items())}}
 
 
 # Refreshes happen at t = 1 and (t - 1) mod T == 0: T = 4, K = 12 gives 1, 5, 9.
