@@ -173,13 +173,10 @@ def _as_specs(params: Any) -> list[ParamSpec]:
         return llama_parameters(params)
     if isinstance(params, Mapping):
         return [ParamSpec(str(k), tuple(getattr(v, "shape", v) or ())) for k, v in params.items()]
-    specs = []
-    for k, p in enumerate(params if isinstance(params, Iterable) else [params]):
-        if isinstance(p, ParamSpec):
-            specs.append(p)
-        else:
-            specs.append(ParamSpec(f"param{k}", tuple(getattr(p, "shape", p))))
-    return specs
+    return [
+        p if isinstance(p, ParamSpec) else ParamSpec(f"param{k}", tuple(getattr(p, "shape", p)))
+        for k, p in enumerate(params if isinstance(params, Iterable) else [params])
+    ]
 
 
 def state_nbytes(
@@ -211,12 +208,10 @@ def state_nbytes(
         raise ValueError(f"rule must be 'paper' or 'all', got {rule!r}")
     elements = 0
     for spec in _as_specs(params):
-        if rule == "paper" and spec.role == "norm":
-            continue
-        if rule == "paper" and spec.role != "block":
-            elements += _baseline_elements(spec.shape, cfg)
-        else:
+        if rule == "all" or spec.role == "block":
             elements += _state_elements(spec.shape, cfg)
+        elif spec.role != "norm":  # rule "paper": norm vectors are not counted, the rest takes the baseline
+            elements += _baseline_elements(spec.shape, cfg)
     return elements * dtype_nbytes(dtype)
 
 

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from . import OPTIMIZERS, init, make_config, refresh_due, step
 from ._cli import bar_disable, check_output_file, plot_problem, pyplot
 from ._xp import to_numpy
+from .memory import LLAMA_CONFIGS, PAPER_GB, paper_memory_table
 from .optim.families import family_of
 
 __all__ = [
@@ -507,8 +508,7 @@ def plot_curves(rows: Sequence[ReportRow], path: str | Path) -> None:
     for k, t in enumerate(refreshes):
         for a in (ax, ax_dev):
             a.axvline(t, color="0.5", lw=0.8, ls=":", label="basis refresh" if k == 0 and a is ax else None)
-    backends = list(dict.fromkeys(r.backend for r in rows))
-    for b in backends:  # legend entries for the line styles
+    for b in dict.fromkeys(r.backend for r in rows):  # legend entries for the line styles
         ax.plot([], [], color="k", ls=_BACKEND_STYLE.get(b, "-"), label=f"backend: {b}")
     ax.set_xlabel("step t")
     ax.set_ylabel("L(W_t) = 0.5 ||A W B - C||^2")
@@ -621,8 +621,6 @@ def golden_summary(out: Callable[[str], None] = print, progress: bool | None = N
 
 def memory_summary(out: Callable[[str], None] = print) -> None:
     """The paper's memory table (LLaMA, bf16) from :func:`adadiag_ref.state_nbytes`."""
-    from .memory import LLAMA_CONFIGS, PAPER_GB, paper_memory_table
-
     table = paper_memory_table()
     out(f"optimizer-state memory, bf16, G = {PAPER_GB:.4g} bytes (adadiag-ref memory for details)")
     out(f"{'optimizer':26}" + "".join(f"{m:>12}" for m in LLAMA_CONFIGS))

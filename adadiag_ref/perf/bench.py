@@ -28,6 +28,7 @@ ops) live in ``benchmarks/bench_variants.py`` of the source tree.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -43,8 +44,13 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
+import adadiag_ref as ar
+
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
 from .params import (
+    BETAS,
+    EPS,
+    LR,
     QUICK,
     adadiag_bytes,
     adadiag_flops,
@@ -53,6 +59,7 @@ from .params import (
     is_rotated,
     torch_direct_adadiag,
     torch_params,
+    work_shape,
 )
 
 
@@ -86,9 +93,7 @@ def import_torch_adapter() -> Any:
     except ModuleNotFoundError as exc:
         if exc.name not in ("adadiag_ref.adapters", "adadiag_ref.adapters.pytorch"):
             raise
-    import adadiag_ref
-
-    folder = Path(adadiag_ref.__file__).resolve().parent.parent / "adapters"
+    folder = Path(ar.__file__).resolve().parent.parent / "adapters"
     spec = importlib.util.spec_from_file_location(
         "adadiag_ref.adapters", folder / "__init__.py", submodule_search_locations=[str(folder)]
     )
@@ -97,7 +102,7 @@ def import_torch_adapter() -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules["adadiag_ref.adapters"] = module
     spec.loader.exec_module(module)
-    adadiag_ref.adapters = module  # type: ignore[attr-defined]
+    ar.adapters = module  # type: ignore[attr-defined]
     return importlib.import_module("adadiag_ref.adapters.pytorch")
 
 
@@ -252,8 +257,6 @@ def measure_gemm(shapes: list[tuple[int, int]], reps: int) -> dict[tuple[int, in
 
 
 def _work_specs(specs: list[ParamSpec]) -> list[tuple[ParamSpec, tuple[int, int]]]:
-    from .params import work_shape
-
     return [(s, work_shape(s.shape)) for s in specs]
 
 
@@ -276,9 +279,6 @@ class FunctionalSteps:
     def __init__(
         self, name: str, specs: list[ParamSpec], rule: str = "paper", in_place: bool = False, warmup: int = 3
     ) -> None:
-        import adadiag_ref as ar
-
-        self._ar = ar
         self.in_place = in_place
         cfg = ar.make_config(name, update_freq=None)
         base = ar.make_config("adamw", update_freq=None)
@@ -293,14 +293,13 @@ class FunctionalSteps:
             self()
 
     def __call__(self) -> float:
-        ar, elapsed = self._ar, 0.0
+        elapsed = 0.0
         for it in self.items:
+            t0 = time.perf_counter()
             if self.in_place:
-                t0 = time.perf_counter()
                 it[0] = ar.update_in_place(it[0], it[1], it[3], it[2])
                 elapsed += time.perf_counter() - t0
             else:
-                t0 = time.perf_counter()
                 delta, it[0] = ar.update(it[0], it[1], it[3], it[2])
                 elapsed += time.perf_counter() - t0
                 np.add(it[2], delta, out=it[2])
@@ -322,10 +321,6 @@ class EngineSteps:
     """
 
     def __init__(self, optimizer: str, specs: list[ParamSpec], rule: str = "paper", warmup: int = 1) -> None:
-        import adadiag_ref as ar
-
-        from .params import BETAS, EPS, LR
-
         groups: dict[str, list[ParamSpec]] = {}
         for s in specs:
             groups.setdefault(optimizer if is_rotated(s, rule) else "adamw", []).append(s)
@@ -379,8 +374,6 @@ def torch_adapter_steps(specs: list[ParamSpec], rule: str = "paper") -> dict[str
     states) the adapter uses, i.e. the adapter minus its own bookkeeping.
     """
     import torch
-
-    import adadiag_ref as ar
 
     pytorch = import_torch_adapter()
     params = torch_params(specs)
@@ -441,8 +434,6 @@ def bench_refresh(
     specs: list[ParamSpec], method: str, reps: int, spectrum: str = "decaying", rule: str = "paper"
 ) -> float:
     """One one-sided basis refresh of every rotated matrix (``ar.refresh_basis``) with ``method``."""
-    import adadiag_ref as ar
-
     cfg = ar.make_config("adadiag", basis_method=method)
     rng = np.random.default_rng(5)
     items = []
@@ -457,19 +448,21 @@ def bench_refresh(
 # ----------------------------------------------------------------------------- driver
 
 
+def _torch_threads(ncpu: int) -> bool:
+    """Whether torch is installed; if it is, it runs on ``ncpu`` threads from now on."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    torch.set_num_threads(ncpu)
+    return True
+
+
 def machine_description() -> str:
     cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import numpy
-
-    return f"{cpu}, {os.cpu_count()} cores, numpy {numpy.__version__}, {platform.python_version()}"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return f"{cpu}, {os.cpu_count()} cores, numpy {np.__version__}, {platform.python_version()}"
 
 
 def run(
@@ -490,148 +483,122 @@ def run(
     set through threadpoolctl for the run and restored afterwards."""
     ncpu = _setup_threads()
     with threadpool_limits(limits=ncpu, user_api="blas"):
-        return _run(model, ncpu, quick=quick, reps=reps, period=period, use_torch=use_torch, refresh=refresh,
-                    functional=functional, rule=rule, out=out)  # fmt: skip
+        threads = blas_threads()
+        config = QUICK if quick else LLAMA_CONFIGS[model]
+        specs = llama_parameters(config)
+        label = "quick (tiny shapes)" if quick else model
+        use_torch = use_torch and _torch_threads(ncpu)
+        size = sum(math.prod(s.shape) for s in specs)
+        rotated = [s for s in specs if is_rotated(s, rule)]
+        work = [ws for s, ws in _work_specs(rotated)]
+        out(f"adadiag-ref bench: {label}, {len(specs)} parameters, {size / 1e6:.2f}M elements, float32")
+        out(f"parameter rule {rule!r}: AdaDiag rotates {len(rotated)} matrices "
+            f"({sum(math.prod(s.shape) for s in rotated) / 1e6:.2f}M elements"
+            + ("; the transformer blocks' q/k/v/o/gate/up/down, as in the paper's memory table); embedding, "
+               "LM head and norms take the unrotated AdamW update" if rule == "paper" else ")"))  # fmt: skip
+        out(f"machine: {machine_description()}")
+        out(f"threads: BLAS {threads if threads is not None else '?'} (GEMMs); numba elementwise passes between "
+            f"GEMMs and the flat AdamW pass: workqueue x{ncpu} (never during a GEMM); torch x{ncpu}")  # fmt: skip
+        bw = measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
+        rates = measure_gemm(work, reps)
+        peak = max(rates.values())
+        out(f"roofline: in-place triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s "
+            f"(per shape: {', '.join(f'{m}x{n} {r / 1e9:.0f}' for (m, n), r in sorted(rates.items()))})")  # fmt: skip
+        res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak, "blas_threads": threads, "rule": rule}
+        rows: list[tuple[str, str, float, float, str]] = []  # key in res, text, seconds, bound, kind
 
+        # AdamW
+        # every row but the functional ones (FunctionalSteps warms up on its own) is timed through a CallLog
+        logs: dict[str, CallLog] = {}
+        eng = EngineSteps("adamw", specs)
+        adamw_bound = adamw_bytes(specs) / bw
+        logs["adamw_engine"] = CallLog(eng, warmup=1)
+        if use_torch:  # the engine and torch's fused AdamW in alternation: a fair head-to-head on a drifting VM
+            fused = torch_adamw(specs, fused=True)
+            logs["torch_adamw_fused"] = CallLog(fused.step, warmup=1)
+            res.update(interleaved_medians({key: logs[key] for key in ("adamw_engine", "torch_adamw_fused")}, reps,
+                                           warmup=1, pause=0.01 if quick else 0.3))  # fmt: skip
+            del fused
+        else:
+            res["adamw_engine"] = median_time(logs["adamw_engine"], reps, warmup=1)
+        eng.close()
+        if functional:
+            res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
+            res["adamw_in_place"] = bench_functional("adamw", specs, max(2, reps // 2), in_place=True)
+        if use_torch:
+            logs["torch_adamw_foreach"] = CallLog(torch_adamw(specs, foreach=True).step, warmup=1)
+            res["torch_adamw_foreach"] = median_time(logs["torch_adamw_foreach"], reps, warmup=1)
+        for key, text in [("adamw_engine", "AdamW ar.Engine (what a NumPy loop runs)"),
+                          ("adamw_functional", "AdamW ar.update (functional reference)"),
+                          ("adamw_in_place", "AdamW ar.update_in_place (NumPy)"),
+                          ("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)"),
+                          ("torch_adamw_fused", "torch.optim.AdamW(fused=True)")]:  # fmt: skip
+            if key in res:
+                rows.append((key, text, res[key], adamw_bound, "bandwidth bound"))
 
-def _run(
-    model: str,
-    ncpu: int,
-    *,
-    quick: bool,
-    reps: int,
-    period: int,
-    use_torch: bool,
-    refresh: bool,
-    functional: bool,
-    rule: str,
-    out: Callable[[str], None],
-) -> dict:
-    threads = blas_threads()
-    config = QUICK if quick else LLAMA_CONFIGS[model]
-    specs = llama_parameters(config)
-    label = "quick (tiny shapes)" if quick else model
-    if use_torch:
-        try:
-            import torch
+        # AdaDiag
+        eng2 = EngineSteps("adadiag", specs, rule)
+        gemm_bound = adadiag_flops(specs, rule) / peak
+        elem_bound = adadiag_bytes(specs, rule) / bw
+        adadiag_bound = gemm_bound + elem_bound
 
-            torch.set_num_threads(ncpu)
-        except ImportError:
-            use_torch = False
-    size = sum(math.prod(s.shape) for s in specs)
-    rotated = [s for s in specs if is_rotated(s, rule)]
-    work = [ws for s, ws in _work_specs(rotated)]
-    out(f"adadiag-ref bench: {label}, {len(specs)} parameters, {size / 1e6:.2f}M elements, float32")
-    out(f"parameter rule {rule!r}: AdaDiag rotates {len(rotated)} matrices "
-        f"({sum(math.prod(s.shape) for s in rotated) / 1e6:.2f}M elements"
-        + ("; the transformer blocks' q/k/v/o/gate/up/down, as in the paper's memory table); embedding, "
-           "LM head and norms take the unrotated AdamW update" if rule == "paper" else ")"))  # fmt: skip
-    out(f"machine: {machine_description()}")
-    out(f"threads: BLAS {threads if threads is not None else '?'} (GEMMs); numba elementwise passes "
-        f"between GEMMs and the flat AdamW pass: workqueue x{ncpu} (never during a GEMM); torch x{ncpu}")  # fmt: skip
-    bw = measure_bandwidth((1 << 22) if quick else (1 << 25), reps)
-    rates = measure_gemm(work, reps)
-    peak = max(rates.values())
-    out(f"roofline: in-place triad {bw / 1e9:.1f} GB/s; GEMM peak {peak / 1e9:.1f} GFLOP/s "
-        f"(per shape: {', '.join(f'{m}x{n} {r / 1e9:.0f}' for (m, n), r in sorted(rates.items()))})")  # fmt: skip
-    res: dict[str, Any] = {"bandwidth": bw, "gemm_peak": peak, "blas_threads": threads, "rule": rule}
-    rows: list[tuple[str, str, float, float | None, str]] = []  # key in res, text, seconds, bound, kind
+        logs["adadiag_engine"] = CallLog(eng2, warmup=2)
+        res["adadiag_engine"] = median_time(logs["adadiag_engine"], reps, warmup=2)
+        eng2.close()
+        if functional:
+            res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2), rule)
+            res["adadiag_in_place"] = bench_functional("adadiag", specs, max(2, reps // 2), rule, in_place=True)
+        if use_torch:
+            try:
+                steps = torch_adapter_steps(specs, rule)
+            except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
+                out(f"  torch adapter not importable: {exc}")
+            else:  # the adapter's and the core's steps, through CallLogs
+                for key, name in (("torch_adadiag_adapter", "adapter"), ("torch_adadiag_core", "core")):
+                    logs[key] = CallLog(steps[name], warmup=1)
+                    res[key] = median_time(logs[key], max(3, reps // 2), warmup=1)
+        for key, text in [("adadiag_engine", "AdaDiag ar.Engine (what a NumPy loop runs)"),
+                          ("adadiag_functional", "AdaDiag ar.update (functional reference)"),
+                          ("adadiag_in_place", "AdaDiag ar.update_in_place (NumPy)"),
+                          ("torch_adadiag_adapter", "AdaDiag torch adapter (opt.step)"),
+                          ("torch_adadiag_core", "AdaDiag core ar.update on torch tensors")]:  # fmt: skip
+            if key in res:
+                rows.append((key, text, res[key], adadiag_bound, "GEMM + bytes"))
+        res.update(adamw_bound=adamw_bound, adadiag_bound=adadiag_bound, gemm_bound=gemm_bound, elem_bound=elem_bound)
 
-    # AdamW
-    # every row but the functional ones (FunctionalSteps warms up on its own) is timed through a CallLog
-    logs: dict[str, CallLog] = {}
-    eng = EngineSteps("adamw", specs)
-    adamw_bound = adamw_bytes(specs) / bw
-    logs["adamw_engine"] = CallLog(eng, warmup=1)
-    if use_torch:  # the engine and torch's fused AdamW in alternation: a fair head-to-head on a drifting VM
-        fused = torch_adamw(specs, fused=True)
-        logs["torch_adamw_fused"] = CallLog(fused.step, warmup=1)
-        pause = 0.01 if quick else 0.3
-        res.update(interleaved_medians({key: logs[key] for key in ("adamw_engine", "torch_adamw_fused")}, reps,
-                                       warmup=1, pause=pause))  # fmt: skip
-        del fused
-    else:
-        res["adamw_engine"] = median_time(logs["adamw_engine"], reps, warmup=1)
-    eng.close()
-    if functional:
-        res["adamw_functional"] = bench_functional("adamw", specs, max(2, reps // 2))
-        res["adamw_in_place"] = bench_functional("adamw", specs, max(2, reps // 2), in_place=True)
-    if use_torch:
-        logs["torch_adamw_foreach"] = CallLog(torch_adamw(specs, foreach=True).step, warmup=1)
-        res["torch_adamw_foreach"] = median_time(logs["torch_adamw_foreach"], reps, warmup=1)
-    for key, text in [("adamw_engine", "AdamW ar.Engine (what a NumPy loop runs)"),
-                      ("adamw_functional", "AdamW ar.update (functional reference)"),
-                      ("adamw_in_place", "AdamW ar.update_in_place (NumPy)"),
-                      ("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)"),
-                      ("torch_adamw_fused", "torch.optim.AdamW(fused=True)")]:  # fmt: skip
-        if key in res:
-            rows.append((key, text, res[key], adamw_bound, "bandwidth bound"))
-
-    # AdaDiag
-    eng2 = EngineSteps("adadiag", specs, rule)
-    gemm_bound = adadiag_flops(specs, rule) / peak
-    elem_bound = adadiag_bytes(specs, rule) / bw
-    adadiag_bound = gemm_bound + elem_bound
-
-    logs["adadiag_engine"] = CallLog(eng2, warmup=2)
-    res["adadiag_engine"] = median_time(logs["adadiag_engine"], reps, warmup=2)
-    eng2.close()
-    if functional:
-        res["adadiag_functional"] = bench_functional("adadiag", specs, max(2, reps // 2), rule)
-        res["adadiag_in_place"] = bench_functional("adadiag", specs, max(2, reps // 2), rule, in_place=True)
-    if use_torch:
-        try:
-            steps = torch_adapter_steps(specs, rule)
-        except ModuleNotFoundError as exc:  # pragma: no cover - adapters folder missing
-            out(f"  torch adapter not importable: {exc}")
-        else:  # the adapter's and the core's steps, through CallLogs
-            for key, name in (("torch_adadiag_adapter", "adapter"), ("torch_adadiag_core", "core")):
-                logs[key] = CallLog(steps[name], warmup=1)
-                res[key] = median_time(logs[key], max(3, reps // 2), warmup=1)
-    rows.append(("adadiag_engine", "AdaDiag ar.Engine (what a NumPy loop runs)", res["adadiag_engine"], adadiag_bound,
-                 "GEMM + bytes"))  # fmt: skip
-    for key, text in [("adadiag_functional", "AdaDiag ar.update (functional reference)"),
-                      ("adadiag_in_place", "AdaDiag ar.update_in_place (NumPy)"),
-                      ("torch_adadiag_adapter", "AdaDiag torch adapter (opt.step)"),
-                      ("torch_adadiag_core", "AdaDiag core ar.update on torch tensors")]:  # fmt: skip
-        if key in res:
-            rows.append((key, text, res[key], adadiag_bound, "GEMM + bytes"))
-    res.update(adamw_bound=adamw_bound, adadiag_bound=adadiag_bound, gemm_bound=gemm_bound, elem_bound=elem_bound)
-
-    res["calls_s"] = {key: list(log.seconds) for key, log in logs.items()}
-    out("")
-    out(f"{'non-refresh step':44s} {'median ms':>10s} {'bound ms':>9s} {'ratio':>6s}  bound")
-    notes: list[str] = []
-    for key, text, t, bound, kind in rows:
-        ratio = f"{t / bound:6.2f}" if bound else "     -"
-        note = logs[key].note(t) if key in logs else None
-        if note:
-            notes.append(f"  [{len(notes) + 1}] {text}: {note}")
-        mark = f"  [{len(notes)}]" if note else ""
-        out(f"{text:44s} {t * 1e3:10.1f} {bound * 1e3 if bound else 0:9.1f} {ratio}  {kind}{mark}")
-    for line in notes:
-        out(line)
-    out(f"  AdaDiag bound = {gemm_bound * 1e3:.1f} ms GEMM ({gemm_bound / adadiag_bound:.0%}) "
-        f"+ {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
-    if "torch_adamw_fused" in res:
-        out(f"  AdamW engine / torch fused = {res['adamw_engine'] / res['torch_adamw_fused']:.2f}; "
-            f"torch foreach / bound = {res['torch_adamw_foreach'] / adamw_bound:.2f}")  # fmt: skip
-    if "torch_adadiag_adapter" in res:
-        adapter_ratio = res["torch_adadiag_adapter"] / res["torch_adadiag_core"]
-        out(f"  torch adapter / core on the same tensors = {adapter_ratio:.2f}")
-
-    if refresh:
+        res["calls_s"] = {key: list(log.seconds) for key, log in logs.items()}
         out("")
-        out(f"refresh of the {len(rotated)} rotated matrices (one-sided, P only), amortised over T={period} "
-            f"against the engine step")  # fmt: skip
-        out(f"{'gradient spectrum, method':44s} {'median s':>10s} {'amortised':>10s}")
-        step = res["adadiag_engine"]
-        for spectrum in ("decaying", "flat"):
-            for method in ("svd", "auto", "gram"):
-                t = bench_refresh(specs, method, reps if quick else max(1, reps // 3), spectrum, rule)
-                pct = (t / period) / (step + t / period)
-                res[f"refresh_{spectrum}_{method}"] = t
-                res[f"refresh_{spectrum}_{method}_pct"] = pct
-                text = f"{spectrum} ({'sigma_i ~ 1/i' if spectrum == 'decaying' else 'Gaussian'}), {method}"
-                out(f"{text:44s} {t:10.3f} {pct:10.2%}")
-    return res
+        out(f"{'non-refresh step':44s} {'median ms':>10s} {'bound ms':>9s} {'ratio':>6s}  bound")
+        notes: list[str] = []
+        for key, text, t, bound, kind in rows:
+            note = logs[key].note(t) if key in logs else None
+            if note:
+                notes.append(f"  [{len(notes) + 1}] {text}: {note}")
+            mark = f"  [{len(notes)}]" if note else ""
+            out(f"{text:44s} {t * 1e3:10.1f} {bound * 1e3:9.1f} {t / bound:6.2f}  {kind}{mark}")
+        for line in notes:
+            out(line)
+        out(f"  AdaDiag bound = {gemm_bound * 1e3:.1f} ms GEMM ({gemm_bound / adadiag_bound:.0%}) "
+            f"+ {elem_bound * 1e3:.1f} ms elementwise")  # fmt: skip
+        if "torch_adamw_fused" in res:
+            out(f"  AdamW engine / torch fused = {res['adamw_engine'] / res['torch_adamw_fused']:.2f}; "
+                f"torch foreach / bound = {res['torch_adamw_foreach'] / adamw_bound:.2f}")  # fmt: skip
+        if "torch_adadiag_adapter" in res:
+            adapter_ratio = res["torch_adadiag_adapter"] / res["torch_adadiag_core"]
+            out(f"  torch adapter / core on the same tensors = {adapter_ratio:.2f}")
+
+        if refresh:
+            out("")
+            out(f"refresh of the {len(rotated)} rotated matrices (one-sided, P only), amortised over T={period} "
+                f"against the engine step")  # fmt: skip
+            out(f"{'gradient spectrum, method':44s} {'median s':>10s} {'amortised':>10s}")
+            step = res["adadiag_engine"]
+            for spectrum in ("decaying", "flat"):
+                for method in ("svd", "auto", "gram"):
+                    t = bench_refresh(specs, method, reps if quick else max(1, reps // 3), spectrum, rule)
+                    pct = (t / period) / (step + t / period)
+                    res[f"refresh_{spectrum}_{method}"] = t
+                    res[f"refresh_{spectrum}_{method}_pct"] = pct
+                    text = f"{spectrum} ({'sigma_i ~ 1/i' if spectrum == 'decaying' else 'Gaussian'}), {method}"
+                    out(f"{text:44s} {t:10.3f} {pct:10.2%}")
+        return res

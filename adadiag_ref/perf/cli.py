@@ -43,14 +43,10 @@ def run_bench(args: argparse.Namespace) -> int:
     # the in-place engine (the roofline rows and the thread policy) is numba code, and BLAS threads are set
     # through threadpoolctl: say what is missing before any work
     if args.plot and not args.refresh_scaling:
-        print(f"adadiag-ref: error: --plot {args.plot} draws the --refresh-scaling plot; add --refresh-scaling",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return fail(f"--plot {args.plot} draws the --refresh-scaling plot; add --refresh-scaling")
     missing = [name for name in ("numba", "threadpoolctl") if importlib.util.find_spec(name) is None]
     if missing:
-        print(f'adadiag-ref: error: bench needs {" and ".join(missing)}: pip install "adadiag-ref[bench]"',
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return fail(f'bench needs {" and ".join(missing)}: pip install "adadiag-ref[bench]"')
     if args.retain_freed_memory:
         from .allocator import retain_freed_memory
 

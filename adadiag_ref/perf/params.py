@@ -54,9 +54,7 @@ def is_rotated(spec: ParamSpec, rule: str) -> bool:
     """Whether AdaDiag rotates ``spec``: ``rule="paper"`` rotates only the transformer blocks' matrices
     (embedding and LM head take the unrotated baseline, as in the paper's memory table, see
     ``adadiag_ref.memory``); ``rule="all"`` rotates every matrix (the library's own layout)."""
-    if work_shape(spec.shape)[0] == 1:
-        return False
-    return rule == "all" or spec.role == "block"
+    return work_shape(spec.shape)[0] != 1 and (rule == "all" or spec.role == "block")
 
 
 def adamw_bytes(specs: list[ParamSpec]) -> int:

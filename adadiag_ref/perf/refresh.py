@@ -39,10 +39,12 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.linalg
 from threadpoolctl import threadpool_limits
 
 from .._cli import pyplot
@@ -91,8 +93,6 @@ def _numpy_svd_fast_canon(G: np.ndarray, previous: np.ndarray) -> np.ndarray:
 
 def _scipy_svd(driver: str) -> Route:
     def route(G: np.ndarray, previous: np.ndarray) -> np.ndarray:
-        import scipy.linalg
-
         U, S, _ = scipy.linalg.svd(G, full_matrices=False, lapack_driver=driver, check_finite=False)
         return _canonical(U, S, G.shape)  # type: ignore[arg-type]
 
@@ -116,8 +116,6 @@ def _gram_f32_eigh(G: np.ndarray, previous: np.ndarray) -> np.ndarray:
 
 
 def _gram_scipy_evr(G: np.ndarray, previous: np.ndarray) -> np.ndarray:
-    import scipy.linalg
-
     lam, vecs = scipy.linalg.eigh(_gram64(G), driver="evr", check_finite=False)
     return _from_eigh(lam, vecs, G)
 
@@ -153,10 +151,6 @@ def _threads(threads: int | None) -> int | None:
         numba.set_num_threads(min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads))))
     threadpool_limits(limits=threads or ncpu, user_api="blas")  # for the rest of this (command-line) process
     return blas_threads()
-
-
-def _bound(route: Route, G: np.ndarray, previous: np.ndarray) -> Callable[[], np.ndarray]:
-    return lambda: route(G, previous)
 
 
 def leading_half_disagreement(P: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -208,7 +202,7 @@ def run_routes(
         reference = {shape: CANDIDATES["svd"](G, previous[shape]) for shape, G in mats.items()}
         per_shape: dict[tuple[int, int], dict[str, float]] = {}
         for shape, G in mats.items():
-            fns: dict[str, Callable[[], Any]] = {name: _bound(CANDIDATES[name], G, previous[shape]) for name in routes}
+            fns: dict[str, Callable[[], Any]] = {name: partial(CANDIDATES[name], G, previous[shape]) for name in routes}
             per_shape[shape] = interleaved_medians(fns, reps, warmup=1, pause=0.0)
         title = "sigma_i ~ 1/i" if spectrum == "decaying" else "Gaussian"
         step_after = median_time(engine, max(reps, 3), warmup=1)  # the machine drifts: step beside routes
@@ -280,7 +274,7 @@ def run_scaling(
                 if first > budget_s:
                     break
                 runs = max(1, min(reps, int(budget_s / max(first, 1e-9))))
-                t = min(first, median_time(_bound(_library(method), G, G), runs, 0))
+                t = min(first, median_time(partial(_library(method), G, G), runs, 0))
                 points.append((n, t))
                 if t * reps > budget_s:
                     break

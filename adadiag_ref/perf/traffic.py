@@ -123,13 +123,10 @@ def count_traffic() -> Iterator[Traffic]:
                 continue
             patches.append((module, name, _counting(value, prefix + name, traffic.calls, depth)))
     array_type = _array_object.Array
-    for name in _OPERATORS:
-        if name in array_type.__dict__:
-            patches.append((array_type, name, _counting(getattr(array_type, name), name, traffic.calls, depth)))
-    for name in HOST_CONVERSIONS:
-        if name in array_type.__dict__:
-            wrapped = _counting(getattr(array_type, name), name, traffic.conversions, depth, moved)
-            patches.append((array_type, name, wrapped))
+    for names, counter, on_count in ((_OPERATORS, traffic.calls, None), (HOST_CONVERSIONS, traffic.conversions, moved)):
+        for name in names:
+            if name in array_type.__dict__:
+                patches.append((array_type, name, _counting(getattr(array_type, name), name, counter, depth, on_count)))
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
         for owner, name, wrapped in patches:

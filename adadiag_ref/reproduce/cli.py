@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -110,11 +111,8 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"python": platform.python_version(), "torch": torch.__version__, "num_threads": torch.get_num_threads(),
             "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
             "gpu": torch.cuda.get_device_name() if device == "cuda" else None}  # fmt: skip

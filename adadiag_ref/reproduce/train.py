@@ -298,17 +298,14 @@ def compare(
         rest = _run_all([(name, selected[name], seed) for name in names for seed in seeds[1:]], cfg, task, pool, bar)
     runs = sorted(sweep + rest, key=lambda r: (names.index(r["optimizer"]), seeds.index(r["seed"]), -r["lr"]))
     chosen = {(r["optimizer"], r["seed"]): r for r in runs if r["lr"] == selected[r["optimizer"]]}
-    per_seed: dict[str, list[float | None]] = {}
-    for name in names:
-        per_seed[name] = []
-        for seed in seeds:
-            base, mine = chosen[(BASELINE, seed)], chosen[(name, seed)]
-            finite = math.isfinite(base["final_val_loss"])
-            per_seed[name].append(
-                seed_speedup(base["eval_steps"], base["val_loss"], mine["eval_steps"], mine["val_loss"])
-                if finite
-                else None
-            )
+
+    def speedup(name: str, seed: int) -> float | None:  # None where the baseline itself diverged
+        base, mine = chosen[(BASELINE, seed)], chosen[(name, seed)]
+        if not math.isfinite(base["final_val_loss"]):
+            return None
+        return seed_speedup(base["eval_steps"], base["val_loss"], mine["eval_steps"], mine["val_loss"])
+
+    per_seed = {name: [speedup(name, seed) for seed in seeds] for name in names}
     return {
         "task": cfg.task,
         "runs": runs,
