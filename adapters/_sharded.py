@@ -231,10 +231,12 @@ def _local_stack(state: State, layout: Layout) -> State:
 
 
 def init(p: Any, cfg: BaseConfig) -> State:
-    """``ar.init`` for DTensor ``p``: the whole state (bases, counter and ``param_shape`` as plain tensors); on the
-    block route the moments are DTensors of the whole moment shape holding this rank's block (zeros); on the
+    """``ar.init`` of ``p``; for a DTensor the whole state (bases, counter and ``param_shape`` as plain tensors): on
+    the block route the moments are DTensors of the whole moment shape holding this rank's block (zeros); on the
     stack route every per-matrix field (bases, moments) is a DTensor of the whole stack's shape holding this
     rank's matrices."""
+    if not is_sharded(p):
+        return ar.init(p.detach(), cfg)
     device = local(p).device
     plan = plan_for(p, cfg)
     if plan.stack:  # this rank's matrices only: ar.init of the local shard, each field placed as p is

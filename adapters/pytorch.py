@@ -12,11 +12,10 @@ driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device,
 The core resolves the torch namespace itself (``array_api_compat``); nothing is copied to NumPy.  Who computes a
 parameter's step (:meth:`CoreOptimizer.routes` says it per parameter):
 
-* a plain tensor on any device is stepped by its param group's
-  :class:`adadiag_ref.Engine` (one per group, kept between steps, refresh steps included): in host memory its group
-  kernels over the tensors' own memory (numba) and one ``torch.mm`` per rotated matrix, ``ar.step``'s bits; on CUDA
-  with CuPy its CUDA group kernels, else its gathering path in torch ops.  The engine holds the moments and bases,
-  and ``optimizer.state[p]``'s tensors are views of its arrays, written in place;
+* a plain tensor on any device is stepped by its param group's :class:`adadiag_ref.Engine` (one per group, kept
+  between steps, refresh steps included, holding the moments and bases: :class:`_GroupEngine`): in host memory its
+  group kernels over the tensors' own memory (numba) and one ``torch.mm`` per rotated matrix, ``ar.step``'s bits;
+  on CUDA with CuPy its CUDA group kernels, else its gathering path in torch ops;
 * FSDP2's sharded parameters take their own route (:mod:`._sharded`); any other parameter ``update_in_place`` (the
   reference's arithmetic in torch ops).
 
@@ -264,7 +263,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engines_for)
         self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
         self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
-        if unknown := sorted(set(family_options) - self._config_fields):
+        if unknown := sorted(set(family_options) - _config_fields_of(name)):
             ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
             "lr": lr,
@@ -279,18 +278,15 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._build_config(defaults)  # invalid hyperparameters raise here, before any state exists
         super().__init__(params, defaults)
 
-    @property
-    def _config_fields(self) -> frozenset[str]:
-        """Group entries that are core config fields (lr is passed to ``update`` at each step instead)."""
-        return _config_fields_of(self.core_name)
-
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "core_name": self.core_name, "split_refresh": self.split_refresh}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.split_refresh = bool(state.get("split_refresh", False))
-        self.process_group = None  # a process group does not pickle: the unpickled optimizer agrees over the default
+        # torch's load_state_dict ends here too, on a live optimizer: its own options stay as constructed
+        self.split_refresh = bool(state.get("split_refresh", getattr(self, "split_refresh", False)))
+        # a process group does not pickle: the unpickled optimizer agrees over the default
+        self.process_group = getattr(self, "process_group", None)
         self._warned_eager_under_compile = False
         self._configs = {}
         self._engines = {}
@@ -321,7 +317,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         """
         validate_hyperparameters(group)
         # entries schedulers add (initial_lr, max_momentum, ...) are not config fields: ignored, as torch does
-        options = {k: _hashable(_number(v)) for k, v in group.items() if k in self._config_fields}
+        options = {k: _hashable(_number(v)) for k, v in group.items() if k in _config_fields_of(self.core_name)}
         key = tuple(sorted(options.items()))
         cfg = self._configs.get(key)
         if cfg is None:
@@ -341,10 +337,9 @@ class CoreOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss.
 
-        Phase 1 validates everything (hyperparameters, gradient layout, shapes,
-        dtypes, finiteness: one sum per gradient, one synchronisation); phase 2 computes the new bases of
-        the parameters due for a refresh (new tensors); only phase 3 writes, so a
-        failure in phase 1 or 2 leaves every parameter and state bit-identical.
+        Phase 1 validates everything (:class:`CoreOptimizer`, "Errors"); phase 2 computes the new bases of the
+        parameters due for a refresh (new tensors); only phase 3 writes, so a failure in phase 1 or 2 leaves every
+        parameter and state bit-identical.
         """
         if not self._shapes_checked:  # before the closure and before anything changes
             _refuse_hidden_shapes(self.param_groups, self._registered_shapes)
@@ -362,10 +357,10 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _eager_step(self, compiled: bool = False) -> None:
         """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``).
 
-        A param group whose kept engine still holds its parameters with a gradient (their state dicts, tensors and
-        counters: the steady state of training, frozen parameters aside) is one job, without per-parameter
-        bookkeeping (:meth:`_kept_engine`); every other parameter is checked one by one and gets a state where it
-        has none (:meth:`_work_of`), and the plain ones go to their group's engine, built again over their states.
+        A param group whose kept engine still holds its parameters with a gradient (the steady state of training,
+        frozen parameters aside) is one job, without per-parameter bookkeeping (:meth:`_kept_engine`); every other
+        parameter is checked one by one and gets a state where it has none (:meth:`_work_of`), the plain ones an
+        engine (:meth:`_engines_for`).
         """
         if compiled and not self._warned_eager_under_compile:
             self._warned_eager_under_compile = True
@@ -412,13 +407,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         for item, is_due in zip(work, due, strict=True):
             if item.engine:
                 continue
-            # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
-            # moments in place, so only the counter and new bases need writing back, into the same tensor objects
-            state = to_core_state(item.flat, item.cfg)
             # a refresh that kept the previous basis is no refresh for the update (no refresh structure), as ar.step
             new_bases, refreshed = next(refreshes) if is_due else ({}, False)
-            if new_bases:
-                state = state._replace(**new_bases)
+            # the core's NamedTuple over the very tensors of the flat dict (no copy); update_in_place overwrites the
+            # moments in place, so only the counter and new bases need writing back, into the same tensor objects
+            state = to_core_state(item.flat, item.cfg)._replace(**new_bases)
             if _sharded.is_sharded(item.p):
                 whole = self._whole_grads.get(id(item.p))
                 _sharded.update(state, item.grad, item.cfg, item.p, lr=item.lr, refreshed=refreshed, whole_grad=whole)
@@ -432,10 +425,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         self, group_index: int, params: list[torch.Tensor], grads: list[torch.Tensor], cfg: BaseConfig, split: bool
     ) -> _GroupEngine | None:
         """The group's kept engine when it takes this step of ``params`` (the group's parameters with a gradient,
-        ``grads``) whole, else ``None``, having changed nothing: it holds exactly these parameters, their state
-        dicts, tensors and counters, under a config it takes; every gradient is dense with its parameter's dtype and
-        shape (any other is :meth:`_work_of`'s to refuse, naming it); no refresh due is split over the ranks.
-        Each property is read by ``map``, a loop in C, as every step asks it of every parameter."""
+        ``grads``) whole, else ``None``, having changed nothing: it :meth:`~_GroupEngine.holds` them, every gradient
+        is dense with its parameter's dtype and shape (any other is :meth:`_work_of`'s to refuse) and no refresh
+        due is split.  Each property is read by ``map``, a loop in C, as every step asks it of every parameter."""
         held = self._engines.get(group_index)
         if held is None or not params:
             return None
@@ -461,7 +453,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            label, where, grad = _label(names, index, group_index), _where(names, index, group_index), p.grad
+            label, where = _label(names, index, group_index)
+            grad = p.grad
             if checked:
                 if refused := _refusal(p, grad, where):
                     raise refused
@@ -470,16 +463,15 @@ class CoreOptimizer(torch.optim.Optimizer):
             flat: dict[str, torch.Tensor] = self.state.get(p) or {}
             fresh = not flat
             if fresh:
-                flat = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p.detach(), cfg))
+                flat = from_core_state(_sharded.init(p, cfg))
                 flat["step"] = flat["step"].cpu()  # as torch.optim: the counter lives on the host
             work.append(_Work(p, grad, flat, fresh, cfg, lr, where, label, group_index, _plain_parameter(p)))
         return work
 
     def _agreed(self) -> bool:
         """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
-        the step (:func:`_sharded.agree`: per parameter, gradient present, valid and exactly finite, and the step
-        counter) and return ``True``, or raise the same ``ValueError`` on every rank with nothing changed.
-        ``False`` (nothing exchanged) otherwise.
+        the step (:func:`_sharded.agree`, as :class:`CoreOptimizer` says under ``process_group``) and return
+        ``True``, or raise; ``False`` (nothing exchanged) otherwise.
 
         A step's collectives (the bases' broadcasts of ``split_refresh``, FSDP2's gathers) follow from these
         facts alone, so ranks that agree on them enter the same collectives in the same order; ranks that do not
@@ -495,7 +487,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 grads.append(grad)
                 refused.append(grad is not None and _refusal(p, grad, "") is not None)
                 counts.append(int(flat["step"]) if flat and grad is not None else 0)
-                wheres.append(_where(names, index, group_index))
+                wheres.append(_label(names, index, group_index)[1])
         _sharded.agree(grads, refused, counts, wheres, group=self.process_group)
         return True
 
@@ -535,9 +527,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         * ``"moments"``: moments, direction and tail of a step;
         * ``"engine"`` (a plain parameter): its group in the param group's :class:`adadiag_ref.Engine`.
 
-        A plain parameter (any device; not FSDP2's) is stepped by its param group's engine, and its entries are
-        that engine's :meth:`adadiag_ref.Engine.routes`; the others say ``"per parameter: update_in_place ..."`` or
-        ``"sharded ..."``.  A parameter without a gradient is skipped.
+        A plain parameter's entries are its param group's engine's :meth:`adadiag_ref.Engine.routes`; the others say
+        ``"per parameter: update_in_place ..."`` or ``"sharded ..."``.  A parameter without a gradient is skipped.
         """
         work = [item for group_index in range(len(self.param_groups)) for item in self._work_of(group_index)]
         jobs = self._engines_for(work, _counts_of([item.flat["step"] for item in work]), keep=False)
@@ -546,9 +537,8 @@ class CoreOptimizer(torch.optim.Optimizer):
         split = " (split over the ranks: that step per parameter)" if self._split() else ""
         out: dict[str, dict[str, str]] = {}
         for group_index, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            labels = [_label(names, i, group_index) for i in range(len(group["params"]))]
-            for label, p in zip(labels, group["params"], strict=True):
+            for index, p in enumerate(group["params"]):
+                label = _label(group.get("param_names"), index, group_index)[0]
                 if id(p) in by_engine:
                     route = by_engine[id(p)]
                     refresh = route.refresh + (split if not route.refresh.startswith("none") else "")
@@ -620,13 +610,12 @@ class CoreOptimizer(torch.optim.Optimizer):
             by_config: dict[BaseConfig, list[int]] = {}
             for j, item in enumerate(items):
                 by_config.setdefault(item.cfg, []).append(j)
-            news: list[Any] = [None] * len(items)
+            news: dict[int, Any] = {}  # the refreshed states, by index in items
             for cfg, members in by_config.items():
                 fresh = ar.refresh_bases([states[j] for j in members], [items[j].grad for j in members], cfg,
                                          names=[items[j].name for j in members])  # fmt: skip
-                for j, new in zip(members, fresh, strict=True):
-                    news[j] = new
-            return [(_bases(new), new.P is not old.P) for old, new in zip(states, news, strict=True)]
+                news.update(zip(members, fresh, strict=True))
+            return [(_bases(news[j]), news[j].P is not old.P) for j, old in enumerate(states)]
         return _sharded.owned_refresh(
             states,
             [item.grad for item in items],
@@ -688,11 +677,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 "param_groups": [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups],
             }
         )
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p in loaded:
-                    self.state[p] = loaded[p]
-        self._engines = {}  # new state tensors: the engines are built again, holding them
+        self.state.update(loaded)  # torch's loader called __setstate__: no engine holds the old states
 
 
 _EAGER_UNDER_COMPILE = (
@@ -745,8 +730,7 @@ class _GroupEngine:
     """A param group's :class:`adadiag_ref.Engine` over its plain parameters with a gradient, built with
     live states (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of
     the engine's arrays, which every step writes in place, so ``state_dict()`` and a user's references stay
-    current.  Kept while the same parameters (dtypes too) have a gradient, their state dicts hold the very tensors
-    handed to them and the host counters agree; otherwise built again from the states (a copy)."""
+    current; kept while it :meth:`holds` them."""
 
     def __init__(self, items: list[_Work], counts: list[int]) -> None:
         cfg = items[0].cfg
@@ -762,11 +746,10 @@ class _GroupEngine:
         # (state dict, key, tensor) of every tensor handed out, as three lists for holds' loops in C
         held: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]] = []
         for i, flat in enumerate(self.flats):
-            state = self.engine.state(i)
-            tensors = {f: getattr(state, f) for f in state._fields[1:] if f != "param_shape"}
-            tensors["step"] = self.counters[i]
-            flat.update({f: t for f, t in tensors.items() if t is not None})
-            held += [(flat, f, t) for f, t in tensors.items() if t is not None]
+            tensors = from_core_state(self.engine.state(i)) | {"step": self.counters[i]}
+            tensors.pop("param_shape", None)  # the state dict's own record stays (absent in older states)
+            flat.update(tensors)
+            held += [(flat, f, t) for f, t in tensors.items()]
         self.held_flats, self.held_keys, self.held_tensors = (list(column) for column in zip(*held, strict=True))
         self.counts = list(counts)
         self.cfg = cfg  # the last config found to differ from the engine's in betas and weight_decay only
@@ -816,16 +799,13 @@ def _initialisation_only(work: list[_Work]) -> bool:
     return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
 
 
-def _label(names: Any, index: int, group_index: int) -> str:
-    """A parameter as :meth:`CoreOptimizer.routes` and the core's messages name it: ``fc.weight`` with
-    ``named_parameters()``, else ``param_groups[i].params[j]``."""
-    return str(names[index]) if names else f"param_groups[{group_index}].params[{index}]"
-
-
-def _where(names: Any, index: int, group_index: int) -> str:
-    """A parameter as error messages name it: ``parameter 'fc.weight'`` with ``named_parameters()``, else its
-    index and group."""
-    return f"parameter {names[index]!r}" if names else f"parameter {index} of param_groups[{group_index}]"
+def _label(names: Any, index: int, group_index: int) -> tuple[str, str]:
+    """A parameter's two names: as :meth:`CoreOptimizer.routes` and the core's messages name it (``fc.weight``
+    with ``named_parameters()``, else ``param_groups[i].params[j]``), and as this module's errors do
+    (``parameter 'fc.weight'``, else ``parameter j of param_groups[i]``)."""
+    if names:
+        return str(names[index]), f"parameter {names[index]!r}"
+    return f"param_groups[{group_index}].params[{index}]", f"parameter {index} of param_groups[{group_index}]"
 
 
 def _counts_of(counters: list[torch.Tensor]) -> list[int]:
@@ -846,7 +826,7 @@ def _refuse_hidden_shapes(
         group_index, names = first_group_index + offset, group.get("param_names")
         for index, p in enumerate(group["params"]):
             if reason := _sharded.hidden_shape(p):
-                raise RuntimeError(f"{_where(names, index, group_index)} {reason}; {_sharded.ALTERNATIVES}; "
+                raise RuntimeError(f"{_label(names, index, group_index)[1]} {reason}; {_sharded.ALTERNATIVES}; "
                                    "no parameter and no optimizer state was changed")  # fmt: skip
         was = registered[offset] if registered is not None and offset < len(registered) else None
         if was is not None and (change := _sharded.shape_change(was, [tuple(p.shape) for p in group["params"]])):
@@ -886,7 +866,7 @@ def _bases(state: Any) -> dict[str, torch.Tensor]:
 
 def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, index: int) -> dict[str, torch.Tensor]:
     """A saved per-parameter state converted to this parameter (dtype, device), or ``ValueError``."""
-    expected = from_core_state(_sharded.init(p, cfg) if _sharded.is_sharded(p) else ar.init(p.detach(), cfg))
+    expected = from_core_state(_sharded.init(p, cfg))
     if set(saved) != set(expected):
         raise ValueError(
             f"state keys {sorted(saved)} of parameter {index} do not belong to optimizer {cfg.name!r} for a "
@@ -898,7 +878,7 @@ def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, i
         value = saved[key]
         if key == "step":
             number = value.item() if isinstance(value, torch.Tensor) else value
-            if not isinstance(number, int | float) or number < 0 or number != int(number):
+            if not isinstance(number, int | float) or not math.isfinite(number) or number < 0 or number % 1:
                 raise ValueError(f"'step' of parameter {index} must be a whole number >= 0, got {number!r}")
             out[key] = torch.tensor(int(number), dtype=torch.int32)
             continue

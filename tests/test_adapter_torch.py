@@ -354,6 +354,42 @@ def test_state_of_a_transposed_parameter_is_refused(name):
         CLASSES[name]([wrong], **HYPER).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("step", [float("nan"), float("inf"), -float("inf"), torch.tensor(float("inf")), 2.5, -1])
+def test_a_saved_step_that_is_not_a_whole_number_is_refused_with_nothing_changed(step):
+    """A checkpoint's ``"step"`` must be a whole number >= 0; NaN and Inf included, one ``ValueError`` names it
+    (``int(inf)`` alone raised ``OverflowError``, ``int(nan)`` Python's own message), and the optimizer keeps its
+    state."""
+    p = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.float64))
+    opt = at.AdaDiag([p], **HYPER)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    saved = copy.deepcopy(before)
+    saved["state"][0]["step"] = step
+    with pytest.raises(ValueError, match=r"'step' of parameter 0 must be a whole number >= 0"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert all(torch.equal(v, after["state"][0][k]) for k, v in before["state"][0].items())
+
+
+def test_load_state_dict_keeps_split_refresh_and_the_process_group():
+    """torch's ``load_state_dict`` ends in ``__setstate__``: the optimizer's own ``split_refresh`` and
+    ``process_group`` (not in the state dict) stay as constructed, where they fell back to ``False`` and the
+    default group.  Unpickling, which has no process group to restore, keeps ``split_refresh`` only."""
+    p = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.float64))
+    group = object()  # a stand-in: no collective runs without an initialised process group
+    opt = at.AdaDiag([p], **HYPER, split_refresh=True, process_group=group)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.split_refresh is True and opt.process_group is group
+    buffer = io.BytesIO()
+    torch.save(at.AdaDiag([p], **HYPER, split_refresh=True), buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    assert restored.split_refresh is True and restored.process_group is None
+
+
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("name", NAMES)
 def test_one_host_synchronisation_per_step(name, kernels, monkeypatch):
