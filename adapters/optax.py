@@ -33,11 +33,8 @@ and a refresh on a non-finite gradient (or one whose decomposition fails)
 keeps the previous bases and is no refresh for that step's update
 (``refreshed=False``: no refresh-step structure), as the eager core does.
 
-State: :class:`CoreTransformState` with ``states``, a pytree shaped like the
-parameters whose leaves are :class:`LeafState`: the arrays of the core's
-NamedTuple states (``AdamState``, ``AdafactorState``, ``HfacState``), each with
-its own ``count``, and no ``None`` or zero-size leaf, so that ``flax.nnx``,
-orbax and ``jax.vmap`` take it.
+State: :class:`CoreTransformState`, whose :class:`LeafState` leaves (each with its own ``count``) hold arrays
+only, so that ``flax.nnx``, orbax and ``jax.vmap`` take it.
 """
 
 from __future__ import annotations
@@ -221,8 +218,7 @@ def _options(name: str, options: dict[str, Any]) -> _Options:
             betas = tuple(value)
             if any(_is_traced(b) for b in betas):
                 traced[key] = betas
-                betas = tuple(0.5 if _is_traced(b) else _python(b) for b in betas)
-            concrete[key] = tuple(_python(b) for b in betas)
+            concrete[key] = tuple(0.5 if _is_traced(b) else _python(b) for b in betas)  # a valid placeholder
         elif _is_traced(value):
             if key not in _TRACEABLE:
                 raise TypeError(f"{key!r} shapes the optimizer state and cannot be traced; pass it in static_args")
@@ -251,14 +247,6 @@ refresh_due = traced_refresh_due
 """Traced :func:`adadiag_ref.refresh_due` (:func:`adadiag_ref.traced_refresh_due`, kept here under its old name)."""
 
 
-def _refresh_when_due(
-    grads: list[jax.Array], states: list[Any], names: list[str], opts: _Options
-) -> tuple[list[Any], list[Any]]:
-    """Every rotated leaf's bases refreshed when due: :func:`adadiag_ref.refresh_when_due` (one ``lax.cond`` and
-    one host callback for all leaves) with the transformation's period, traced when injected."""
-    return refresh_when_due(states, grads, opts.cfg, names=names, period=opts.traced.get("update_freq", opts.cfg))
-
-
 def _prepared_leaves(grads: list[jax.Array], stored: list[Any], names: list[str], opts: _Options) -> list[Any]:
     """Each leaf's config, its core state (the core's orientation: :func:`_parameter_oriented`, after the
     orientation check it would otherwise defeat) with the bases refreshed when due, and the ``refreshed`` flag
@@ -268,17 +256,15 @@ def _prepared_leaves(grads: list[jax.Array], stored: list[Any], names: list[str]
         state = _core_state(leaf, opts.cfg)
         check_orientation(state, tuple(grad.shape))
         states.append(_parameter_oriented(state, tuple(grad.shape), opts.cfg.batch_dims))
-    # every leaf of one transformation advances its count together (_refresh_when_due): one counter for all,
+    # every leaf of one transformation advances its count together (refresh_when_due): one counter for all,
     # so the step's coefficients (bias corrections, schedules) are one computation and the new counts one
     # value, not a few scalar kernels per leaf (on a GPU, 3 of a leaf's 6 launches)
     count = states[0].count if states else None
     states = [s._replace(count=count) for s in states]
-    states, refreshed = _refresh_when_due(grads, states, names, opts)
+    # one lax.cond and one host callback for all rotated leaves, with the transformation's period (traced when injected)
+    period = opts.traced.get("update_freq", opts.cfg)
+    states, refreshed = refresh_when_due(states, grads, opts.cfg, names=names, period=period)
     return [(_leaf_config(opts, s), s, r) for s, r in zip(states, refreshed, strict=True)]
-
-
-def _in_param_frame(x: jax.Array, step_in: Any, param: jax.Array) -> jax.Array:
-    return jnp.astype(from_work(x, step_in.layout, jnp), param.dtype)
 
 
 LeafStep = Callable[[jax.Array, Any, jax.Array, BaseConfig, Any], tuple[jax.Array, Any]]
@@ -286,7 +272,7 @@ LeafStep = Callable[[jax.Array, Any, jax.Array, BaseConfig, Any], tuple[jax.Arra
 
 
 def _tree_step(updates: Any, state: CoreTransformState, weights: Any, opts: _Options, step: LeafStep) -> Any:
-    """``step`` over every leaf after one refresh for all (:func:`_refresh_when_due`) -> ``(outputs, state)``.
+    """``step`` over every leaf after one refresh for all (``refresh_when_due``) -> ``(outputs, state)``.
 
     Traced with float32 matrix products at full precision (``jax.default_matmul_precision("highest")``, which
     JAX records on each product as ``precision=HIGHEST``): the rotations ``P^T G Q`` and ``P U~ Q^T`` are the
@@ -345,7 +331,7 @@ def core_states(state: CoreTransformState, params: Any, *, batch_dims: int = 0) 
     )
 
 
-def _init_leaf(param: jax.Array, cfg: BaseConfig) -> LeafState:
+def _init_leaf(path: Any, param: jax.Array, cfg: BaseConfig) -> LeafState:
     """``ar.init`` for one leaf, its moment matrices in the parameter's orientation (:func:`_parameter_oriented`),
     stored as a :class:`LeafState`.
 
@@ -353,16 +339,13 @@ def _init_leaf(param: jax.Array, cfg: BaseConfig) -> LeafState:
     core places its zeros with ``device=device(param)``, which for such a leaf
     is a sharding that does not fit the 0-d counter; traced, XLA places them.
     """
+    # a leaf with fewer dimensions than batch_dims: ValueError naming the leaf, before any state exists
+    split_batch(tuple(np.shape(param)), cfg.batch_dims, name=jax.tree_util.keystr(path))
     shape = tuple(param.shape)
     sharding = getattr(param, "sharding", None)
     if sharding is not None and len(sharding.device_set) > 1:
         return jax.jit(lambda p: LeafState.of(_parameter_oriented(ar.init(p, cfg), shape, cfg.batch_dims)))(param)
     return LeafState.of(_parameter_oriented(ar.init(param, cfg), shape, cfg.batch_dims))
-
-
-def _check_update_args(params: Any, needs_params: bool) -> None:
-    if params is None and needs_params:
-        raise ValueError("this transformation needs params (weight decay or Adafactor parameter scaling uses W)")
 
 
 def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
@@ -382,12 +365,8 @@ def _init_fn(opts: _Options) -> Callable[[Any], CoreTransformState]:
     """
 
     def init_fn(params: Any) -> CoreTransformState:
-        def leaf(path: Any, p: jax.Array) -> Any:
-            # a leaf with fewer dimensions than batch_dims: ValueError naming the leaf, before any state exists
-            split_batch(tuple(np.shape(p)), opts.cfg.batch_dims, name=jax.tree_util.keystr(path))
-            return _init_leaf(p, opts.cfg)
-
-        return CoreTransformState(states=jax.tree_util.tree_map_with_path(leaf, params))
+        init_leaf = functools.partial(_init_leaf, cfg=opts.cfg)
+        return CoreTransformState(states=jax.tree_util.tree_map_with_path(init_leaf, params))
 
     return init_fn
 
@@ -461,23 +440,14 @@ def scale_by_core(name: str, **options: Any) -> optax.GradientTransformation:
     opts = _options(name, {**options, "weight_decay": 0.0})
     needs_params = isinstance(opts.cfg, AdafactorConfig) and (opts.cfg.scale_parameter or opts.cfg.relative_step)
 
-    def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
-        _check_update_args(params, needs_params)
-        # Without parameter scaling the direction reads only W's shape and dtype.
-        weights = updates if params is None else params
+    def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
+        u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
+        return jnp.astype(from_work(u, step_in.layout, jnp), w.dtype), new_state
 
-        def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
-            u, new_state, step_in = preconditioned_direction(s, g, cfg, w, refreshed=refreshed, xp=jnp)
-            return _in_param_frame(u, step_in, w), new_state
-
-        return _tree_step(updates, state, weights, opts, leaf)  # type: ignore[no-any-return]
-
-    return optax.GradientTransformation(_init_fn(opts), update_fn)
+    return _transformation(opts, leaf, needs_params)
 
 
-def _fused_core(
-    name: str, learning_rate: ScalarOrSchedule, weight_decay: Any, **options: Any
-) -> optax.GradientTransformation:
+def _fused_core(opts: _Options, learning_rate: ScalarOrSchedule, weight_decay: Any) -> optax.GradientTransformation:
     """The core's whole update ``delta = -eta_t (U + lambda W)`` as one transformation (schedules allowed).
 
     For Adafactor's ``relative_step`` / ``scale_parameter``, where ``eta_t``
@@ -485,18 +455,25 @@ def _fused_core(
     :func:`adadiag_ref.update` itself, with the learning rate (a schedule is
     evaluated at the count) and the weight decay (traced when injected).
     """
-    opts = _options(name, {**options, "weight_decay": 0.0})  # lambda: update's per-step keyword (traced or not)
+
+    def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
+        lr = learning_rate(s.count) if callable(learning_rate) else learning_rate  # one count for all leaves
+        return ar.update(  # type: ignore[no-any-return]
+            s, g, cfg, w, lr=lr, weight_decay=weight_decay, refreshed=refreshed, xp=jnp
+        )
+
+    return _transformation(opts, leaf, needs_params=True)
+
+
+def _transformation(opts: _Options, step: LeafStep, needs_params: bool) -> optax.GradientTransformation:
+    """``init`` (:func:`_init_fn`) and an ``update`` that runs ``step`` on every leaf (:func:`_tree_step`)."""
 
     def update_fn(updates: Any, state: CoreTransformState, params: Any = None) -> tuple[Any, CoreTransformState]:
-        _check_update_args(params, True)
-
-        def leaf(g: jax.Array, s: Any, w: jax.Array, cfg: BaseConfig, refreshed: Any) -> tuple[jax.Array, Any]:
-            lr = learning_rate(s.count) if callable(learning_rate) else learning_rate  # one count for all leaves
-            return ar.update(  # type: ignore[no-any-return]
-                s, g, cfg, w, lr=lr, weight_decay=weight_decay, refreshed=refreshed, xp=jnp
-            )
-
-        return _tree_step(updates, state, params, opts, leaf)  # type: ignore[no-any-return]
+        if params is None and needs_params:
+            raise ValueError("this transformation needs params (weight decay or Adafactor parameter scaling uses W)")
+        # Without parameter scaling the direction reads only W's shape and dtype.
+        weights = updates if params is None else params
+        return _tree_step(updates, state, weights, opts, step)  # type: ignore[no-any-return]
 
     return optax.GradientTransformation(_init_fn(opts), update_fn)
 
@@ -539,9 +516,9 @@ def core_alias(
     family_options = _from_optax_names(name, family_options)
     _check_weight_decay(weight_decay)
     options = {"betas": (b1, b2), "eps": eps, "update_freq": update_freq, **family_options}
-    cfg = _options(name, {**options, "weight_decay": 0.0}).cfg
-    if isinstance(cfg, AdafactorConfig) and (cfg.relative_step or cfg.scale_parameter):
-        return _fused_core(name, learning_rate, weight_decay, **options)
+    opts = _options(name, {**options, "weight_decay": 0.0})  # lambda: add_decayed_weights or update's keyword
+    if isinstance(opts.cfg, AdafactorConfig) and (opts.cfg.relative_step or opts.cfg.scale_parameter):
+        return _fused_core(opts, learning_rate, weight_decay)
     return optax.chain(
         scale_by_core(name, **options),
         optax.add_decayed_weights(weight_decay),
@@ -574,7 +551,7 @@ def _scale_by(name: str) -> Callable[..., optax.GradientTransformation]:
     ) -> optax.GradientTransformation:
         return scale_by(b1, b2, eps, update_freq, min_dim_size_to_factor=min_dim_size_to_factor, **family_options)
 
-    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
+    # optax.adafactor's min_dim_size_to_factor is named in this and _alias's signature: static_args needs it
     function = scale_by_adafactor_family if _is_adafactor(name) else scale_by
     function.__name__ = function.__qualname__ = f"scale_by_{name}"
     function.__doc__ = (
@@ -609,7 +586,6 @@ def _alias(name: str) -> Callable[..., optax.GradientTransformation]:
         options = {"min_dim_size_to_factor": min_dim_size_to_factor, **family_options}
         return alias(learning_rate, b1, b2, eps, weight_decay, update_freq, **options)
 
-    # optax.adafactor's min_dim_size_to_factor is named in the signature: inject_hyperparams(static_args=...) needs it
     function = adafactor_family_alias if _is_adafactor(name) else alias
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"The core's ``{name!r}`` as an optax optimizer; see :func:`core_alias`." + (
