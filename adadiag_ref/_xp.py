@@ -252,7 +252,7 @@ def to_numpy(x: Array) -> np.ndarray:
     if isinstance(x, np.ndarray | np.generic):
         return np.asarray(x)
     xp = array_namespace(x)
-    if is_numpy_namespace(xp):
+    if is_numpy_namespace(xp) or is_jax_namespace(xp):
         return np.asarray(x)
     if is_cupy_namespace(xp):
         return x.get()  # type: ignore[no-any-return]
@@ -261,8 +261,6 @@ def to_numpy(x: Array) -> np.ndarray:
         if "bfloat16" in str(t.dtype):
             t = t.float()
         return t.numpy()  # type: ignore[no-any-return]
-    if is_jax_namespace(xp):
-        return np.asarray(x)
     # array_api_strict and other namespaces: DLPack on the CPU; a library whose arrays have no __dlpack__ (dask,
     # whose arrays are lazy) through NumPy's conversion (for dask: computed)
     if hasattr(x, "__dlpack__"):

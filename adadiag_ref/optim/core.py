@@ -237,12 +237,11 @@ def check_backends(state: State, param: Array, *, name: str | None = None) -> No
         value = getattr(state, field)
         if value is None or _one_library(value, param) or not hasattr(value, "shape"):  # the common case
             continue
-        want = _library(param)
-        if _library(value) != want:  # None fields and host ints aside
+        if _library(value) != _library(param):  # None fields and host ints aside
             raise TypeError(
-                f"{_label(name)} is a {want} array but its optimizer state's {field!r} is a {_library(value)} "
-                f"array: make the state with ar.init on the parameter itself (or convert it); the state was left "
-                "unchanged"
+                f"{_label(name)} is a {_library(param)} array but its optimizer state's {field!r} is a "
+                f"{_library(value)} array: make the state with ar.init on the parameter itself (or convert it); the "
+                "state was left unchanged"
             )
 
 
@@ -386,11 +385,10 @@ def refresh_step_structure(
     # the index grids in G~'s own memory order (zeros_like keeps it), so that the result keeps it too
     grid = xp.zeros_like(g_rot, dtype=xp.int32)
     rows = grid + xp.reshape(xp.arange(m, dtype=xp.int32, device=device), (m, 1))
-    diagonal = rows == grid + xp.reshape(xp.arange(n, dtype=xp.int32, device=device), (1, n)) if two_sided else None
     ranked = g_rot if rank_from is None else rank_from
     keep = rows < _numerical_rank(_structure_sizes(ranked, two_sided, xp), max(ranked.shape[-2:]), xp)
-    if diagonal is not None:
-        keep = keep & diagonal
+    if two_sided:
+        keep = keep & (rows == grid + xp.reshape(xp.arange(n, dtype=xp.int32, device=device), (1, n)))
     if refreshed is not True:
         keep = keep | ~refreshed
     return xp.where(keep, g_rot, xp.zeros_like(g_rot))
@@ -594,9 +592,7 @@ def _direction(
 def refresh_due(count: int, cfg: BaseConfig) -> bool:
     """Whether step ``t = count + 1`` refreshes the basis: ``t == 1`` or ``(t - 1) mod T == 0``."""
     t = count + 1
-    if t == 1:
-        return True
-    return cfg.update_freq is not None and (t - 1) % cfg.update_freq == 0
+    return t == 1 or (cfg.update_freq is not None and (t - 1) % cfg.update_freq == 0)
 
 
 def _check_gradient_shape(grad: Array, param: Array, name: str | None = None) -> None:
@@ -638,19 +634,6 @@ def step_namespace(grad: Array, param: Array, xp: Namespace | None, name: str | 
     return namespace(grad, param, xp=xp)
 
 
-def _check_state_dtype(state: State, cfg: BaseConfig, name: str | None) -> None:
-    """``ValueError`` when ``cfg.state_dtype`` is set and the state holds another dtype (a float64 state under
-    ``state_dtype="float32"`` would otherwise stay float64)."""
-    if cfg.state_dtype is None:
-        return
-    held = str(work_dtype(state))
-    if cfg.state_dtype not in held:
-        raise ValueError(
-            f"{_label(name)}: the optimizer state holds {held}, but the config says state_dtype="
-            f"{cfg.state_dtype!r}: make the state with ar.init under this config; the state was left unchanged"
-        )
-
-
 def _check_static(
     state: State, grad: Array, param: Array, layout: Layout, cfg: BaseConfig, *, name: str | None = None
 ) -> None:
@@ -678,7 +661,12 @@ def _check_static(
                 f"{_label(name)}: state field {field!r} has shape {got}, expected {want} for a parameter of shape "
                 f"{layout.shape} under {cfg.name!r}: was the state created for another parameter or config?"
             )
-    _check_state_dtype(state, cfg, name)
+    # a float64 state under state_dtype="float32" would otherwise stay float64
+    if cfg.state_dtype is not None and cfg.state_dtype not in str(work_dtype(state)):
+        raise ValueError(
+            f"{_label(name)}: the optimizer state holds {work_dtype(state)!s}, but the config says state_dtype="
+            f"{cfg.state_dtype!r}: make the state with ar.init under this config; the state was left unchanged"
+        )
     check_orientation(state, tuple(param.shape), name=name)  # equal work frames, another parameter shape
 
 
@@ -688,14 +676,6 @@ def check_state(state: State, grad: Array, param: Array, cfg: BaseConfig, *, nam
     family's shapes in its work frame (``m x n``, ``m <= n``), and ``G`` has ``W``'s shape: the checks of
     :func:`check_inputs` that read no value (no finiteness scan, no dtype rule); nothing is changed."""
     _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg, name=name)
-
-
-def _check_form(
-    state: State, grad: Array, cfg: BaseConfig, param: Array, xp: Namespace, name: str | None = None
-) -> None:
-    """:func:`check_inputs` without the finiteness scan: shapes against the parameter and the state, one dtype."""
-    _check_static(state, grad, param, layout_for(tuple(param.shape), cfg), cfg, name=name)
-    _check_gradient_dtype(grad, param, xp, name)
 
 
 def check_inputs(
@@ -720,7 +700,8 @@ def check_inputs(
     _refuse_traced("check_inputs", grad, param)
     xp = step_namespace(grad, param, xp, name)
     split_batch(tuple(param.shape), cfg.batch_dims, name=name)  # first: its message names the parameter
-    _check_form(state, grad, cfg, param, xp, name)
+    check_state(state, grad, param, cfg, name=name)
+    _check_gradient_dtype(grad, param, xp, name)
     bad = count_nonfinite(grad, xp)
     if bad:
         raise ValueError(
@@ -771,19 +752,11 @@ def step(
     cfg = step_hyperparameters(cfg, state, xp, lr=lr, weight_decay=weight_decay, betas=betas)
     if check:
         check_inputs(state, grad, cfg, param, name=name, count=count, xp=xp)
-    state, refreshed = _refresh_if_due(state, grad, cfg, name, xp, count)
+    refreshed = False
+    if refresh_due(int(state.count) if count is None else count, cfg):
+        new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)
+        # a failed refresh keeps the previous basis, not computed from this G: no refresh-step structure
+        state, refreshed = new, new.P is not state.P
     step_in = prepare_step(state, grad, cfg, param, refreshed, xp, count, name=name)
     delta, state = update_prepared(state, step_in, cfg, param, lr, xp)
     return param + delta, state
-
-
-def _refresh_if_due(
-    state: State, grad: Array, cfg: BaseConfig, name: str | None, xp: Namespace, count: int | None = None
-) -> tuple[State, bool]:
-    """``(state, refreshed)``: the bases refreshed from ``grad`` when step ``count + 1`` is due (:func:`refresh_due`;
-    ``count`` the host counter, else the state's); ``refreshed`` is False when no refresh was due or a failed one
-    kept the previous basis (not computed from this ``G``: no refresh-step structure)."""
-    if not refresh_due(int(state.count) if count is None else count, cfg):
-        return state, False
-    new = refresh_basis(state, grad, cfg, name=name, count=count, xp=xp)
-    return new, new.P is not state.P

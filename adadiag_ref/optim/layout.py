@@ -94,10 +94,14 @@ def layout_for(shape: tuple[int, ...], cfg: BaseConfig) -> Layout:
     return Layout(shape, m, n, transposed, rotate_left, rotate_right, batch)
 
 
+def memory_shape(layout: Layout) -> tuple[int, int]:
+    """``(a, b)``: one matrix of the parameter in its own memory order (the work frame's transpose when tall)."""
+    return (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
+
+
 def to_work(x: Array, layout: Layout, xp: Namespace) -> Array:
     """The ``m x n`` work-frame view of a parameter-shaped array (``(*B, m, n)`` for a stack)."""
-    a, b = (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-    mat = xp.reshape(x, (*layout.batch, a, b))
+    mat = xp.reshape(x, (*layout.batch, *memory_shape(layout)))
     return xp.matrix_transpose(mat) if layout.transposed else mat
 
 
@@ -107,17 +111,10 @@ def from_work(x: Array, layout: Layout, xp: Namespace) -> Array:
     return xp.reshape(mat, layout.shape)
 
 
-def memory_shape(layout: Layout) -> tuple[int, int]:
-    """``(a, b)``: one matrix of the parameter in its own memory order (the work frame's transpose when tall)."""
-    return (layout.cols, layout.rows) if layout.transposed else (layout.rows, layout.cols)
-
-
 def work_view(flat: Array, layout: Layout, xp: Namespace) -> Array:
     """The work-frame view ``(*B, m, n)`` of a parameter's slice of a flat array kept in the parameter's memory
     order (a tall parameter's work-frame arrays are transposed views, as :func:`~adadiag_ref.init` makes them)."""
-    a, b = memory_shape(layout)
-    matrix = xp.reshape(flat, (*layout.batch, a, b))
-    return xp.matrix_transpose(matrix) if layout.transposed else matrix
+    return to_work(flat, layout, xp)  # to_work's reshape takes the parameter's shape in its own memory order
 
 
 def flatten_in_memory_order(x: Array, layout: Layout, xp: Namespace) -> Array:

@@ -21,7 +21,7 @@ from typing import Any
 from .._xp import Namespace, namespace
 from ..config import BaseConfig, check_learning_rate, step_config
 from .batched_refresh import host_counts, refresh_bases
-from .core import _check_form, step_namespace
+from .core import check_gradient_matches, check_state, step_namespace
 from .engine import Engine, key_mismatch
 
 __all__ = ["multi_step", "refresh_bases"]
@@ -93,7 +93,8 @@ def multi_step(
     xp = namespace(*grads_l, *params_l, xp=xp)
     counts = host_counts(count, states_l, len(params_l))
     for s, g, p, n in zip(states_l, grads_l, params_l, names_l, strict=True):
-        _check_form(s, g, cfg, p, xp, n)
+        check_state(s, g, p, cfg, name=n)
+        check_gradient_matches(g, p, xp, name=n)
     engine = Engine.from_states(states_l, params_l, cfg, names=names_l, count=counts, xp=xp)
     new_params = engine._advance(grads_l, params_l, lr, check, False, step_cfg)
     new_states = [engine.state(i) for i in range(len(params_l))]

@@ -60,9 +60,7 @@ def _is_numpy(xp: Namespace) -> bool:
 
 def _host_value(t: Any) -> float | None:
     """The step ``t`` as a Python float when it is a host counter (module docstring), else ``None``."""
-    if isinstance(t, int | float):
-        return float(t)
-    if isinstance(t, np.ndarray | np.generic):
+    if isinstance(t, int | float | np.ndarray | np.generic):
         return float(t)
     module = type(t).__module__
     if module.startswith("torch") and t.device.type == "cpu" and t.ndim == 0:
@@ -94,11 +92,6 @@ def _host_coefficient(value64: float, t: Any, xp: Namespace) -> Any:
         return float(torch.tensor(value64, dtype=dtype))
     rounded = np.asarray(value64, dtype=_host_dtype(t))
     return rounded if _is_numpy(xp) else float(rounded)
-
-
-def _host_numbers(*numbers: Any) -> bool:
-    """Whether every hyperparameter is a Python number (an array one, e.g. traced, keeps the device path)."""
-    return all(isinstance(x, int | float) for x in numbers)
 
 
 def _has_float64(t: Any, xp: Namespace) -> bool:
@@ -149,7 +142,7 @@ def one_minus_power(beta: float, t: Array, xp: Namespace) -> Array:
     (module docstring).
     """
     host = _host_value(t)
-    if host is not None and _host_numbers(beta):
+    if host is not None and isinstance(beta, int | float):
         return _host_coefficient(_one_minus_power64(beta, host), t, xp)
     if not isinstance(beta, int | float):
         t = _on_device(t, xp, beta)
@@ -171,7 +164,7 @@ def beta_hat(beta: float, t: Array, xp: Namespace, *, bias_correction: bool = Tr
     float64, rounded once to the state dtype (module docstring).
     """
     host = _host_value(t)
-    if host is not None and _host_numbers(beta):
+    if host is not None and isinstance(beta, int | float):
         return _host_coefficient(_beta_hat64(beta, host, bias_correction), t, xp)
     if not isinstance(beta, int | float):
         t = _on_device(t, xp, beta)
@@ -204,7 +197,7 @@ def adafactor_beta2(t: Array, decay_rate: float, xp: Namespace) -> Array:
     """Adafactor's increasing decay ``beta2_t = 1 - t^(-c)`` (0 at t = 1), c = ``decay_rate``; host ``t``: in
     float64, rounded once (module docstring)."""
     host = _host_value(t)
-    if host is not None and _host_numbers(decay_rate):
+    if host is not None and isinstance(decay_rate, int | float):
         return _host_coefficient(-math.expm1(-decay_rate * math.log(host)), t, xp)
     if not isinstance(decay_rate, int | float):
         t = _on_device(t, xp, decay_rate)
@@ -216,7 +209,7 @@ def relative_step(lr: Any, t: Array, xp: Namespace) -> Any:
     """Adafactor's relative step size ``rho_t = min(lr, 1 / sqrt(t))``, in ``t``'s dtype; host ``t``: in float64
     (``math.sqrt`` is correctly rounded), rounded once (module docstring)."""
     host = _host_value(t)
-    if host is not None and _host_numbers(lr):
+    if host is not None and isinstance(lr, int | float):
         return _host_coefficient(min(float(lr), 1.0 / math.sqrt(host)), t, xp)
     if not isinstance(lr, int | float):
         t = _on_device(t, xp, lr)

@@ -188,10 +188,9 @@ def refresh_when_due(
     bases: list[Any] = []
     for i in rotated:
         state = states_l[i]
-        leaf_bases = [b for b in (state.P, state.Q) if b is not None]
         dtype = np.dtype(state.P.dtype)
         leaves.append(_RotatedLeaf(names_l[i], tuple(grads_l[i].shape), dtype, state.Q is not None, len(bases)))
-        bases.extend(leaf_bases)
+        bases.extend(b for b in (state.P, state.Q) if b is not None)
     count = states_l[rotated[0]].count
     due = traced_refresh_due(count, cfg if period is None else period)
     shapes = (
