@@ -70,6 +70,10 @@ def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check_clip_threshold(value: Any) -> None:
+    _check(value is None or (_finite_number(value) and value > 0), f"clip_threshold must be > 0 or None, got {value!r}")
+
+
 def _is_traced(value: Any) -> bool:
     """Whether ``value`` is a JAX tracer (a value under ``jax.jit``, unknown until run); JAX not imported here."""
     jax = sys.modules.get("jax")
@@ -259,10 +263,7 @@ class AdafactorConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(
-            self.clip_threshold is None or (_finite_number(self.clip_threshold) and self.clip_threshold > 0),
-            f"clip_threshold must be > 0 or None, got {self.clip_threshold!r}",
-        )
+        _check_clip_threshold(self.clip_threshold)
         _check(
             self.beta2_schedule in ("bias_corrected", "adafactor"),
             f"beta2_schedule must be 'bias_corrected' or 'adafactor', got {self.beta2_schedule!r}",
@@ -279,12 +280,9 @@ class AdafactorConfig(BaseConfig):
     @property
     def momentum(self) -> bool:
         """Whether the first moment ``M`` is kept (with a traced beta_1, the base config's: :func:`step_config`)."""
-        fixed = self.__dict__.get(_FIXED_MOMENTUM)
-        if fixed is not None:
-            return bool(fixed)
-        if self.momentum_enabled is False:
+        if self.momentum_enabled is False and self.__dict__.get(_FIXED_MOMENTUM) is None:
             return False
-        return bool(self.betas[0] > 0.0)
+        return super().momentum
 
 
 @dataclass(frozen=True)
@@ -301,10 +299,7 @@ class HfacConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(
-            self.clip_threshold is None or (_finite_number(self.clip_threshold) and self.clip_threshold > 0),
-            f"clip_threshold must be > 0 or None, got {self.clip_threshold!r}",
-        )
+        _check_clip_threshold(self.clip_threshold)
 
 
 class OptimizerSpec(NamedTuple):

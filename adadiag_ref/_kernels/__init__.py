@@ -79,13 +79,9 @@ def one_float_dtype(arrays: tuple[Any, ...], is_backend_array: Callable[[Any], b
     return dtype is not None
 
 
-def _is_numpy_array(a: Any) -> bool:
-    return type(a) is np.ndarray
-
-
 def usable(xp: Any, *arrays: Any) -> bool:
     """True when the kernels apply: numba imported, and every array is a float32/float64 NumPy array of one dtype."""
-    return AVAILABLE and one_float_dtype(arrays, _is_numpy_array)
+    return AVAILABLE and one_float_dtype(arrays, lambda a: type(a) is np.ndarray)
 
 
 def selected(cfg: Any, xp: Any, *arrays: Any) -> bool:
@@ -114,10 +110,10 @@ def pool_does_not_spin() -> bool:
     return config is not None and str(config.THREADING_LAYER) == "workqueue"
 
 
-def _jit(fn: Any) -> Any:
+def _jit(fn: Any, parallel: bool = False) -> Any:
     if numba is None:  # pragma: no cover
         return fn
-    return numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn)
+    return numba.njit(cache=True, nogil=True, parallel=parallel, fastmath=False, error_model="numpy")(fn)
 
 
 def _inline(fn: Any) -> Any:
@@ -263,14 +259,7 @@ def _renamed(fn: Any, suffix: str) -> Any:
 
 def _serial_and_parallel(fn: Any) -> tuple[Any, Any]:
     """``fn`` compiled twice, serial and parallel (``prange`` on numba's pool), each with its own cache entry."""
-    if numba is None:  # pragma: no cover
-        return fn, fn
-    return (
-        numba.njit(cache=True, nogil=True, parallel=False, fastmath=False, error_model="numpy")(fn),
-        numba.njit(cache=True, nogil=True, parallel=True, fastmath=False, error_model="numpy")(
-            _renamed(fn, "_parallel")
-        ),
-    )
+    return _jit(fn), _jit(_renamed(fn, "_parallel"), parallel=True)
 
 
 scale_direction_flat, scale_direction_flat_parallel = _serial_and_parallel(_scale_direction_flat)

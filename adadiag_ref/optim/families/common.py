@@ -108,17 +108,8 @@ def flow_of(module: Any, state_type: type, default_eps: float, max_sides: int) -
     """A family module's continuous-time functions (``fields``, ``update_order``, ``vector_field``,
     ``hamiltonian``, ``hamiltonian_rate``, ``initial_moments``: the same names in every module) as a
     :class:`Flow`."""
-    return Flow(
-        state_type,
-        default_eps,
-        max_sides,
-        module.fields,
-        module.update_order,
-        module.vector_field,
-        module.hamiltonian,
-        module.hamiltonian_rate,
-        module.initial_moments,
-    )
+    functions = (getattr(module, name) for name in Flow._fields[3:])  # Flow's function fields bear their names
+    return Flow(state_type, default_eps, max_sides, *functions)
 
 
 def paper_defaults(config_type: type[BaseConfig]) -> tuple[float, int]:

@@ -175,25 +175,20 @@ def flows() -> dict[str, Flow]:
     return {name: spec.flow for name, spec in FAMILIES.items() if spec.flow is not None}
 
 
-_STATE_HEAD = ("count", "P", "Q")
-
-
 def _check_spec(spec: FamilySpec, optimizers: Mapping[str, OptimizerSpec]) -> None:
     """Refuse an entry the core could not run, before anything is registered."""
     if not isinstance(spec, FamilySpec):
         raise TypeError(f"register_family needs a FamilySpec, got {type(spec).__name__}")
-    if getattr(spec.config_type, "__dataclass_fields__", {}).get("family") is None or not issubclass(
-        spec.config_type, BaseConfig
-    ):
+    family = getattr(spec.config_type, "__dataclass_fields__", {}).get("family")
+    if family is None or not issubclass(spec.config_type, BaseConfig):
         raise TypeError(f"config_type of family {spec.name!r} must be a BaseConfig dataclass")
-    if spec.config_type.__dataclass_fields__["family"].default != spec.name:
+    if family.default != spec.name:
         raise ValueError(
-            f"config_type {spec.config_type.__name__}.family is "
-            f"{spec.config_type.__dataclass_fields__['family'].default!r}, not the family's name {spec.name!r}: "
-            "declare family: str = field(default=NAME, init=False)"
+            f"config_type {spec.config_type.__name__}.family is {family.default!r}, not the family's name "
+            f"{spec.name!r}: declare family: str = field(default=NAME, init=False)"
         )
     fields = tuple(getattr(spec.state_type, "_fields", ()))
-    if fields[:3] != _STATE_HEAD or not fields or fields[-1] != "param_shape":
+    if fields[:3] != ("count", "P", "Q") or fields[-1] != "param_shape":
         raise ValueError(
             f"state_type of family {spec.name!r} must be a NamedTuple (count, P, Q, *moments, param_shape), "
             f"got fields {fields}"

@@ -81,9 +81,7 @@ def factored(r0: np.ndarray, s0: np.ndarray, g: np.ndarray, eps: float, beta2_t:
         _square_sums(g.T, scalar(eps, dt), cols, rows)
     else:
         _square_sums(g, scalar(eps, dt), rows, cols)
-    r = ema(beta2_t, r0, rows)
-    s = ema(beta2_t, s0, cols)
-    return r, s
+    return ema(beta2_t, r0, rows), ema(beta2_t, s0, cols)
 
 
 def normalised_with_sum(g: np.ndarray, r: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, float]:

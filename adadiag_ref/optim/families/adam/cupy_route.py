@@ -24,9 +24,10 @@ run on a GPU yet; on the CPU, the kernel bodies evaluated by NumPy give the refe
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from ...._kernels import cupy_kernels as ck
+from ...._kernels import is_host_number
 from ...._xp import Array, Namespace
 from ....config import BaseConfig
 from ...schedules import beta_hats
@@ -91,33 +92,23 @@ def _scale_kernel(decay: bool) -> Any:
     )
 
 
-class _Scalars(NamedTuple):
-    """The step's kernel arguments (:func:`adadiag_ref._kernels.cupy_kernels.coefficient`)."""
-
-    b1: Any
-    c1: Any
-    b2: Any
-    c2: Any
-    eps: Any
-
-
-def _adam_scalars(t: Any, cfg: BaseConfig, dtype: Any, xp: Namespace) -> _Scalars | None:
-    """``(b1, 1 - b1, b2, 1 - b2, eps)`` of step ``t``; ``None`` when a coefficient is not of the state dtype."""
+def _adam_scalars(t: Any, cfg: BaseConfig, dtype: Any, xp: Namespace) -> tuple[Any, ...] | None:
+    """``(b1, 1 - b1, b2, 1 - b2, eps)`` of step ``t`` as kernel arguments
+    (:func:`adadiag_ref._kernels.cupy_kernels.coefficient`); ``None`` when a coefficient is not of the state dtype."""
     b1_t, b2_t = beta_hats(cfg, t, xp)
     first, second = ck.ema_coefficients(b1_t, dtype), ck.ema_coefficients(b2_t, dtype)
     eps = ck.coefficient(cfg.eps, dtype)
     if first is None or second is None or eps is None:
         return None
-    return _Scalars(*first, *second, eps)
+    return (*first, *second, eps)
 
 
 def _tail_scalars(cfg: BaseConfig, lr: Any, dtype: Any) -> tuple[Any, Any, bool] | None:
     """``(-eta, lambda, decay)`` as the reference's ``-eta * (D + lambda W)`` rounds them; ``None`` for a
     weight decay or learning rate the kernels do not take (an array ``lambda``, an ``eta`` of another dtype)."""
-    if not isinstance(cfg.weight_decay, int | float) or isinstance(cfg.weight_decay, bool):
+    if not is_host_number(cfg.weight_decay) or isinstance(lr, bool):
         return None
-    neg_lr = ck.coefficient(-lr, dtype) if not isinstance(lr, bool) else None
-    wd = ck.coefficient(cfg.weight_decay, dtype)
+    neg_lr, wd = ck.coefficient(-lr, dtype), ck.coefficient(cfg.weight_decay, dtype)
     if neg_lr is None or wd is None:
         return None
     return neg_lr, wd, decays(cfg)

@@ -56,19 +56,13 @@ __all__ = ["adam_direction", "direction", "kernel_scalars", "update"]
 
 
 @_inline
-def _second_moment_entry(v0, x, b2, c2):  # type: ignore[no-untyped-def]
-    """``v = b2 v0 + c2 x^2``: one entry of ``V_t = EMA_b2[G~^2]``."""
-    return b2 * v0 + c2 * (x * x)
-
-
-@_inline
 def _adam_entry(m0, v0, x, b1, c1, b2, c2, eps):  # type: ignore[no-untyped-def]
     """One entry of the Adam direction: ``m = b1 m0 + c1 x``, ``v = b2 v0 + c2 x^2``, ``u = m / (sqrt(v) + eps)``.
 
     The one place the kernels write the formula (same operations, same order as the family function); the root is
     the correctly rounded one (LLVM's ``sqrt``), the library's root (:func:`adadiag_ref._xp.sqrt`)."""
     m = ema_entry(m0, x, b1, c1)
-    v = _second_moment_entry(v0, x, b2, c2)
+    v = b2 * v0 + c2 * (x * x)
     return m, v, m / (math.sqrt(v) + eps)
 
 

@@ -42,7 +42,7 @@ def hfac_direction(
     b2_t: Any,
     clip_threshold: float | None,
 ) -> tuple:
-    """Hfac/HfacDiag direction (see ``families._hfac_direction``); returns ``(U, u, v, r, s)``."""
+    """Hfac/HfacDiag direction (see :func:`.reference.direction`); returns ``(U, u, v, r, s)``."""
     dt = g.dtype
     m, n = g.shape
     row_mean = np.mean(g, axis=1)
