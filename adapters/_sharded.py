@@ -153,11 +153,6 @@ def gather(x: Any) -> Any:
     return whole
 
 
-def _broadcast(x: torch.Tensor, src: int, group: Any) -> None:
-    _count("broadcast", x)
-    dist.broadcast(x, src=src, group=group)
-
-
 def all_reduce(x: torch.Tensor, op: Any = None, group: Any = None) -> None:
     """``dist.all_reduce`` (sum by default), counted."""
     _count("all_reduce", x)
@@ -179,20 +174,16 @@ class Plan(NamedTuple):
     stack: bool = False
 
 
-def _split_dim0(p: Any) -> bool:
-    """FSDP2's layout: dim 0 split over a one-dimensional mesh."""
-    return p.ndim >= 1 and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
-
-
 def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     """The route of DTensor ``p`` under ``cfg`` (module docstring): block when the shard holds whole work-frame
     columns (rows) and the columns (rows) are not rotated, for the entrywise Adam family."""
     layout = layout_for(tuple(p.shape), cfg)
+    split_dim0 = p.ndim >= 1 and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)  # FSDP2's layout
     if layout.batch:  # dim 0 indexes matrices: split on it, each shard is a stack of whole matrices
-        return Plan(layout, None, 0, stack=_split_dim0(p))
+        return Plan(layout, None, 0, stack=split_dim0)
     side = 1 if layout.transposed or p.ndim == 1 else 0
     rotated = layout.rotate_right if side else layout.rotate_left
-    if not (_split_dim0(p) and family_of(cfg) is ADAM_FAMILY and not rotated):
+    if not (split_dim0 and family_of(cfg) is ADAM_FAMILY and not rotated):
         return Plan(layout, None, side)
     shape = tuple(local(p).shape)
     rows, cols = (layout.rows, shape[0]) if side else (shape[0], layout.cols)
@@ -224,10 +215,10 @@ def _stacked_fields(state: State, batch: tuple[int, ...]) -> list[str]:
     ]
 
 
-def _local_stack(state: State, layout: Layout) -> State:
-    """The core state of this rank's matrices of a stack (the stack route): every per-matrix field's local shard."""
-    fields = _stacked_fields(state, layout.batch)
-    return state._replace(param_shape=None, **{f: local(getattr(state, f)) for f in fields})
+def _local_state(state: State) -> State:
+    """The core state of this rank's shard (the block and stack routes): every DTensor field's local tensor, and no
+    ``param_shape`` (the whole parameter's)."""
+    return type(state)._make(local(value) for value in state)._replace(param_shape=None)
 
 
 def init(p: Any, cfg: BaseConfig) -> State:
@@ -268,9 +259,7 @@ def conform(value: Any, like: Any) -> torch.Tensor:
         elif tuple(value.placements) != tuple(like.placements):
             value = value.redistribute(like.device_mesh, like.placements)
         return value.detach().to(dtype=like.dtype, copy=True)
-    if is_sharded(value):
-        value = gather(value)
-    return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
+    return gather(value).detach().to(device=like.device, dtype=like.dtype, copy=True)
 
 
 def all_finite(grad: Any) -> bool:
@@ -334,8 +323,8 @@ def exchange(
     return table.cpu()
 
 
-def _ranks(indices: Any, ranks: Sequence[int]) -> str:
-    found = [ranks[int(i)] for i in indices]
+def _ranks(mask: torch.Tensor, ranks: Sequence[int]) -> str:
+    found = [rank for rank, hit in zip(ranks, mask.tolist(), strict=True) if hit]
     return ("rank " if len(found) == 1 else "ranks ") + ", ".join(str(r) for r in found)
 
 
@@ -352,18 +341,16 @@ def disagreement(table: torch.Tensor, wheres: Sequence[str], ranks: Sequence[int
         column = codes[:, j]
         step = int(counts[:, j].max()) + 1
         if bool((column & INVALID).any()):
-            bad = torch.nonzero(column & INVALID).flatten()
+            bad = column & INVALID
             return f"gradient of {where} does not match its parameter (shape, dtype or layout) on {_ranks(bad, ranks)}"
         if bool((column & NONFINITE).any()):
-            bad = torch.nonzero(column & NONFINITE).flatten()
-            good = torch.nonzero(column == HAS_GRAD).flatten()
-            clean = f", finite on {_ranks(good, ranks)}" if len(good) else ""
+            bad, good = column & NONFINITE, column == HAS_GRAD
+            clean = f", finite on {_ranks(good, ranks)}" if bool(good.any()) else ""
             return f"gradient of {where} contains NaN or Inf at step {step} on {_ranks(bad, ranks)}{clean}"
         if bool((column != column[0]).any()):
-            none, some = torch.nonzero(column == NO_GRAD).flatten(), torch.nonzero(column != NO_GRAD).flatten()
             return (
-                f"gradient of {where} is None on {_ranks(none, ranks)} and present on {_ranks(some, ranks)} at step "
-                f"{step}: every rank must step the same parameters"
+                f"gradient of {where} is None on {_ranks(column == NO_GRAD, ranks)} and present on "
+                f"{_ranks(column != NO_GRAD, ranks)} at step {step}: every rank must step the same parameters"
             )
         if bool((column != NO_GRAD).any()) and bool((counts[:, j] != counts[0, j]).any()):
             steps = ", ".join(f"{int(c)} on rank {r}" for c, r in zip(counts[:, j].tolist(), ranks, strict=True))
@@ -413,9 +400,8 @@ def _finiteness_sum(grad: torch.Tensor) -> torch.Tensor:
     one read of ``G`` and without the boolean ``G``-sized tensor of ``isfinite(G).all()``.  A non-finite sum
     can also come from finite entries whose sum overflows; the caller then tests that gradient exactly.
     float16/bfloat16 gradients are summed in float32, where such overflow is out of reach in practice."""
-    if grad.dtype in (torch.float16, torch.bfloat16):
-        return torch.sum(grad, dtype=torch.float32)
-    return torch.sum(grad)
+    low = grad.dtype in (torch.float16, torch.bfloat16)
+    return torch.sum(grad, dtype=torch.float32 if low else None)
 
 
 def _foreach_devices() -> tuple[str, ...]:
@@ -508,8 +494,7 @@ def shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str 
 def _group_of(p: Any) -> Any:
     """The process group whose ranks each hold the whole gradient after a gather: the mesh's for a 1-D mesh, the
     default group otherwise (``None``)."""
-    mesh = p.device_mesh
-    return mesh.get_group() if mesh.ndim == 1 else None
+    return p.device_mesh.get_group() if p.device_mesh.ndim == 1 else None
 
 
 FAILED = 2  # a refresh flag (0 kept, 1 refreshed): the refresh raised on the rank that ran it
@@ -535,14 +520,13 @@ def owned_refresh(
     broadcasts: the owner sends the previous bases, flags the failure, and after the flags' all-reduce every rank
     raises the same ``RuntimeError`` (:func:`raise_if_failed`; the owner's exception chained), nothing changed."""
     ranks = group_ranks(group)
-    me = dist.get_rank()
+    owners = [ranks[j % len(ranks)] for j in range(len(states))]
     out = []
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
     failure: Exception | None = None
-    for j, (state, grad, cfg, name) in enumerate(zip(states, grads, cfgs, names, strict=True)):
-        owner = ranks[j % len(ranks)]
+    for j, (state, grad, cfg, name, owner) in enumerate(zip(states, grads, cfgs, names, owners, strict=True)):
         new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
-        if owner == me:
+        if owner == dist.get_rank():
             try:
                 new = ar.refresh_basis(state, grad, cfg, name=name)
                 flags[j] = int(new.P is not state.P)
@@ -550,11 +534,11 @@ def owned_refresh(
                 failure, flags[j] = failure or exc, FAILED
         for basis in (new.P, new.Q):
             if basis is not None:
-                _broadcast(basis, owner, group)
+                _count("broadcast", basis)
+                dist.broadcast(basis, src=owner, group=group)
         out.append({f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None})
     if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
         all_reduce(flags, group=group)
-    owners = [ranks[j % len(ranks)] for j in range(len(states))]
     raise_if_failed([(names[j], owners[j]) for j, flag in enumerate(flags.tolist()) if flag == FAILED], failure)
     return list(zip(out, (bool(f) for f in flags.tolist()), strict=True))
 
@@ -615,7 +599,7 @@ def _refresh_stack(item: Any, state: State, plan: Plan) -> tuple[dict[str, torch
     as DTensors placed like the state's, and whether they changed (``False`` with no matrix here)."""
     if local(item.p).shape[0] == 0 or not plan.layout.rotate_left:
         return {}, False
-    mine = _local_stack(state, plan.layout)
+    mine = _local_state(state)
     new = ar.refresh_basis(mine, local(item.grad), item.cfg, name=item.name)
     bases = {f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None}
     wrapped = {f: _sharded_like(b, tuple(getattr(state, f).shape), item.p, 0) for f, b in bases.items()}
@@ -623,12 +607,6 @@ def _refresh_stack(item: Any, state: State, plan: Plan) -> tuple[dict[str, torch
 
 
 # ---------------------------------------------------------------------------------------------- update
-
-
-def _reads_weights(cfg: BaseConfig) -> bool:
-    """Whether the update reads ``W``: decoupled decay, or a family other than Adam (Adafactor's relative step
-    and parameter scale)."""
-    return decays(cfg) or family_of(cfg) is not ADAM_FAMILY
 
 
 def update(
@@ -648,20 +626,19 @@ def update(
     plan = plan_for(p, cfg)
     if plan.stack:  # this rank's whole matrices, stepped as a stack of their own: nothing sent
         if local(p).shape[0]:
-            ar.update_in_place(_local_stack(state, plan.layout), local(grad), cfg, local(p), lr=lr, refreshed=refreshed)
+            ar.update_in_place(_local_state(state), local(grad), cfg, local(p), lr=lr, refreshed=refreshed)
         return
     if plan.block is not None:
         if 0 in plan.block.shape:
             return  # an empty shard (more ranks than rows): nothing to compute
-        fields = family_of(cfg).moment_fields
-        moments = {f: local(getattr(state, f)) for f in fields if getattr(state, f) is not None}
-        shard = state._replace(param_shape=None, **moments)
+        shard = _local_state(state)
         ar.update_in_place(
             shard, local(grad), cfg, local(p), lr=lr, refreshed=refreshed, block=plan.block, whole_grad=whole_grad
         )
         return
     g = gather(grad) if whole_grad is None else whole_grad
-    reads = _reads_weights(cfg)
+    # the update reads W under decoupled decay, or in a non-Adam family (Adafactor's relative step, parameter scale)
+    reads = decays(cfg) or family_of(cfg) is not ADAM_FAMILY
     # without decay the Adam family's delta does not depend on W: delta is computed into zeros and added
     w = gather(p) if reads else torch.zeros(tuple(p.shape), dtype=p.dtype, device=g.device)
     ar.update_in_place(state, g, cfg, w, lr=lr, refreshed=refreshed)
