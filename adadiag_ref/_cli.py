@@ -7,10 +7,12 @@ block, which ``--help`` prints); a verification that runs and fails exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import platform
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
@@ -23,6 +25,7 @@ __all__ = [
     "add_progress_flags",
     "bar_disable",
     "check_output_file",
+    "cpu_name",
     "fail",
     "finite_positive",
     "input_file",
@@ -239,3 +242,12 @@ def check_output_file(path: str, flag: str) -> None:
     problem = _output_problem(path)
     if problem:
         raise ValueError(f"{flag} {path}: {problem}")
+
+
+def cpu_name(fallback: str | None = None) -> str:
+    """The processor's model name (``/proc/cpuinfo``'s ``model name``) for the machine lines of reports, else
+    ``fallback`` (``platform.processor()`` when ``None``)."""
+    name = platform.processor() if fallback is None else fallback
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return name

@@ -28,7 +28,6 @@ ops) live in ``benchmarks/bench_variants.py`` of the source tree.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import math
@@ -46,6 +45,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import adadiag_ref as ar
 
+from .._cli import cpu_name
 from ..memory import LLAMA_CONFIGS, ParamSpec, llama_parameters
 from .params import (
     BETAS,
@@ -459,9 +459,7 @@ def _torch_threads(ncpu: int) -> bool:
 
 
 def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cpu = cpu_name(platform.processor() or platform.machine())
     return f"{cpu}, {os.cpu_count()} cores, numpy {np.__version__}, {platform.python_version()}"
 
 

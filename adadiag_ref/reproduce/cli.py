@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
@@ -13,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from .._cli import add_progress_flags, int_at_least, int_list, output_file, plot_file, positive_int
+from .._cli import add_progress_flags, cpu_name, int_at_least, int_list, output_file, plot_file, positive_int
 from ..config import OPTIMIZERS
 
 DEFAULT_LR_GRID = {"charlm": (1e-2, 3e-3, 1e-3), "digits": (3e-2, 1e-2, 3e-3)}
@@ -110,11 +109,8 @@ def _finite_or_none(value: Any) -> Any:
 def _machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"python": platform.python_version(), "torch": torch.__version__, "num_threads": torch.get_num_threads(),
-            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "nproc": os.cpu_count(), "cpu": cpu_name(), "platform": platform.platform(),
             "gpu": torch.cuda.get_device_name() if device == "cuda" else None}  # fmt: skip
 
 
