@@ -779,10 +779,11 @@ class Engine:
         built, never per step)."""
         numpy = is_numpy_namespace(self.xp)
         layouts = {i: layout_for(s, self.cfg) for i, s in enumerate(self._shapes)}
-        refresh_members = Counter(
-            self._refresh_key(i, lay) for i, lay in layouts.items() if lay.rotate_left and not lay.batch
-        )
-        return {self._keys[i]: Route(*self._route_parts(i, lay, numpy, refresh_members)) for i, lay in layouts.items()}
+        # each single rotated matrix's stack key, read once (a per-parameter group's state is assembled to read it)
+        stack_keys = {i: self._refresh_key(i, lay) for i, lay in layouts.items() if lay.rotate_left and not lay.batch}
+        members = Counter(stack_keys.values())
+        peers = {i: members[key] for i, key in stack_keys.items()}
+        return {self._keys[i]: Route(*self._route_parts(i, lay, numpy, peers.get(i, 0))) for i, lay in layouts.items()}
 
     def _refresh_key(self, i: int, lay: Layout) -> tuple[Any, ...]:
         """What the single matrices one stacked decomposition refreshes share: work shape, state dtype, sides."""
@@ -791,16 +792,15 @@ class Engine:
         dtype = self._flat[number].dtype if flat else work_dtype(self._member_state(self._per_param[number], i))
         return (lay.rows, lay.cols), str(dtype), lay.rotate_right
 
-    def _route_parts(
-        self, i: int, lay: Layout, numpy: bool, refresh_members: Counter[tuple[Any, ...]]
-    ) -> tuple[str, str, str, str, str]:
+    def _route_parts(self, i: int, lay: Layout, numpy: bool, peers: int) -> tuple[str, str, str, str, str]:
+        """The parts of parameter ``i``'s :class:`Route`; ``peers``: the single matrices one stacked decomposition
+        refreshes with it (its own included)."""
         kind, number, position = self._home[i]
         sides = "P and Q" if lay.rotate_right else "P"
         if not lay.rotate_left:
             refresh = rotate = unrotate = "none: no side rotates (P = I)"
         else:
             method = self.cfg.basis_method
-            peers = refresh_members[self._refresh_key(i, lay)]
             if lay.batch:
                 refresh = (f"refresh_basis: one canonical_svd_batch over the parameter's {math.prod(lay.batch)} "
                            f"matrices {lay.rows} x {lay.cols} (basis_method={method})")  # fmt: skip
