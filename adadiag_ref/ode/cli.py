@@ -15,12 +15,14 @@ The main ``adadiag-ref`` command registers this subcommand with :func:`add_parse
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._cli import (
@@ -253,21 +255,26 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             return fail(f"ode: {exc}")
     total = time.perf_counter() - start
-    payload = result.to_dict(trajectory=args.trajectory)
-    payload.update(
-        {"system_description": system.describe(), "problem_description": problem.description, "total_time": total}
-    )
-    report = format_report(result, system.describe(), problem.description or problem.name, total)
-    _print_result(args.json, payload, report, plot_path)
+    described = system.describe()
+    _print_result(
+        args.json,
+        lambda: {**result.to_dict(trajectory=args.trajectory), "system_description": described,
+                 "problem_description": problem.description, "total_time": total},
+        lambda: format_report(result, described, problem.description or problem.name, total),
+        plot_path,
+    )  # fmt: skip
     return 0 if result.status in ("success", "event") else 1 if result.status != "ill_posed" else 3
 
 
-def _print_result(as_json: bool, payload: dict[str, Any], report: str, plot_path: str | None) -> None:
-    """``payload`` as one JSON object (``--json``), else the human-readable ``report``; either names the plot."""
+def _print_result(
+    as_json: bool, payload: Callable[[], dict[str, Any]], report: Callable[[], str], plot_path: str | None
+) -> None:
+    """``payload()`` as one JSON object (``--json``), else the human-readable ``report()``: only the printed one is
+    built (the trajectory's JSON can be long); either names the plot."""
     if as_json:
-        print(json.dumps({**payload, "plot": plot_path} if plot_path else payload, indent=2, sort_keys=True))
+        print(json.dumps({**payload(), "plot": plot_path} if plot_path else payload(), indent=2, sort_keys=True))
     else:
-        print(f"{report}\n  plot: {plot_path}" if plot_path else report)
+        print(f"{report()}\n  plot: {plot_path}" if plot_path else report())
 
 
 def _core_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -323,9 +330,8 @@ def run_discrete_limit(args: argparse.Namespace) -> int:
         from .plotting import plot_discrete_limit
 
         plot_path = plot_discrete_limit(result, args.plot)
-    _print_result(
-        args.json, result.to_dict(), format_discrete_limit(result, problem.description or problem.name), plot_path
-    )
+    report = functools.partial(format_discrete_limit, result, problem.description or problem.name)
+    _print_result(args.json, result.to_dict, report, plot_path)
     return 0
 
 
