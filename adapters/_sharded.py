@@ -520,13 +520,13 @@ def owned_refresh(
     broadcasts: the owner sends the previous bases, flags the failure, and after the flags' all-reduce every rank
     raises the same ``RuntimeError`` (:func:`raise_if_failed`; the owner's exception chained), nothing changed."""
     ranks = group_ranks(group)
-    owners = [ranks[j % len(ranks)] for j in range(len(states))]
+    owners, me = [ranks[j % len(ranks)] for j in range(len(states))], dist.get_rank()
     out = []
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
     failure: Exception | None = None
     for j, (state, grad, cfg, name, owner) in enumerate(zip(states, grads, cfgs, names, owners, strict=True)):
         new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
-        if owner == dist.get_rank():
+        if owner == me:
             try:
                 new = ar.refresh_basis(state, grad, cfg, name=name)
                 flags[j] = int(new.P is not state.P)
