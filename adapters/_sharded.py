@@ -31,8 +31,8 @@ all-reduce on which parameters have a gradient, that each is valid and finite (a
 step counters (:func:`agree`, which the adapter calls first in every step under more than one rank); a
 disagreement raises the same error on every rank, so no rank can wait in a collective the others skip.
 
-Refused wrappers (:func:`hidden_shape`, :func:`shape_change`): FSDP1's flat shards and DeepSpeed ZeRO's partitions
-hide a parameter's matrix from the optimizer; the adapter refuses them, naming :data:`ALTERNATIVES`.
+Refused wrappers (:func:`refuse_hidden_shapes`): FSDP1's flat shards and DeepSpeed ZeRO's partitions hide a
+parameter's matrix from the optimizer; the adapter refuses them, naming :data:`ALTERNATIVES`.
 
 Refreshes (:func:`refresh`): the matrices due in one step are dealt round-robin over the ranks of their mesh;
 the owner of a matrix runs the core's ``refresh_basis`` on the gathered gradient and broadcasts the bases
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +77,7 @@ __all__ = [
     "Plan",
     "agree",
     "all_finite",
+    "bases",
     "conform",
     "disagreement",
     "exactly_finite",
@@ -90,6 +91,8 @@ __all__ = [
     "owned_refresh",
     "plan_for",
     "refresh",
+    "refuse_hidden_shapes",
+    "route",
     "several_ranks",
     "shape_change",
     "traffic",
@@ -174,6 +177,11 @@ class Plan(NamedTuple):
     stack: bool = False
 
 
+def bases(state: State) -> dict[str, torch.Tensor]:
+    """The state's bases by field, ``{"P"[, "Q"]}`` (a side without a basis absent)."""
+    return {f: getattr(state, f) for f in ("P", "Q") if getattr(state, f) is not None}
+
+
 def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     """The route of DTensor ``p`` under ``cfg`` (module docstring): block when the shard holds whole work-frame
     columns (rows) and the columns (rows) are not rotated, for the entrywise Adam family."""
@@ -188,6 +196,24 @@ def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     shape = tuple(local(p).shape)
     rows, cols = (layout.rows, shape[0]) if side else (shape[0], layout.cols)
     return Plan(layout, layout._replace(shape=shape, rows=rows, cols=cols), side)
+
+
+def route(p: Any, cfg: BaseConfig) -> dict[str, str]:
+    """``CoreOptimizer.routes()``' entry of DTensor ``p`` under ``cfg``: :func:`plan_for`'s decision, as a step takes
+    it (:func:`refresh`, :func:`update`)."""
+    plan = plan_for(p, cfg)
+    if plan.stack:
+        refresh = "sharded stack: each rank refreshes the matrices it holds, on its local gradient"
+        moments = "sharded stack: update_in_place on the local shard's whole matrices (state split like p)"
+    else:
+        refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
+        if plan.block is not None:
+            moments = "sharded block: update_in_place on the local shard, moments split like p (nothing sent)"
+        else:
+            moments = "sharded gathered: update_in_place on the all-gathered matrix, this rank's rows kept"
+    rotated = plan.layout.rotate_left
+    return {"refresh": refresh if rotated else "none (no basis)",
+            "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none", "moments": moments}  # fmt: skip
 
 
 def local_slices(x: Any) -> tuple[slice, ...]:
@@ -491,6 +517,28 @@ def shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str 
 # ---------------------------------------------------------------------------------------------- refresh
 
 
+def refuse_hidden_shapes(
+    params: Sequence[Any], where: Callable[[int], str], group_index: int, was: list[tuple[int, ...]] | None = None
+) -> None:
+    """``RuntimeError`` when a wrapper hides the matrix of a parameter of param group ``group_index`` (``where(i)``
+    names ``params[i]``) from the optimizer (:func:`hidden_shape`: FSDP1, DeepSpeed ZeRO-3) or, against
+    ``was`` (the group's parameter shapes when it was added), replaced the group's parameters by a flat partition
+    (:func:`shape_change`: DeepSpeed ZeRO), so that no other optimizer (AdamW on a flat shard) runs silently in its
+    place.  Nothing is changed by the check."""
+    for index, p in enumerate(params):
+        if reason := hidden_shape(p):
+            raise RuntimeError(
+                f"{where(index)} {reason}; {ALTERNATIVES}; no parameter and no optimizer state was changed"
+            )
+    if was is not None and (change := shape_change(was, [tuple(p.shape) for p in params])):
+        raise RuntimeError(
+            f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
+            f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
+            f"see their matrices; {ALTERNATIVES} (a parameter resized on purpose needs a new "
+            "optimizer); no parameter and no optimizer state was changed"
+        )
+
+
 def _group_of(p: Any) -> Any:
     """The process group whose ranks each hold the whole gradient after a gather: the mesh's for a 1-D mesh, the
     default group otherwise (``None``)."""
@@ -525,18 +573,17 @@ def owned_refresh(
     flags = torch.zeros(len(states), dtype=torch.int32, device=device)
     failure: Exception | None = None
     for j, (state, grad, cfg, name, owner) in enumerate(zip(states, grads, cfgs, names, owners, strict=True)):
-        new = state._replace(**{f: getattr(state, f).clone() for f in ("P", "Q") if getattr(state, f) is not None})
+        new = state._replace(**{f: basis.clone() for f, basis in bases(state).items()})
         if owner == me:
             try:
                 new = ar.refresh_basis(state, grad, cfg, name=name)
                 flags[j] = int(new.P is not state.P)
             except Exception as exc:  # the others wait in this matrix's broadcasts: they get the previous bases
                 failure, flags[j] = failure or exc, FAILED
-        for basis in (new.P, new.Q):
-            if basis is not None:
-                _count("broadcast", basis)
-                dist.broadcast(basis, src=owner, group=group)
-        out.append({f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None})
+        out.append(bases(new))
+        for basis in out[-1].values():
+            _count("broadcast", basis)
+            dist.broadcast(basis, src=owner, group=group)
     if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
         all_reduce(flags, group=group)
     raise_if_failed([(names[j], owners[j]) for j, flag in enumerate(flags.tolist()) if flag == FAILED], failure)
@@ -601,8 +648,7 @@ def _refresh_stack(item: Any, state: State, plan: Plan) -> tuple[dict[str, torch
         return {}, False
     mine = _local_state(state)
     new = ar.refresh_basis(mine, local(item.grad), item.cfg, name=item.name)
-    bases = {f: getattr(new, f) for f in ("P", "Q") if getattr(new, f) is not None}
-    wrapped = {f: _sharded_like(b, tuple(getattr(state, f).shape), item.p, 0) for f, b in bases.items()}
+    wrapped = {f: _sharded_like(b, tuple(getattr(state, f).shape), item.p, 0) for f, b in bases(new).items()}
     return wrapped, new.P is not mine.P
 
 

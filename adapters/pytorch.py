@@ -1,38 +1,21 @@
-"""PyTorch adapter: ``torch.optim.Optimizer`` classes over the array-API core.
+"""PyTorch adapter: ``torch.optim.Optimizer`` classes over the array-API core (docs/adapters.md, "PyTorch").
 
-For every parameter with a gradient, one call of :meth:`CoreOptimizer.step` does exactly what the core's eager
-driver :func:`adadiag_ref.step` does, on the parameter's own tensors and device, bit for bit::
+For every parameter with a gradient, one :meth:`CoreOptimizer.step` does what the core's eager driver
+:func:`adadiag_ref.step` does, on the parameter's own tensors and device, bit for bit::
 
     check_inputs(S, G, cfg, W)                    # all parameters first: an error leaves every state untouched
     if refresh_due(t - 1):  S <- refresh_basis(S, G, cfg, name=NAME)   # P, Q <- canonical_svd(G)
     S <- update_in_place(S, G, cfg, W, lr=group["lr"], refreshed=...)
-                                                  # W += delta, delta = -eta_t (P U~ Q^T + lambda W_t);
-                                                  # bit-identical to update(), moments overwritten in place
+                                                  # W += delta, delta = -eta_t (P U~ Q^T + lambda W_t)
 
-The core resolves the torch namespace itself (``array_api_compat``); nothing is copied to NumPy.  Who computes a
-parameter's step (:meth:`CoreOptimizer.routes` says it per parameter):
+A plain tensor on any device is stepped by its param group's :class:`adadiag_ref.Engine`, kept between steps
+(:class:`_GroupEngine`); FSDP2's sharded parameters by :mod:`._sharded`; any other tensor subclass by
+``update_in_place`` (the reference's arithmetic in torch ops).  :meth:`CoreOptimizer.routes` says which.
 
-* a plain tensor on any device is stepped by its param group's :class:`adadiag_ref.Engine` (one per group, kept
-  between steps, refresh steps included, holding the moments and bases: :class:`_GroupEngine`): in host memory its
-  group kernels over the tensors' own memory (numba) and one ``torch.mm`` per rotated matrix, ``ar.step``'s bits;
-  on CUDA with CuPy its CUDA group kernels, else its gathering path in torch ops;
-* FSDP2's sharded parameters take their own route (:mod:`._sharded`); any other parameter ``update_in_place`` (the
-  reference's arithmetic in torch ops).
-
-State layout (``optimizer.state[p]``, and ``state_dict()["state"][i]``): a flat
-dict of tensors, the core's NamedTuple state flattened field by field, with the
-counter ``count`` under the key ``"step"`` (an int32 0-d tensor)::
-
-    AdamW / AdaDiag / AdaDiagPP            step, [P], [Q], M, V, param_shape
-    Adafactor / AdafacDiag / AdafacDiagPP  step, [P], [Q], [M], r, s, param_shape
-    Hfac / HfacDiag                        step, [P], [Q], u, v, r, s, param_shape
-
-A field the core leaves as ``None`` (no basis on that side, no momentum) is
-absent; ``param_shape`` is the zero-size record of the parameter's shape
-(``(0, *p.shape)``, :data:`adadiag_ref.optim.families.State`), absent in states saved before it existed.
-All arrays are in the parameter's work frame (``ar.layout_for``) and
-in the state dtype: float64 for float64 parameters, float32 for float32,
-float16 and bfloat16 ones.
+``optimizer.state[p]`` is the core's NamedTuple state flattened field by field (:func:`from_core_state`): the
+counter ``count`` under ``"step"`` (a host int32 0-d tensor), ``None`` fields absent, every array in the work frame
+(``ar.layout_for``) and the state dtype (float64 for float64 parameters, else float32); the keys per optimizer are
+in docs/adapters.md, "State layout".
 """
 
 from __future__ import annotations
@@ -70,12 +53,7 @@ __all__ = [
 
 def from_core_state(state: Any) -> dict[str, torch.Tensor]:
     """Flatten a core NamedTuple state into torch's per-parameter dict (``count`` -> ``"step"``)."""
-    flat = {"step": state.count}
-    for name in state._fields[1:]:
-        value = getattr(state, name)
-        if value is not None:
-            flat[name] = value
-    return flat
+    return {"step": state.count} | {k: v for k, v in zip(state._fields[1:], state[1:], strict=True) if v is not None}
 
 
 def to_core_state(flat: Mapping[str, torch.Tensor], cfg: BaseConfig) -> Any:
@@ -120,11 +98,9 @@ def _finite_at_least(value: Any, low: float, high: float = math.inf) -> bool:
 
 
 def validate_hyperparameters(group: Mapping[str, Any]) -> None:
-    """torch.optim's checks and messages (``Invalid learning rate: nan``, ...), stricter only in refusing nan/inf.
-
-    Raises ``ValueError`` for ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``foreach`` (``None`` or a
-    bool); the remaining core fields are checked by the core config.
-    """
+    """torch.optim's checks and messages (``Invalid learning rate: nan``, ...), stricter only in refusing nan/inf:
+    ``ValueError`` for ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``foreach`` (``None`` or a bool); the core
+    config checks the other fields."""
     lr = _number(group["lr"])
     if not _finite_at_least(lr, 0.0):
         raise ValueError(f"Invalid learning rate: {lr}")
@@ -154,7 +130,7 @@ _CONFIG_CACHE_SIZE = 64
 
 
 class CoreOptimizer(torch.optim.Optimizer):
-    """Any of the core's eight optimizers as a ``torch.optim.Optimizer``.
+    """Any of the core's eight optimizers as a ``torch.optim.Optimizer`` (docs/adapters.md, "PyTorch").
 
     Args:
         params: parameters or parameter groups (dicts), as for any torch optimizer;
@@ -169,69 +145,37 @@ class CoreOptimizer(torch.optim.Optimizer):
             The default is the core's 0.0 (``torch.optim.AdamW`` defaults to 0.01).
         update_freq: basis refresh period T (``None``: refresh at t = 1 only).
         maximize: ascend the objective (the gradient is negated before the core sees it).
-        split_refresh: under ``torch.distributed`` with identical gradients on every
-            rank (DDP), rank ``r`` decomposes only the ``j``-th matrices due for a
-            refresh with ``j mod world_size == r`` and broadcasts their bases; the
-            result is bit-identical to every rank decomposing every matrix.  Ignored
-            when no process group is initialised.  FSDP2 (DTensor) parameters are always
-            refreshed this way, over their mesh's ranks.
-        process_group: the ranks that step the same parameters (``None``: the default group), as DDP's and
-            ``ZeroRedundancyOptimizer``'s ``process_group``.  Under ``torch.distributed`` with more than one rank in
-            it, every ``step()`` first makes the ranks agree, in one all-reduce of 8 bytes per parameter, on which
-            parameters have a gradient, that every gradient is finite (an FSDP2 rank: its shard) and valid, and on
-            the step counters; a disagreement raises the same ``ValueError`` on every rank, naming the parameter
-            and the ranks, with nothing changed, before any other collective (so catching it keeps the ranks
-            identical; docs/adapters.md, "Ranks that disagree").  Ranks that step different models (pipeline
-            stages) pass the group of their data-parallel replicas.
-        foreach: accepted as torch.optim accepts it (``None``, ``True`` or ``False``; anything else raises
-            ``ValueError``) and changes nothing: every group's engine already steps the group as a whole (in host
-            memory, and on CUDA with CuPy, one kernel call for the moments, direction and tail of the group;
-            otherwise the reference's arithmetic once over its flat arrays), so there is no per-parameter route to
-            opt out of.  ``load_state_dict`` loads it from the checkpoint's groups, as torch.optim does.
+        split_refresh: under ``torch.distributed`` with identical gradients on every rank (DDP), each matrix due
+            for a refresh is decomposed by one rank (the ``j``-th by rank ``j mod world_size``) and its bases
+            broadcast: the bits of every rank decomposing every matrix.  Ignored without a process group; FSDP2
+            parameters always refresh this way, over their mesh's ranks.
+        process_group: the ranks that step the same parameters (``None``: the default group), as DDP's.  With more
+            than one rank in it, every ``step()`` first makes them agree (one all-reduce, 8 bytes per parameter) on
+            which parameters have a gradient, that each is finite and valid, and on the step counters; a
+            disagreement raises the same ``ValueError`` on every rank, with nothing changed, before any other
+            collective (docs/adapters.md, "Ranks that disagree": pipeline stages pass their replicas' group).
+        foreach: accepted as torch.optim accepts it (``None`` or a bool, else ``ValueError``) and changes nothing:
+            every group's engine steps the group as a whole already (docs/adapters.md, "foreach").
         name: the core optimizer name; the subclasses fix it.
-        **family_options: other core config fields (``max_basis_dim``,
-            ``bias_correction``, ``state_dtype``, ``clip_threshold``, ``beta2_schedule``,
-            ``decay_rate``, ``relative_step``, ``scale_parameter``, ``eps2``, ``momentum``, ``batch_dims``).
-            ``batch_dims=k`` in a param group (e.g. stacked expert weights ``(E, d, f)`` with ``k = 1``) makes
-            every parameter of that group ``prod(shape[:k])`` independent matrices, each with its own bases
-            (``docs/embedding.md``); a parameter of the group with fewer than ``k`` dimensions raises
-            ``ValueError`` naming it at the first ``step()``, before any state exists.
+        **family_options: other core config fields (``max_basis_dim``, ``bias_correction``, ``state_dtype``,
+            ``clip_threshold``, ``beta2_schedule``, ``decay_rate``, ``relative_step``, ``scale_parameter``,
+            ``eps2``, ``momentum``, ``batch_dims``).  ``batch_dims=k`` in a param group (stacked experts
+            ``(E, d, f)`` with ``k = 1``) makes each of its parameters ``prod(shape[:k])`` independent matrices,
+            each with its own bases (docs/embedding.md).
 
-    Errors: invalid hyperparameters raise ``ValueError`` with torch.optim's
-    messages (``Invalid learning rate: nan``), at construction, in
-    ``add_param_group`` and, for values edited in ``param_groups``, at the next
-    ``step()``; sparse or complex gradients and parameters raise
-    ``RuntimeError``; a non-finite gradient (named by parameter and step) or a
-    mismatched shape or dtype raises ``ValueError``.  Everything is validated
-    before anything is updated, so on an error no parameter and no state has
-    changed.  In host memory the groups' engines count each gradient's NaN and Inf (their kernels, by address;
-    else one sum per gradient), every engine before any writes.  Off the host a ``step()`` without a basis refresh
-    synchronises with the device once (the finiteness of one sum per gradient, all tested together; only a
-    non-finite sum leads to the exact per-entry test); a refresh step also copies the gradients it decomposes to
-    the host.
+    Errors are raised before anything changes, so on an error no parameter and no state has changed: invalid
+    hyperparameters raise ``ValueError`` with torch.optim's messages (``Invalid learning rate: nan``) at
+    construction, in ``add_param_group`` and, for values edited in ``param_groups``, at the next ``step()``; sparse
+    or complex gradients and parameters ``RuntimeError``; a non-finite gradient (named by parameter and step), a
+    mismatched shape or dtype, or a parameter with fewer than ``batch_dims`` dimensions ``ValueError``; a
+    parameter whose matrix a wrapper hides (FSDP1, DeepSpeed ZeRO-3, a flat partition per group) ``RuntimeError``
+    (docs/adapters.md, "FSDP1 and DeepSpeed ZeRO").
 
-    FSDP2 (``torch.distributed.fsdp.fully_shard``: DTensor parameters, rows split over the ranks) is handled by
-    :mod:`adadiag_ref.adapters._sharded`, the core's math unchanged (the local shard where its rows are a block the
-    family can step alone, else the gathered matrix; expert stacks by the rank that holds each matrix; each
-    refresh decomposes every matrix once across the ranks).  The shards equal the single-process run, and DCP
-    saves and restores the sharded state (docs/adapters.md, "Exactness" and "Sharded training").
-
-    Initialisation step: a ``step()`` on an optimizer without any state, with every group's ``lr`` equal to 0 and
-    every gradient exactly zero, creates the states (``ar.init``, step 0) and counts no step, so the first real
-    step refreshes the basis.  This is the step DCP's ``get_/set_optimizer_state_dict`` take to initialise a fresh
-    optimizer (zero gradients, ``lr = 0``); ``torch.optim.AdamW`` counts it (``step = 1``, so its next step's bias
-    correction is that of ``t = 2``).
-
-    ``torch.compile(opt.step)``: the whole step runs eagerly, outside the graph, on purpose
-    (``torch.compiler.disable``): a step reads host values, decomposes on the host and makes new states, none of
-    which a graph can hold, and its engines run their own group kernels; so a compiled step has the eager step's
-    bits, with a one-time ``UserWarning``.
-    ``fullgraph=True`` is refused (docs/adapters.md, "torch.compile").
-
-    Parameters whose matrix the optimizer cannot see are refused with ``RuntimeError`` (at construction, in
-    ``add_param_group`` and at the first ``step()``, before anything changes): FSDP1's flattened parameters,
-    DeepSpeed ZeRO-3's partitioned ones and groups whose parameters a wrapper replaced by a flat partition
-    (:func:`_refuse_hidden_shapes`).
+    Also in docs/adapters.md: FSDP2's DTensor parameters step as the single-process run and DCP saves their sharded
+    state ("Sharded training"); a first ``step()`` without state, with every ``lr`` 0 and every gradient exactly
+    zero (DCP's initialisation) creates the states and counts no step, so the first real step refreshes
+    ("PyTorch"); ``torch.compile(opt.step)`` runs the eager step outside the graph, with its bits and a one-time
+    ``UserWarning``, and ``fullgraph=True`` is refused ("torch.compile").
     """
 
     core_name: str = ""
@@ -255,14 +199,10 @@ class CoreOptimizer(torch.optim.Optimizer):
         name = name or self.core_name
         self.split_refresh = bool(split_refresh)
         self.process_group = process_group
-        self._warned_eager_under_compile = False  # torch.compile(opt.step) runs the eager step: said once
         if name not in ar.OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")
         self.core_name = name
-        self._configs: dict[tuple[Any, ...], BaseConfig] = {}
-        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engines_for)
-        self._registered_shapes: list[list[tuple[int, ...]]] = []  # per group, as add_param_group saw them
-        self._shapes_checked = False  # the first step() checks every parameter (:func:`_refuse_hidden_shapes`)
+        self._start_caches([])  # add_param_group fills the registered shapes
         if unknown := sorted(set(family_options) - _config_fields_of(name)):
             ar.make_config(name, **{k: family_options[k] for k in unknown})  # raises "unknown option(s)"
         defaults = {
@@ -287,34 +227,43 @@ class CoreOptimizer(torch.optim.Optimizer):
         self.split_refresh = bool(state.get("split_refresh", getattr(self, "split_refresh", False)))
         # a process group does not pickle: the unpickled optimizer agrees over the default
         self.process_group = getattr(self, "process_group", None)
-        self._warned_eager_under_compile = False
-        self._configs = {}
-        self._engines = {}
         for group in self.param_groups:
             group.setdefault("foreach", None)
-        self._registered_shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
-        self._shapes_checked = False
+        self._start_caches([[tuple(p.shape) for p in group["params"]] for group in self.param_groups])
+
+    def _start_caches(self, registered_shapes: list[list[tuple[int, ...]]]) -> None:
+        """What the optimizer derives and keeps between steps, new (at construction and after unpickling)."""
+        self._warned_eager_under_compile = False  # torch.compile(opt.step) runs the eager step: said once
+        self._configs: dict[tuple[Any, ...], BaseConfig] = {}
+        self._engines: dict[int, _GroupEngine] = {}  # per group: the engine of its plain parameters (_engines_for)
+        self._registered_shapes = registered_shapes  # per group, as add_param_group saw them
+        self._shapes_checked = False  # the first step() checks every parameter (:meth:`_refuse_hidden_shapes`)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, then the group's hyperparameters are validated and its
-        parameters checked for a shape the optimizer cannot see (:func:`_refuse_hidden_shapes`)."""
+        parameters checked for a shape the optimizer cannot see (:meth:`_refuse_hidden_shapes`)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             self._build_config(group)
-            _refuse_hidden_shapes([group], first_group_index=len(self.param_groups) - 1)
+            self._refuse_hidden_shapes(len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
         self._registered_shapes.append([tuple(p.shape) for p in group["params"]])
 
+    def _refuse_hidden_shapes(self, group_index: int) -> None:
+        """:func:`_sharded.refuse_hidden_shapes` on ``param_groups[group_index]``, against its shapes when added."""
+        group = self.param_groups[group_index]
+        was = self._registered_shapes[group_index] if group_index < len(self._registered_shapes) else None
+        names = group.get("param_names")
+        _sharded.refuse_hidden_shapes(group["params"], lambda i: _label(names, i, group_index)[1], group_index, was)
+
     # ------------------------------------------------------------------ config
 
     def _build_config(self, group: Mapping[str, Any]) -> BaseConfig:
-        """The frozen core config of a group (cached on its hyperparameter values, lr excluded).
-
-        Validates the group first (torch's messages, then the core config's).
-        """
+        """The frozen core config of a group, validated (torch's messages, then the core config's) and cached on its
+        hyperparameter values, lr excluded."""
         validate_hyperparameters(group)
         # entries schedulers add (initial_lr, max_momentum, ...) are not config fields: ignored, as torch does
         options = {k: _hashable(_number(v)) for k, v in group.items() if k in _config_fields_of(self.core_name)}
@@ -335,14 +284,12 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss.
-
-        Phase 1 validates everything (:class:`CoreOptimizer`, "Errors"); phase 2 computes the new bases of the
-        parameters due for a refresh (new tensors); only phase 3 writes, so a failure in phase 1 or 2 leaves every
-        parameter and state bit-identical.
-        """
+        """One optimizer step for every parameter with a gradient; returns ``closure()``'s loss.  Phase 1 validates
+        everything (:class:`CoreOptimizer`, "Errors"), phase 2 computes the new bases due (new tensors), only phase 3
+        writes: a failure in phase 1 or 2 leaves every parameter and state bit-identical."""
         if not self._shapes_checked:  # before the closure and before anything changes
-            _refuse_hidden_shapes(self.param_groups, self._registered_shapes)
+            for group_index in range(len(self.param_groups)):
+                self._refuse_hidden_shapes(group_index)
             self._shapes_checked = True
         loss = None
         if closure is not None:
@@ -355,12 +302,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         return loss
 
     def _eager_step(self, compiled: bool = False) -> None:
-        """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``).
-
-        A param group whose kept engine still holds its parameters with a gradient (the steady state of training,
-        frozen parameters aside) is one job, without per-parameter bookkeeping (:meth:`_kept_engine`); every other
-        parameter is checked one by one and gets a state where it has none (:meth:`_work_of`), the plain ones an
-        engine (:meth:`_engines_for`).
+        """The body of :meth:`step` after the closure (``compiled``: called by ``torch.compile(opt.step)``): a group
+        whose kept engine still holds its parameters (the steady state) is one job (:meth:`_kept_engine`); every
+        other parameter is checked one by one (:meth:`_work_of`), the plain ones get an engine (:meth:`_engines_for`).
         """
         if compiled and not self._warned_eager_under_compile:
             self._warned_eager_under_compile = True
@@ -424,10 +368,9 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _kept_engine(
         self, group_index: int, params: list[torch.Tensor], grads: list[torch.Tensor], cfg: BaseConfig, split: bool
     ) -> _GroupEngine | None:
-        """The group's kept engine when it takes this step of ``params`` (the group's parameters with a gradient,
-        ``grads``) whole, else ``None``, having changed nothing: it :meth:`~_GroupEngine.holds` them, every gradient
-        is dense with its parameter's dtype and shape (any other is :meth:`_work_of`'s to refuse) and no refresh
-        due is split.  Each property is read by ``map``, a loop in C, as every step asks it of every parameter."""
+        """The group's kept engine when it takes this step of ``params`` (with gradients ``grads``) whole, else
+        ``None``: it :meth:`~_GroupEngine.holds` them, every gradient is dense with its parameter's dtype and shape
+        (any other is :meth:`_work_of`'s to refuse) and no refresh due is split.  Read by ``map``, a loop in C."""
         held = self._engines.get(group_index)
         if held is None or not params:
             return None
@@ -441,10 +384,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         return held
 
     def _work_of(self, group_index: int, *, checked: bool = False) -> list[_Work]:
-        """The parameters of ``param_groups[group_index]`` with a gradient, each with its state dict (a new one, of
-        ``ar.init``, where it has none).  ``checked``: as a step takes them, each gradient validated
-        (:func:`_refusal`; negated under ``maximize``) and each shape against the group's ``batch_dims``
-        (``ValueError`` naming it, before any state exists)."""
+        """The parameters of ``param_groups[group_index]`` with a gradient, each with its state dict (``ar.init``'s
+        where it has none); ``checked``, as a step takes them: each gradient validated (:func:`_refusal`; negated
+        under ``maximize``) and each shape checked against ``batch_dims`` (``ValueError`` naming it, no state made)."""
         group = self.param_groups[group_index]
         cfg = self._build_config(group)
         lr = _number(group["lr"])
@@ -469,14 +411,10 @@ class CoreOptimizer(torch.optim.Optimizer):
         return work
 
     def _agreed(self) -> bool:
-        """Under ``torch.distributed`` with more than one rank in :attr:`process_group`: make the ranks agree on
-        the step (:func:`_sharded.agree`, as :class:`CoreOptimizer` says under ``process_group``) and return
-        ``True``, or raise; ``False`` (nothing exchanged) otherwise.
-
-        A step's collectives (the bases' broadcasts of ``split_refresh``, FSDP2's gathers) follow from these
-        facts alone, so ranks that agree on them enter the same collectives in the same order; ranks that do not
-        learn it here together, instead of waiting in different collectives (a hang) or stepping different
-        parameters (ranks that silently diverge under DDP)."""
+        """With more than one rank in :attr:`process_group`: make the ranks agree on the step (:func:`_sharded.agree`)
+        and return ``True``, or raise; ``False`` (nothing exchanged) otherwise.  A step's later collectives follow
+        from these facts alone, so ranks that agree enter them in the same order, and ranks that do not learn it
+        here together instead of hanging in different collectives or silently diverging."""
         if not _sharded.several_ranks(self.process_group):
             return False
         grads, refused, counts, wheres = [], [], [], []
@@ -496,10 +434,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         return self.split_refresh and _sharded.several_ranks(self.process_group)
 
     def _engines_for(self, work: list[_Work], counts: list[int], *, keep: bool = True) -> list[_Job]:
-        """Per param group, the job of its plain parameters (``item.engine``; ``counts``: the host counters of
-        ``work``): the group's kept engine when it still holds them, else one built over their states (the state
-        dicts then hold views of its arrays, their values unchanged) and kept, or, unless ``keep``, built over
-        copies of the state dicts, which stay as they were."""
+        """Per param group, the job of its plain parameters in ``work`` (host counters ``counts``): the group's kept
+        engine when it still holds them, else one built over their states (which then hold views of its arrays,
+        values unchanged) and kept, or, unless ``keep``, over copies of the state dicts, which stay as they were."""
         by_group: dict[int, list[tuple[_Work, int]]] = {}
         for item, count in zip(work, counts, strict=True):
             if item.engine:
@@ -519,16 +456,12 @@ class CoreOptimizer(torch.optim.Optimizer):
         return jobs
 
     def routes(self) -> dict[str, dict[str, str]]:
-        """Which code runs each part of a step, per parameter (``named_parameters()`` names when the groups were
-        given them, else ``"param_groups[i].params[j]"``), for the gradients present now: a mapping with
-
-        * ``"refresh"``: the basis refresh;
-        * ``"rotate"``: ``G~ = P^T G Q`` and ``P U~ Q^T``;
-        * ``"moments"``: moments, direction and tail of a step;
-        * ``"engine"`` (a plain parameter): its group in the param group's :class:`adadiag_ref.Engine`.
-
-        A plain parameter's entries are its param group's engine's :meth:`adadiag_ref.Engine.routes`; the others say
-        ``"per parameter: update_in_place ..."`` or ``"sharded ..."``.  A parameter without a gradient is skipped.
+        """Which code runs each part of a step, per parameter (by ``named_parameters()`` names when the groups carry
+        them, else ``"param_groups[i].params[j]"``), for the gradients present now: ``"refresh"`` (the basis
+        refresh), ``"rotate"`` (``G~ = P^T G Q`` and ``P U~ Q^T``), ``"moments"`` (moments, direction and tail)
+        and, for a plain parameter, ``"engine"`` (its group in the param group's :class:`adadiag_ref.Engine`, whose
+        :meth:`~adadiag_ref.Engine.routes` these are).  Other parameters read ``"per parameter: update_in_place
+        ..."`` or ``"sharded ..."``, and one without a gradient ``"none (no gradient: skipped)"``.
         """
         work = [item for group_index in range(len(self.param_groups)) for item in self._work_of(group_index)]
         jobs = self._engines_for(work, _counts_of([item.flat["step"] for item in work]), keep=False)
@@ -553,23 +486,21 @@ class CoreOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             return {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
         cfg = self._build_config(group)
+        if _sharded.is_sharded(p):
+            return _sharded.route(p, cfg)
         layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
         rotated = layout is None or layout.rotate_left or layout.rotate_right
-        sharded = _sharded.is_sharded(p)
-        if sharded:
-            moments = "sharded: the family's route on the local shard or the gathered matrix (_sharded)"
-        else:
-            moments = "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)"
         if not rotated:
             refresh = "none (no basis)"
-        elif sharded:
-            refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
         elif self._split():
             refresh = "split over ranks (owner per matrix, bases broadcast)"
         else:
             refresh = "batched stack (ar.refresh_bases per config and shape)"
-        return {"refresh": refresh, "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
-                "moments": moments}  # fmt: skip
+        return {
+            "refresh": refresh,
+            "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
+            "moments": "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)",
+        }
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
@@ -591,13 +522,9 @@ class CoreOptimizer(torch.optim.Optimizer):
         )
 
     def _refresh(self, items: list[_Work], split: bool) -> list[tuple[dict[str, torch.Tensor], bool]]:
-        """``({"P"[, "Q"]}, refreshed)`` per parameter due (``refresh_basis``), split over the ranks when ``split``
-        (:meth:`_split`, decided once per step).
-
-        ``refreshed`` is the core's (:func:`adadiag_ref.step`): False when the refresh kept the previous basis
-        (a failed decomposition), which ``refresh_basis`` returns as the very same tensors.  The bases are then
-        the previous ones and the step's update applies no refresh-step structure.
-        """
+        """``({"P"[, "Q"]}, refreshed)`` per parameter due (``refresh_basis``), split over the ranks when ``split``.
+        ``refreshed`` is :func:`adadiag_ref.step`'s: False when a failed decomposition kept the previous basis (the
+        very same tensors), so the step's update applies no refresh-step structure."""
         states = [to_core_state(item.flat, item.cfg) for item in items]
         sharded = [_sharded.is_sharded(item.p) for item in items]
         if any(sharded):  # FSDP2: gathered gradients, an owner per matrix (adapters/_sharded.py)
@@ -615,7 +542,7 @@ class CoreOptimizer(torch.optim.Optimizer):
                 fresh = ar.refresh_bases([states[j] for j in members], [items[j].grad for j in members], cfg,
                                          names=[items[j].name for j in members])  # fmt: skip
                 news.update(zip(members, fresh, strict=True))
-            return [(_bases(news[j]), news[j].P is not old.P) for j, old in enumerate(states)]
+            return [(_sharded.bases(news[j]), news[j].P is not old.P) for j, old in enumerate(states)]
         return _sharded.owned_refresh(
             states,
             [item.grad for item in items],
@@ -628,10 +555,8 @@ class CoreOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict`` (live references, as torch), plus each group's ``param_shapes``.
-
-        The shapes let :meth:`load_state_dict` refuse the state of a (7, 9)
-        parameter for a (9, 7) one, whose work-frame state has the same shapes.
+        """``torch.optim.Optimizer.state_dict`` (live references, as torch), plus each group's ``param_shapes``, by
+        which :meth:`load_state_dict` refuses the state of a (7, 9) parameter for a (9, 7) one (the same work frame).
         """
         saved = super().state_dict()
         for packed, group in zip(saved["param_groups"], self.param_groups, strict=True):
@@ -639,15 +564,11 @@ class CoreOptimizer(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict()`` output; everything is checked before anything changes.
-
-        * ``"step"`` may be a tensor of any dtype or a Python number (older
-          checkpoints); it becomes an int32 0-d tensor on the host.
-        * Floating state is cast to this parameter's state dtype (the dtype
-          ``ar.init`` gives it: float32 for bfloat16 parameters, where torch's
-          loader would round to bfloat16) and moved to the parameter's device.
-        * Every field must have the shape this parameter's state has, and the
-          saved ``param_shapes`` (when present) must match the parameters.
+        """Load ``state_dict()`` output, everything checked before anything changes: ``"step"`` (a tensor of any
+        dtype or a Python number, as older checkpoints hold it) becomes a host int32 0-d tensor; floating state is
+        cast to the parameter's state dtype (``ar.init``'s: float32 for bfloat16 parameters, which torch's loader
+        would round to bfloat16) on its device; every field must have the parameter's state shape, and the saved
+        ``param_shapes`` (when present) must match the parameters.
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -670,13 +591,8 @@ class CoreOptimizer(torch.optim.Optimizer):
                     )
                 if param_id in saved_state:
                     loaded[p] = _checked_state(saved_state[param_id], p, cfg, index)
-        super().load_state_dict(
-            {
-                **state_dict,
-                "state": {},
-                "param_groups": [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups],
-            }
-        )
+        unshaped = [{k: v for k, v in g.items() if k != "param_shapes"} for g in groups]
+        super().load_state_dict({**state_dict, "state": {}, "param_groups": unshaped})
         self.state.update(loaded)  # torch's loader called __setstate__: no engine holds the old states
 
 
@@ -727,10 +643,9 @@ class _Job(NamedTuple):
 
 
 class _GroupEngine:
-    """A param group's :class:`adadiag_ref.Engine` over its plain parameters with a gradient, built with
-    live states (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of
-    the engine's arrays, which every step writes in place, so ``state_dict()`` and a user's references stay
-    current; kept while it :meth:`holds` them."""
+    """A param group's :class:`adadiag_ref.Engine` over its plain parameters with a gradient, built over live states
+    (:meth:`adadiag_ref.Engine.from_states`): ``optimizer.state[p]``'s moments and bases are views of its arrays,
+    written in place by every step, so ``state_dict()`` and users' references stay current; kept while it holds them."""
 
     def __init__(self, items: list[_Work], counts: list[int]) -> None:
         cfg = items[0].cfg
@@ -785,17 +700,14 @@ class _GroupEngine:
 
 
 def _plain_parameter(p: torch.Tensor) -> bool:
-    """A plain tensor or parameter on any device (not FSDP2's DTensor or another subclass): its group's engine
-    steps it."""
+    """A plain tensor or parameter on any device (no DTensor or other subclass): its group's engine steps it."""
     return type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _initialisation_only(work: list[_Work]) -> bool:
-    """Whether a first ``step()`` (no state yet) only initialises the states: every group's ``lr`` is 0 and every
-    gradient is exactly zero (:class:`CoreOptimizer`, "Initialisation step": what
-    ``torch.distributed.checkpoint.state_dict``'s ``_init_optim_state`` takes).  Such a step can change no parameter
-    and carries no information about the gradients; counting it would put the first refresh at ``t = 1 + T``.  The
-    gradients are read (one synchronisation per parameter) only when every ``lr`` is already 0."""
+    """Whether a first ``step()`` (no state yet) only initialises the states, as DCP's ``_init_optim_state`` does:
+    every ``lr`` 0 and every gradient exactly zero (read only when every ``lr`` is 0).  Such a step changes no
+    parameter; counting it would put the first refresh at ``t = 1 + T``."""
     return bool(work) and all(item.lr == 0 for item in work) and not any(bool(torch.any(item.grad)) for item in work)
 
 
@@ -813,29 +725,6 @@ def _counts_of(counters: list[torch.Tensor]) -> list[int]:
     if any(c.device.type != "cpu" or type(c) is not torch.Tensor for c in counters):
         return [int(c) for c in counters]
     return torch.stack(counters).numpy().tolist() if counters else []  # one stack, one host view
-
-
-def _refuse_hidden_shapes(
-    groups: list[dict[str, Any]], registered: list[list[tuple[int, ...]]] | None = None, *, first_group_index: int = 0
-) -> None:
-    """``RuntimeError`` when a wrapper hides a parameter's matrix from the optimizer (:func:`_sharded.hidden_shape`:
-    FSDP1, DeepSpeed ZeRO-3) or, with ``registered`` (each group's parameter shapes when it was added), replaced
-    the group's parameters by a flat partition (:func:`_sharded.shape_change`: DeepSpeed ZeRO), so that no other
-    optimizer (AdamW on a flat shard) runs silently in its place.  Nothing is changed by the check."""
-    for offset, group in enumerate(groups):
-        group_index, names = first_group_index + offset, group.get("param_names")
-        for index, p in enumerate(group["params"]):
-            if reason := _sharded.hidden_shape(p):
-                raise RuntimeError(f"{_label(names, index, group_index)[1]} {reason}; {_sharded.ALTERNATIVES}; "
-                                   "no parameter and no optimizer state was changed")  # fmt: skip
-        was = registered[offset] if registered is not None and offset < len(registered) else None
-        if was is not None and (change := _sharded.shape_change(was, [tuple(p.shape) for p in group["params"]])):
-            raise RuntimeError(
-                f"param_groups[{group_index}] {change}: a wrapper replaced or flattened its parameters "
-                f"(DeepSpeed ZeRO hands the optimizer one flat partition per group), so the optimizer cannot "
-                f"see their matrices; {_sharded.ALTERNATIVES} (a parameter resized on purpose needs a new "
-                "optimizer); no parameter and no optimizer state was changed"
-            )
 
 
 def _refusal(p: torch.Tensor, grad: torch.Tensor, where: str) -> Exception | None:
@@ -858,10 +747,6 @@ def _refusal(p: torch.Tensor, grad: torch.Tensor, where: str) -> Exception | Non
                 f"gradient of {where} has {what} {got}, the parameter {want}; no parameter and no state was changed"
             )
     return None
-
-
-def _bases(state: Any) -> dict[str, torch.Tensor]:
-    return {f: getattr(state, f) for f in ("P", "Q") if getattr(state, f) is not None}
 
 
 def _checked_state(saved: Mapping[str, Any], p: torch.Tensor, cfg: BaseConfig, index: int) -> dict[str, torch.Tensor]:
@@ -896,13 +781,10 @@ _CLASSES: dict[str, type[CoreOptimizer]] = {}
 
 
 def optimizer_class(name: str) -> type[CoreOptimizer]:
-    """The ``torch.optim.Optimizer`` class of registered optimizer ``name`` (made once, then the same object).
-
-    Generated from the registry (:data:`adadiag_ref.config.OPTIMIZERS`): a :class:`CoreOptimizer` whose
-    ``core_name`` is ``name``, called by the entry's ``class_name`` (``AdaDiagPP`` for ``adadiag_pp``).  The
-    library's eight are also this module's attributes (``pytorch.AdaDiag``); an optimizer registered later
-    (``register_family``) is reached through this function.  ``ValueError`` for a name that is not registered.
-    """
+    """The ``torch.optim.Optimizer`` class of registered optimizer ``name`` (:data:`adadiag_ref.config.OPTIMIZERS`),
+    made once: a :class:`CoreOptimizer` with ``core_name = name``, called by the entry's ``class_name`` (``AdaDiagPP``
+    for ``adadiag_pp``).  The library's eight are also this module's attributes (``pytorch.AdaDiag``); one registered
+    later (``register_family``) is reached here.  ``ValueError`` for a name that is not registered."""
     if name not in _CLASSES:
         if name not in ar.OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(ar.OPTIMIZERS)}")

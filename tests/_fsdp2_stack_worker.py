@@ -67,6 +67,7 @@ def sharded(name: str, experts: int) -> dict[str, Any]:
         "shard": _sharded.local(p).detach().clone(),
         "offset": offset,
         "sent": sent,
+        "route": opt.routes()["param_groups[0].params[0]"],
         "state": state,
         "resumed": resumed(name, experts),
     }

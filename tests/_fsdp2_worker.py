@@ -213,9 +213,9 @@ def _nan_on_one_rank(world: int, rank: int) -> dict[str, bool]:
     return {"raised": "NaN or Inf" in message and "at step 2" in message, "unchanged": unchanged}
 
 
-def _straight_run(name: str, world: int, decompositions: Counter[str]) -> tuple[Any, Any]:
+def _straight_run(name: str, world: int, decompositions: Counter[str]) -> tuple[Any, Any, Any]:
     """The uninterrupted run's shards and states, the decompositions counted (the sharded model and its optimizer
-    freed on return, while the group lives)."""
+    freed on return, while the group lives), and ``opt.routes()`` after it, as ``(shape, route)`` in group order."""
     original = _counting_decompositions(decompositions)
     try:
         model = sharded_model(world)
@@ -223,7 +223,8 @@ def _straight_run(name: str, world: int, decompositions: Counter[str]) -> tuple[
         train(model, opt, range(STEPS))
     finally:
         ar.refresh_basis = original  # type: ignore[assignment]
-    return shards(model), local_state(opt)
+    shapes = [tuple(p.shape) for group in opt.param_groups for p in group["params"]]
+    return shards(model), local_state(opt), list(zip(shapes, opt.routes().values(), strict=True))
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, names: list[str], resume: bool) -> None:

@@ -37,6 +37,18 @@ def _run(tmp_path, world: int, resume: bool) -> list[dict]:
     return [torch.load(tmp_path / f"r{r}.pt") for r in range(world)]
 
 
+def _expected_route(shape: tuple[int, ...], cfg) -> tuple[str, str]:
+    """``(refresh, moments)`` prefixes of a ``Shard(0)`` parameter's route, from the module docstring of
+    ``adapters/_sharded.py``: the block route where the rows split a work-frame side that is not rotated (the
+    columns of a tall matrix or a vector, else the rows) under the Adam family, else the gathered one."""
+    layout = ar.layout_for(shape, cfg)
+    columns = layout.transposed or len(shape) == 1
+    split_side_rotated = layout.rotate_right if columns else layout.rotate_left
+    adam = cfg.name in ("adamw", "adadiag", "adadiag_pp")
+    moments = "sharded block" if adam and not split_side_rotated else "sharded gathered"
+    return ("sharded owner" if layout.rotate_left else "none (no basis)"), moments
+
+
 def _check_against_single_process(ranks: list[dict], world: int) -> None:
     import _fsdp2_worker
 
@@ -47,7 +59,11 @@ def _check_against_single_process(ranks: list[dict], world: int) -> None:
         refreshes = sum(ar.refresh_due(count, cfg) for count in range(_fsdp2_worker.STEPS))
         reference, reference_states = _fsdp2_worker.reference_run(name)
         for rank, result in enumerate(ranks):
-            shards, states = result["runs"][name]["straight"]
+            shards, states, routes = result["runs"][name]["straight"]
+            for shape, route in routes:  # routes() reads the sharded plan the step took (adapters/_sharded.py)
+                refresh, moments = _expected_route(shape, cfg)
+                assert route["refresh"].startswith(refresh), (name, shape, route)
+                assert route["moments"].startswith(moments), (name, shape, route)
             assert set(shards) == set(reference)
             for key, (offset, shard) in shards.items():
                 expected = reference[key][offset : offset + shard.shape[0]]
@@ -72,7 +88,7 @@ def test_fsdp2_shards_equal_single_process_run_and_dcp_resume_is_bit_identical(t
         return
     for rank, result in enumerate(ranks):
         for name, runs in result["runs"].items():
-            (shards, states), (shards_resumed, states_resumed) = runs["straight"], runs["resumed"]
+            (shards, states, _), (shards_resumed, states_resumed) = runs["straight"], runs["resumed"]
             for key, (_, shard) in shards.items():
                 assert torch.equal(shard, shards_resumed[key][1]), (name, key, rank)
             assert states.keys() == states_resumed.keys(), (name, rank)

@@ -6,7 +6,8 @@ single-process run's: the same core functions on the same matrices (a stack's ma
 at the golden float64 tolerance (rtol 1e-12; the batched GEMM and SVD of a shorter stack may round differently).
 Every step sends the ranks' agreement only (8 bytes for the one parameter), a refresh step adds the 4-byte flag
 that says whether a rank's refresh raised (so every rank raises then), and each rank
-holds the state of its experts only; its ``state_dict()``, loaded into a fresh optimizer, resumes bit for bit.  Killed
+holds the state of its experts only; its ``state_dict()``, loaded into a fresh optimizer, resumes bit for bit, and
+``opt.routes()`` names the stack route.  Killed
 after ``DEADLINE`` s.
 """
 
@@ -42,6 +43,9 @@ def test_expert_stacks_are_stepped_by_their_owner_without_traffic(tmp_path):
             expected = [8 + 4 * (k % stack.FREQ == 0) for k in range(stack.STEPS)]
             assert run["sent"] == expected, (name, experts, rank, run["sent"])
             assert torch.equal(run["resumed"], run["shard"]), (name, experts, rank)  # state_dict() resumes bit for bit
+            # routes() names the stack route the step took: no owner's broadcast, each rank refreshes its own
+            assert run["route"]["refresh"].startswith("sharded stack"), (name, experts, rank, run["route"])
+            assert run["route"]["moments"].startswith("sharded stack"), (name, experts, rank, run["route"])
             for key, shape in run["state"].items():  # the counter and param_shape aside: this rank's experts only
                 if key != "param_shape":
                     assert shape[0] == mine, (name, experts, rank, key, shape)
