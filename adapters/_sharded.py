@@ -514,9 +514,6 @@ def shape_change(was: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> str 
     return None
 
 
-# ---------------------------------------------------------------------------------------------- refresh
-
-
 def refuse_hidden_shapes(
     params: Sequence[Any], where: Callable[[int], str], group_index: int, was: list[tuple[int, ...]] | None = None
 ) -> None:
@@ -537,6 +534,9 @@ def refuse_hidden_shapes(
             f"see their matrices; {ALTERNATIVES} (a parameter resized on purpose needs a new "
             "optimizer); no parameter and no optimizer state was changed"
         )
+
+
+# ---------------------------------------------------------------------------------------------- refresh
 
 
 def _group_of(p: Any) -> Any:
