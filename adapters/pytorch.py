@@ -488,8 +488,7 @@ class CoreOptimizer(torch.optim.Optimizer):
         cfg = self._build_config(group)
         if _sharded.is_sharded(p):
             return _sharded.route(p, cfg)
-        layout = layout_for(tuple(p.shape), cfg) if not cfg.batch_dims else None
-        rotated = layout is None or layout.rotate_left or layout.rotate_right
+        rotated = layout_for(tuple(p.shape), cfg).rotate_left  # a stack's too (its matrices'), as the step reads it
         if not rotated:
             refresh = "none (no basis)"
         elif self._split():

@@ -558,6 +558,21 @@ def test_finiteness_needs_no_gradient_sized_temporary(monkeypatch, plain):
     assert all(route["moments"].startswith("per parameter") != plain for route in opt.routes().values())
 
 
+@pytest.mark.parametrize(("name", "rotated"), [("adamw", False), ("adafactor", False), ("adadiag", True)])
+def test_routes_of_a_stack_off_the_engine_say_whether_it_has_a_basis(name, rotated):
+    """``routes()`` of a parameter no engine steps (a subclass), in a ``batch_dims`` group, reads its layout as the
+    step does: no basis and no GEMM for a baseline's stack (it said "batched stack" and "GEMM" for every stack)."""
+    p = _Tagged(torch.randn(3, 4, 5))
+    p.grad = torch.randn_like(p)
+    opt = at.OPTIMIZER_CLASSES[name]([p], batch_dims=1)
+    route = opt.routes()["param_groups[0].params[0]"]
+    assert route["moments"].startswith("per parameter")
+    assert (route["refresh"] != "none (no basis)") == rotated, route
+    assert (route["rotate"] != "none") == rotated, route
+    opt.step()  # the route it names is the one a step takes: a basis exactly where the layout has one
+    assert ("P" in opt.state[p]) == rotated
+
+
 def test_the_ranks_finiteness_takes_one_sum_per_cpu_gradient(monkeypatch):
     """The agreement's exact finiteness (``_sharded.exactly_finite``, every step under ``torch.distributed``) sums
     each CPU gradient (``torch.sum``) instead of ``torch._foreach_norm``, 4.4x slower on the CPU; the verdicts are
