@@ -198,22 +198,21 @@ def plan_for(p: Any, cfg: BaseConfig) -> Plan:
     return Plan(layout, layout._replace(shape=shape, rows=rows, cols=cols), side)
 
 
-def route(p: Any, cfg: BaseConfig) -> dict[str, str]:
-    """``CoreOptimizer.routes()``' entry of DTensor ``p`` under ``cfg``: :func:`plan_for`'s decision, as a step takes
-    it (:func:`refresh`, :func:`update`)."""
+def route(p: Any, cfg: BaseConfig) -> tuple[str, str]:
+    """``(refresh, moments)`` of ``CoreOptimizer.routes()``' entry for DTensor ``p`` under ``cfg`` (the refresh as
+    it runs when ``p`` has a basis): :func:`plan_for`'s decision, as a step takes it (:func:`refresh`,
+    :func:`update`)."""
     plan = plan_for(p, cfg)
     if plan.stack:
-        refresh = "sharded stack: each rank refreshes the matrices it holds, on its local gradient"
-        moments = "sharded stack: update_in_place on the local shard's whole matrices (state split like p)"
+        return (
+            "sharded stack: each rank refreshes the matrices it holds, on its local gradient",
+            "sharded stack: update_in_place on the local shard's whole matrices (state split like p)",
+        )
+    if plan.block is not None:
+        moments = "sharded block: update_in_place on the local shard, moments split like p (nothing sent)"
     else:
-        refresh = "sharded owner (one rank decomposes each matrix, bases broadcast)"
-        if plan.block is not None:
-            moments = "sharded block: update_in_place on the local shard, moments split like p (nothing sent)"
-        else:
-            moments = "sharded gathered: update_in_place on the all-gathered matrix, this rank's rows kept"
-    rotated = plan.layout.rotate_left
-    return {"refresh": refresh if rotated else "none (no basis)",
-            "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none", "moments": moments}  # fmt: skip
+        moments = "sharded gathered: update_in_place on the all-gathered matrix, this rank's rows kept"
+    return "sharded owner (one rank decomposes each matrix, bases broadcast)", moments
 
 
 def local_slices(x: Any) -> tuple[slice, ...]:
@@ -580,10 +579,11 @@ def owned_refresh(
                 flags[j] = int(new.P is not state.P)
             except Exception as exc:  # the others wait in this matrix's broadcasts: they get the previous bases
                 failure, flags[j] = failure or exc, FAILED
-        out.append(bases(new))
-        for basis in out[-1].values():
+        new_bases = bases(new)
+        for basis in new_bases.values():
             _count("broadcast", basis)
             dist.broadcast(basis, src=owner, group=group)
+        out.append(new_bases)
     if states:  # each owner's flags, the others' zeros: one collective gives every rank every flag
         all_reduce(flags, group=group)
     raise_if_failed([(names[j], owners[j]) for j, flag in enumerate(flags.tolist()) if flag == FAILED], failure)

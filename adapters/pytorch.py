@@ -486,20 +486,16 @@ class CoreOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             return {"refresh": "none", "rotate": "none", "moments": "none (no gradient: skipped)"}
         cfg = self._build_config(group)
-        if _sharded.is_sharded(p):
-            return _sharded.route(p, cfg)
         rotated = layout_for(tuple(p.shape), cfg).rotate_left  # a stack's too (its matrices'), as the step reads it
-        if not rotated:
-            refresh = "none (no basis)"
-        elif self._split():
-            refresh = "split over ranks (owner per matrix, bases broadcast)"
+        if _sharded.is_sharded(p):
+            refresh, moments = _sharded.route(p, cfg)
         else:
+            moments = "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)"
             refresh = "batched stack (ar.refresh_bases per config and shape)"
-        return {
-            "refresh": refresh,
-            "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none",
-            "moments": "per parameter: update_in_place (the reference's arithmetic, in the state's tensors)",
-        }
+            if self._split():
+                refresh = "split over ranks (owner per matrix, bases broadcast)"
+        return {"refresh": refresh if rotated else "none (no basis)",
+                "rotate": "GEMM (torch.matmul per parameter)" if rotated else "none", "moments": moments}  # fmt: skip
 
     def _commit(self, item: _Work, new_bases: Mapping[str, torch.Tensor]) -> None:
         """A fresh state enters ``self.state``; new bases are copied into the state's own tensors."""
